@@ -1,0 +1,109 @@
+"""Options and helpers shared by the commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import K2EdgeError
+
+BOARD_CHOICES = ("orin-agx", "orin-nx-16", "orin-nx-8", "orin-nano")
+
+
+def input_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """Parse ``NAME=1x3x224x224``."""
+    name, sep, dims = text.partition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        shape = tuple(int(d) for d in dims.lower().split("x"))
+        if any(d <= 0 for d in shape):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=DxDx..., e.g. data=1x3x224x224, got {text!r}") from None
+    return name, shape
+
+
+def add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="ONNX model file")
+    p.add_argument("--input-shape", type=input_shape, action="append", default=[], metavar="NAME=DxD...",
+                   help="static shape for an input with dynamic non-batch dimensions (repeatable)")
+
+
+def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None:
+    p.add_argument("--profile", "-p", required=profile_required, metavar="P",
+                   help="profile file or name (c1..c6, cpu-dev)")
+    p.add_argument("--calib", metavar="DATA", help="calibration set for INT8: ImageFolder directory or .npz "
+                   "(default: calib/ or calib.npz beside the model)")
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8"),
+                   help="replace the profile's precision chain; fp32 is the reference mode")
+    p.add_argument("--board", choices=BOARD_CHOICES, help="board to plan for (default: this board, else orin-agx)")
+    p.add_argument("--cache", metavar="DIR", help="engine cache directory (default: ~/.cache/k2edge)")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def board_of(args) -> str:
+    if getattr(args, "board", None):
+        return args.board
+    from ..dla.boards import DEFAULT_BOARD, detect_board
+
+    found = detect_board()
+    return found.key if found else DEFAULT_BOARD
+
+
+def build_engine(args):
+    """Build the engine the common options describe."""
+    from ..engine.engine import Engine
+
+    return Engine.build(args.model, args.profile, args.calib, precision=args.precision, board=board_of(args),
+                        cache_dir=args.cache, input_shapes=dict(args.input_shape) or None)
+
+
+def print_json(data) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=False, default=_default)
+    sys.stdout.write("\n")
+
+
+def _default(obj):
+    import numpy as np
+
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (tuple, set)):
+        return list(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """A plain aligned text table (no dependency, pipes well)."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class Progress:
+    """A one-line progress indicator on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = sys.stderr.isatty()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.enabled and (self.done == self.total or self.done % 20 == 0):
+            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def fail(message: str) -> None:
+    raise K2EdgeError(message)

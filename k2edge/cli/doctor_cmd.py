@@ -1,0 +1,32 @@
+"""``k2edge doctor``: what this machine offers k2edge."""
+
+from __future__ import annotations
+
+from .common import add_json, print_json
+
+
+def register(p) -> None:
+    add_json(p)
+
+
+def run(args) -> int:
+    from ..engine.probe import doctor_report
+
+    r = doctor_report()
+    if args.json:
+        print_json(r)
+        return 0
+    ort_info = r["backends"]["onnxruntime"]
+    trt = r["backends"]["tensorrt"]["version"]
+    print(f"onnxruntime  {ort_info['version'] or 'not installed'} ({', '.join(ort_info['providers'])})")
+    print(f"tensorrt     {trt or 'not installed (on a Jetson: JetPack python3-libnvinfer; venv with --system-site-packages)'}")
+    print(f"pycuda       {r['pycuda'] or 'not installed (pip install k2edge[jetson])'}")
+    print(f"CUDA devices {', '.join(r['cuda_devices']) or 'none'}")
+    print(f"L4T          {r['l4t'] or 'not a Jetson'}")
+    print(f"board        {r['board'] or 'not a Jetson Orin'}; DLA cores: {r['dla_cores']}")
+    jt = r["jtop"]
+    state = "running" if jt["socket"] else "not running"
+    print(f"jtop service {state}" + (f" (systemd: {jt['systemd']})" if jt["systemd"] else "") + (f"; {jt['hint']}" if "hint" in jt else ""))
+    if r["dla_cores"] == 0:
+        print("note: no DLA here; the ONNX Runtime backend runs each device of a plan as a CPU lane")
+    return 0

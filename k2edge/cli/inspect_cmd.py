@@ -1,0 +1,53 @@
+"""``k2edge inspect MODEL``: inputs, outputs, and every node with FLOPs and DLA support."""
+
+from __future__ import annotations
+
+from .common import add_json, add_model, print_json, table
+
+
+def register(p) -> None:
+    add_model(p)
+    p.add_argument("--batch-size", type=int, default=1, help="static batch for a dynamic batch dimension")
+    add_json(p)
+
+
+def run(args) -> int:
+    from ..dla.rules import support_table
+    from ..model import model_costs, normalise
+
+    nm = normalise(args.model, batch_size=args.batch_size, input_shapes=dict(args.input_shape) or None)
+    g = nm.graph
+    costs = model_costs(g)
+    support = support_table(g)
+    total = sum(c.flops for c in costs)
+    nodes = [
+        {"index": n.index, "name": n.name, "op": n.op_type, "output_shape": list(g.shape(n.outputs[0])),
+         "flops": c.flops, "param_bytes": c.param_bytes, "activation_bytes": c.activation_bytes,
+         "dla": s.ok, "dla_reason": s.reason, "dla_source": s.source if not s.ok else None}
+        for n, c, s in zip(g.nodes, costs, support)
+    ]
+    dla_flops = sum(c.flops for c, s in zip(costs, support) if s.ok)
+    data = {
+        "model": nm.source,
+        "opset": nm.opset,
+        "original_opset": nm.original_opset,
+        "inputs": [{"name": i, "shape": list(g.shape(i)), "dtype": str(g.tensors[i].dtype)} for i in g.inputs],
+        "outputs": [{"name": o, "shape": list(g.shape(o)), "dtype": str(g.tensors[o].dtype)} for o in g.outputs],
+        "total_flops": total,
+        "param_bytes": sum(t.nbytes for name, t in g.tensors.items() if name in g.initializers),
+        "dla_capable_flop_share": dla_flops / total if total else 0.0,
+        "nodes": nodes,
+    }
+    if args.json:
+        print_json(data)
+        return 0
+    print(f"{nm.source}: opset {nm.original_opset}" + (f" (normalised to {nm.opset})" if nm.opset != nm.original_opset else ""))
+    for kind in ("inputs", "outputs"):
+        for t in data[kind]:
+            print(f"  {kind[:-1]:6} {t['name']}  {t['dtype']} {tuple(t['shape'])}")
+    print(f"  {len(nodes)} nodes, {total / 1e6:.2f} MFLOPs, {data['param_bytes'] / 1e6:.2f} MB of parameters, "
+          f"{data['dla_capable_flop_share']:.1%} of FLOPs DLA-capable\n")
+    rows = [[n["index"], n["name"], n["op"], "x".join(map(str, n["output_shape"])), f"{n['flops'] / 1e6:.3f}",
+             "yes" if n["dla"] else f"no: {n['dla_reason']}"] for n in nodes]
+    print(table(rows, ["#", "node", "op", "output", "MFLOPs", "DLA"]))
+    return 0

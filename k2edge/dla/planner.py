@@ -1,0 +1,441 @@
+"""The partition planner: (model, profile, board) -> PartitionPlan.
+
+Every decision about where a layer runs and in which precision is made here, as data.
+Backends only apply the plan.
+
+Granularities (``edge_runtime.tensorrt_partition``):
+
+* ``layer-wise``: a cut may fall between any two nodes of the topological order;
+* ``block-wise``: cuts only where exactly one tensor crosses (block boundaries);
+* ``model-wise``: no cuts; a whole-model engine per device, and ``offload_ratio`` splits the
+  *requests* between the GPU engine and the DLA engines.
+
+For the split granularities the planner chooses which atomic units (single nodes, or blocks between
+allowed cuts) run on the DLA so that the GPU keeps ``offload_ratio`` of the FLOPs. It minimises the
+number of GPU<->DLA transitions (each costs a reformat) subject to landing within
+``offload_tolerance`` of the requested share, and only gives up closeness where the DLA rules, the
+allowed cuts or the transition budget leave no choice; the notes then say why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from ..errors import PlanError
+from ..model.cost import model_costs
+from ..model.ingest import NormalisedModel
+from ..profile import Profile
+from .boards import Board, get_board
+from .precision import device_kind, layer_precision, usable_chain
+from .rules import support_table
+
+MAX_TRANSITIONS = 12
+_BINS = 8192  # resolution of the FLOP-share search (1/8192 of the model's FLOPs)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous piece of the graph on one device.
+
+    For model-wise plans every segment holds the whole graph and ``request_share`` says which share
+    of the requests it serves; ``gpu_fallback_nodes`` lists what a DLA engine hands to the GPU.
+    """
+
+    index: int
+    device: str
+    start: int
+    stop: int
+    nodes: tuple[str, ...]
+    flops: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    precision: str = "fp32"
+    layer_precision: dict[str, str] = field(default_factory=dict, hash=False)
+    request_share: float | None = None
+    gpu_fallback_nodes: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return device_kind(self.device)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["nodes"], d["inputs"], d["outputs"] = list(self.nodes), list(self.inputs), list(self.outputs)
+        d["gpu_fallback_nodes"] = list(self.gpu_fallback_nodes)
+        return d
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Where each layer runs, in which precision, and how that compares with the request."""
+
+    model_sha256: str
+    board: str
+    granularity: str
+    requested_gpu_share: float
+    gpu_flop_share: float
+    total_flops: int
+    transitions: int
+    dla_cores: int
+    precision_chain: tuple[str, ...]
+    segments: tuple[Segment, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Distinct devices in first-use order."""
+        return tuple(dict.fromkeys(s.device for s in self.segments))
+
+    @property
+    def is_model_wise(self) -> bool:
+        return self.granularity == "model-wise"
+
+    def to_dict(self) -> dict:
+        return {
+            "model_sha256": self.model_sha256,
+            "board": self.board,
+            "granularity": self.granularity,
+            "requested_gpu_share": self.requested_gpu_share,
+            "gpu_flop_share": round(self.gpu_flop_share, 6),
+            "total_flops": self.total_flops,
+            "transitions": self.transitions,
+            "dla_cores": self.dla_cores,
+            "precision_chain": list(self.precision_chain),
+            "segments": [s.to_dict() for s in self.segments],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@dataclass
+class _Placement:
+    devices: list[str]  # per node (split plans) — unused for model-wise
+    segments: list[Segment]
+    notes: list[str]
+    gpu_flops: float
+
+
+def plan_partition(
+    model: NormalisedModel,
+    profile: Profile,
+    board: str | Board | None = None,
+    precision: str | None = None,
+) -> PartitionPlan:
+    """Plan where each layer of ``model`` runs on ``board`` under ``profile``.
+
+    Args:
+        model: a normalised model.
+        profile: the profile (granularity, offload ratio, precision chain, DLA cores).
+        board: board key or Board; default ``orin-agx``.
+        precision: replace the profile's chain by this single precision. ``"fp32"`` is the
+            reference mode of the ONNX Runtime backend: placement stays, every layer runs in FP32.
+
+    Raises:
+        PlanError: the profile cannot be honoured at all (a DLA segment with neither fp16 nor
+            int8 in the chain, model-wise DLA engines that need GPU fallback when it is off).
+    """
+    er = profile.edge_runtime
+    board = board if isinstance(board, Board) else get_board(board)
+    graph = model.graph
+    costs = model_costs(graph)
+    flops = [c.flops for c in costs]
+    total = sum(flops)
+    support = support_table(graph)
+    cores = board.dla_cores if er.dla_cores is None else min(er.dla_cores, board.dla_cores)
+    notes: list[str] = []
+    if er.dla_cores is not None and er.dla_cores > board.dla_cores:
+        notes.append(f"profile asks for {er.dla_cores} DLA cores; {board.name} has {board.dla_cores}")
+
+    if er.tensorrt_partition == "model-wise":
+        placement = _place_model_wise(model, er, cores, board, flops, support)
+    else:
+        placement = _place_split(model, er, cores, board, flops, support, er.tensorrt_partition == "layer-wise")
+    notes += placement.notes
+
+    chain = (precision,) if precision else tuple(er.precision_fallback)
+    if precision == "fp32" and any(s.kind == "dla" for s in placement.segments):
+        notes.append("reference mode: every segment runs in FP32 (a real DLA cannot; ONNX Runtime lanes only)")
+    segments = tuple(_assign_precision(s, graph, chain, reference=precision == "fp32") for s in placement.segments)
+    share = placement.gpu_flops / total if total else 1.0
+    transitions = sum(1 for a, b in zip(segments, segments[1:]) if a.kind != b.kind) if not er.tensorrt_partition == "model-wise" else 0
+    notes.insert(0, f"requested GPU share {er.offload_ratio:.3f}, achieved {share:.3f}")
+    return PartitionPlan(
+        model_sha256=model.sha256,
+        board=board.key,
+        granularity=er.tensorrt_partition,
+        requested_gpu_share=er.offload_ratio,
+        gpu_flop_share=share,
+        total_flops=total,
+        transitions=transitions,
+        dla_cores=cores,
+        precision_chain=chain,
+        segments=segments,
+        notes=tuple(notes),
+    )
+
+
+def _assign_precision(seg: Segment, graph, chain, reference: bool) -> Segment:
+    fallback = set(seg.gpu_fallback_nodes)
+    per_layer = {}
+    if reference:
+        per_layer = {name: "fp32" for name in seg.nodes}
+    else:
+        dev_chain = usable_chain(chain, seg.device)
+        gpu_chain = usable_chain(chain, "gpu")
+        for name in seg.nodes:
+            node = graph.by_name[name]
+            if name in fallback:
+                per_layer[name] = layer_precision(node.op_type, gpu_chain, "gpu")
+            else:
+                per_layer[name] = layer_precision(node.op_type, dev_chain, seg.device)
+    used = set(per_layer.values())
+    order = chain if not reference else ("fp32",)
+    seg_precision = next((p for p in order if p in used), next(iter(sorted(used)), "fp32"))
+    return Segment(**{**seg.__dict__, "precision": seg_precision, "layer_precision": per_layer})
+
+
+def _reasons(graph, support, indices) -> str:
+    by_reason = Counter()
+    examples: dict[str, str] = {}
+    for i in indices:
+        reason = support[i].reason or "unsupported"
+        by_reason[reason] += 1
+        examples.setdefault(reason, graph.nodes[i].name)
+    parts = [f"{examples[r]}{' and %d more' % (c - 1) if c > 1 else ''}: {r}" for r, c in by_reason.most_common(4)]
+    return "; ".join(parts)
+
+
+def _place_model_wise(model, er, cores, board, flops, support) -> _Placement:
+    graph = model.graph
+    total = sum(flops)
+    everything = tuple(n.name for n in graph.nodes)
+    n = len(graph.nodes)
+    notes = []
+    unsupported = [i for i, s in enumerate(support) if not s.ok]
+    ratio = er.offload_ratio
+    if cores == 0 and ratio < 1.0:
+        notes.append(f"{board.name} has no DLA cores: every request runs on the GPU")
+        ratio = 1.0
+    segs = []
+    if ratio > 0:
+        segs.append(Segment(0, "gpu", 0, n, everything, total, graph.inputs, graph.outputs, request_share=ratio))
+    if ratio < 1.0:
+        if unsupported and not er.gpu_fallback:
+            raise PlanError(
+                f"model-wise DLA engines need GPU fallback: {len(unsupported)} node(s) cannot run on the DLA "
+                f"({_reasons(graph, support, unsupported)}); set edge_runtime.gpu_fallback to true"
+            )
+        fallback = tuple(graph.nodes[i].name for i in unsupported)
+        for core in range(cores):
+            segs.append(Segment(len(segs), f"dla{core}", 0, n, everything, total, graph.inputs, graph.outputs,
+                                request_share=(1.0 - ratio) / cores, gpu_fallback_nodes=fallback))
+    fallback_flops = sum(flops[i] for i in unsupported)
+    gpu_flops = ratio * total + (1.0 - ratio) * fallback_flops
+    notes.append(
+        f"model-wise: {ratio:.0%} of requests on the GPU engine"
+        + (f", {1 - ratio:.0%} split over {cores} whole-model DLA engine(s)" if ratio < 1 else "")
+    )
+    if ratio < 1.0 and unsupported:
+        notes.append(
+            f"achieved GPU share exceeds the request because the DLA engines fall back to the GPU for "
+            f"{len(unsupported)} node(s) ({fallback_flops / total:.1%} of the FLOPs): {_reasons(graph, support, unsupported)}"
+        )
+    return _Placement([], segs, notes, gpu_flops)
+
+
+def _place_split(model, er, cores, board, flops, support, layer_wise: bool) -> _Placement:
+    graph = model.graph
+    n = len(graph.nodes)
+    total = sum(flops)
+    notes: list[str] = []
+    if layer_wise:
+        cuts = list(range(n + 1))
+    else:
+        counts = graph.crossing_counts
+        cuts = [p for p in range(n + 1) if p in (0, n) or counts[p] == 1]
+    units = list(zip(cuts, cuts[1:]))
+    unit_flops = [sum(flops[a:b]) for a, b in units]
+    eligible = [all(support[i].ok for i in range(a, b)) for a, b in units]
+    ratio = er.offload_ratio
+
+    if cores == 0 and ratio < 1.0:
+        notes.append(f"{board.name} has no DLA cores: everything runs on the GPU")
+        on_dla = [False] * len(units)
+    elif total == 0 or ratio >= 1.0:
+        on_dla = [False] * len(units)
+    else:
+        target = (1.0 - ratio) * total
+        on_dla = _choose_units(unit_flops, eligible, target, total, er.offload_tolerance)
+
+    devices_per_unit = ["dla" if d else "gpu" for d in on_dla]
+    dla_flops = sum(f for f, d in zip(unit_flops, on_dla) if d)
+    gpu_flops = total - dla_flops
+    achieved = gpu_flops / total if total else 1.0
+
+    unsupported = [i for i, s in enumerate(support) if not s.ok]
+    if unsupported and any(on_dla):
+        notes.append(f"{len(unsupported)} node(s) stay on the GPU (DLA rules): {_reasons(graph, support, unsupported)}")
+    if total and abs(achieved - ratio) > er.offload_tolerance and ratio < 1.0 and cores > 0:
+        notes.append(_why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, len(cuts)))
+
+    # runs of equal device -> segments
+    runs: list[list[int]] = []
+    for i, dev in enumerate(devices_per_unit):
+        if runs and devices_per_unit[runs[-1][0]] == dev:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    spans = [(units[r[0]][0], units[r[-1]][1], devices_per_unit[r[0]], r) for r in runs]
+    spans = _assign_cores(spans, units, unit_flops, cores, notes)
+
+    segs = []
+    for start, stop, device in spans:
+        ins, outs = graph.segment_io(start, stop)
+        segs.append(Segment(len(segs), device, start, stop, tuple(nd.name for nd in graph.nodes[start:stop]),
+                            sum(flops[start:stop]), ins, outs))
+    return _Placement([], segs, notes, gpu_flops)
+
+
+def _why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, n_cuts) -> str:
+    max_dla = sum(f for f, e in zip(unit_flops, eligible) if e)
+    if (1 - ratio) * total > max_dla + 0.5:
+        blocked = [i for i, s in enumerate(support) if not s.ok]
+        why = f"the DLA can run at most {max_dla / total:.1%} of the FLOPs"
+        if blocked:
+            why += f" ({_reasons(graph, support, blocked)})"
+        if not layer_wise:
+            why += "; block-wise units that hold any unsupported node stay on the GPU whole"
+        return f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: {why}"
+    if not layer_wise:
+        return (f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: block-wise cuts are "
+                f"allowed at only {n_cuts} places (where exactly one tensor crosses) and no set of whole blocks "
+                f"comes closer within {MAX_TRANSITIONS} GPU<->DLA transitions")
+    return (f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: no split within "
+            f"{MAX_TRANSITIONS} GPU<->DLA transitions comes closer (layer FLOPs are too coarse)")
+
+
+def _choose_units(unit_flops, eligible, target, total, tolerance) -> list[bool]:
+    """Pick DLA units: fewest GPU<->DLA transitions within ``tolerance`` of the target share.
+
+    Dynamic programming over units with, per (transitions so far, device of the last unit), the set
+    of reachable DLA FLOP sums as a bitset (Python int) at 1/_BINS resolution. Reconstruction walks
+    back through the stored bitsets.
+    """
+    scale = _BINS / total
+    weights = [int(round(f * scale)) for f in unit_flops]
+    goal = int(round(target * scale))
+    G, D = 0, 1
+    history: list[dict[tuple[int, int], int]] = []
+    prev: dict[tuple[int, int], int] = {}
+    for i, (w, ok) in enumerate(zip(weights, eligible)):
+        cur: dict[tuple[int, int], int] = {}
+        if i == 0:
+            cur[(0, G)] = 1
+            if ok:
+                cur[(0, D)] = 1 << w
+        else:
+            for (t, d), bits in prev.items():
+                tg = t + (d != G)
+                if tg <= MAX_TRANSITIONS:
+                    cur[(tg, G)] = cur.get((tg, G), 0) | bits
+                if ok:
+                    td = t + (d != D)
+                    if td <= MAX_TRANSITIONS:
+                        cur[(td, D)] = cur.get((td, D), 0) | (bits << w)
+        history.append(cur)
+        prev = cur
+
+    best = None  # (error_bins, transitions, state, sum)
+    for t in range(MAX_TRANSITIONS + 1):
+        for d in (G, D):
+            bits = prev.get((t, d), 0)
+            if not bits:
+                continue
+            s = _closest_bit(bits, goal)
+            err = abs(s - goal)
+            if best is None or err < best[0] or (err == best[0] and t < best[1]):
+                best = (err, t, (t, d), s)
+        if best is not None and best[0] / _BINS <= tolerance:
+            break
+    assert best is not None  # all-GPU is always reachable
+    _, _, state, s = best
+    return _reconstruct(history, weights, state, s)
+
+
+def _closest_bit(bits: int, goal: int) -> int:
+    below = bits & ((1 << (goal + 1)) - 1)
+    lo = below.bit_length() - 1 if below else None
+    above = bits >> goal
+    hi = goal + ((above & -above).bit_length() - 1) if above else None
+    if lo is None:
+        return hi
+    if hi is None:
+        return lo
+    return lo if goal - lo <= hi - goal else hi
+
+
+def _reconstruct(history, weights, state, s) -> list[bool]:
+    G, D = 0, 1
+    n = len(history)
+    on_dla = [False] * n
+    t, d = state
+    for i in range(n - 1, -1, -1):
+        on_dla[i] = d == D
+        if d == D:
+            s -= weights[i]
+        if i == 0:
+            break
+        for dp in (d, 1 - d):  # prefer staying on the same device
+            tp = t - (dp != d)
+            if tp >= 0 and (history[i - 1].get((tp, dp), 0) >> s) & 1:
+                t, d = tp, dp
+                break
+        else:  # pragma: no cover - the forward pass guarantees a predecessor
+            raise AssertionError("planner reconstruction lost its path")
+    return on_dla
+
+
+def _assign_cores(spans, units, unit_flops, cores, notes):
+    """Name DLA runs dla0/dla1; with two cores, balance FLOPs (splitting a lone run in two)."""
+    dla_runs = [i for i, sp in enumerate(spans) if sp[2] == "dla"]
+    out = [(a, b, dev) for a, b, dev, _ in spans]
+    if not dla_runs:
+        return out
+    if cores == 1:
+        return [(a, b, "dla0" if dev == "dla" else dev) for a, b, dev in out]
+    if len(dla_runs) == 1:
+        i = dla_runs[0]
+        a, b, _, run_units = spans[i]
+        split = _balanced_split(run_units, unit_flops)
+        if split is None:
+            out[i] = (a, b, "dla0")
+            return out
+        mid = units[split][0]
+        notes.append("the DLA part is split between dla0 and dla1 at a balanced cut, so consecutive requests "
+                     "pipeline across both cores")
+        return out[:i] + [(a, mid, "dla0"), (mid, b, "dla1")] + out[i + 1:]
+    load = [0, 0]
+    for i in dla_runs:
+        a, b, _, run_units = spans[i]
+        core = 0 if load[0] <= load[1] else 1
+        load[core] += sum(unit_flops[u] for u in run_units)
+        out[i] = (a, b, f"dla{core}")
+    return out
+
+
+def _balanced_split(run_units, unit_flops):
+    """Index of the unit where the second half of a DLA run starts, balancing FLOPs; None if none."""
+    if len(run_units) < 2:
+        return None
+    total = sum(unit_flops[u] for u in run_units)
+    acc, best, best_gap = 0, None, None
+    for k, u in enumerate(run_units[:-1]):
+        acc += unit_flops[u]
+        gap = abs(total - 2 * acc)
+        if acc > 0 and total - acc > 0 and (best_gap is None or gap < best_gap):
+            best, best_gap = run_units[k + 1], gap
+    return best

@@ -1,0 +1,130 @@
+"""The backend lifecycle, enforced once here (after Polygraphy's runners).
+
+Public methods check state and validate inputs, then call ``*_impl`` hooks that backends
+override. A backend is also a context manager.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..errors import EngineStateError, InputError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class LaneInfo:
+    """One execution lane as reports show it, e.g. ``dla0 (cpu lane)``."""
+
+    device: str
+    label: str
+    segments: tuple[int, ...]
+    precision: str
+    request_share: float | None = None
+
+
+class Backend(abc.ABC):
+    """Base class of the execution backends (ONNX Runtime lanes, TensorRT engines)."""
+
+    name: str = "backend"
+
+    def __init__(self, inputs: tuple[TensorSpec, ...], outputs: tuple[str, ...]) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self._active = False
+
+    # lifecycle -------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def activate(self) -> "Backend":
+        if self._active:
+            raise EngineStateError(f"{self.name} backend is already active")
+        self.activate_impl()
+        self._active = True
+        return self
+
+    def deactivate(self) -> None:
+        if not self._active:
+            return
+        try:
+            self.deactivate_impl()
+        finally:
+            self._active = False
+
+    def __enter__(self) -> "Backend":
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    # inference -------------------------------------------------------------------------------
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one request synchronously in the caller's thread (lowest latency)."""
+        self._require_active()
+        return self.infer_impl(self.validate(feeds))
+
+    def submit(self, feeds: dict[str, np.ndarray] | None = None, *,
+               stage: Callable[[], dict[str, np.ndarray]] | None = None,
+               release: Callable[[], None] | None = None) -> Future:
+        """Queue one request on the lanes; consecutive requests overlap across lanes.
+
+        Args:
+            feeds: ready input tensors, or
+            stage: a callable the first lane runs to produce them (staging inline with the engine);
+            release: called once the first segment no longer needs the inputs (frees a prefetch slot).
+        """
+        self._require_active()
+        if (feeds is None) == (stage is None):
+            raise ValueError("give exactly one of feeds or stage")
+        if feeds is not None:
+            feeds = self.validate(feeds)
+        return self.submit_impl(feeds, stage, release)
+
+    def validate(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Check names, shapes and dtypes; raise one InputError naming the first problem."""
+        if not isinstance(feeds, dict):
+            raise InputError(f"inputs must be a dict of name -> array, got {type(feeds).__name__}")
+        expected = {s.name for s in self.inputs}
+        missing, extra = expected - set(feeds), set(feeds) - expected
+        if missing or extra:
+            raise InputError(f"inputs must be exactly {sorted(expected)}; missing {sorted(missing)}, unexpected {sorted(extra)}")
+        for spec in self.inputs:
+            arr = feeds[spec.name]
+            if not isinstance(arr, np.ndarray):
+                raise InputError(f"input {spec.name!r}: expected a numpy array, got {type(arr).__name__}")
+            if arr.dtype != spec.dtype or tuple(arr.shape) != spec.shape:
+                raise InputError(f"input {spec.name!r}: expected {spec.dtype} {spec.shape}, got {arr.dtype} {tuple(arr.shape)}")
+        return feeds
+
+    def _require_active(self) -> None:
+        if not self._active:
+            raise EngineStateError(f"{self.name} backend is not active: use it in a `with` block or call activate()")
+
+    # hooks -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def activate_impl(self) -> None: ...
+
+    @abc.abstractmethod
+    def deactivate_impl(self) -> None: ...
+
+    @abc.abstractmethod
+    def infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def submit_impl(self, feeds, stage, release) -> Future: ...
+
+    @abc.abstractmethod
+    def lanes(self) -> tuple[LaneInfo, ...]: ...

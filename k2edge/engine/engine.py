@@ -1,0 +1,337 @@
+"""The public Engine: build through the cache, then infer, submit or stream.
+
+    from k2edge import Engine, load_profile
+    profile = load_profile("profiles/c3.json")
+    with Engine.build("model.onnx", profile, calib="calib/") as engine:
+        outputs = engine.infer({"input": batch})
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import onnx
+
+from ..dla.planner import PartitionPlan, plan_partition
+from ..errors import BuildError, InputError
+from ..model.datasets import Dataset, open_dataset
+from ..model.ingest import NORMALISER_VERSION, NormalisedModel, load_onnx, normalise
+from ..model.preprocess import Preprocess
+from ..profile import Profile, load_profile
+from .base import Backend, LaneInfo, TensorSpec
+from .cache import EngineCache, digest
+from .prefetch import PrefetchRing
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("onnxruntime",)
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """How an engine came to be, for reports."""
+
+    cache_hits: dict[str, bool]
+    seconds: float
+    calibration: str | None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class StreamResult:
+    """One request of :meth:`Engine.stream`: its items, outputs (or error) and timing."""
+
+    items: list
+    outputs: dict[str, np.ndarray] | None
+    error: BaseException | None = None
+    latency_ms: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def load_labels(model_path: Path | None, model: NormalisedModel, override: str | os.PathLike | None = None) -> tuple[str, ...]:
+    """Labels from ``override``, else the file the model's metadata names, else ``labels.txt`` beside it."""
+    candidates = []
+    if override:
+        candidates.append(Path(override))
+    elif model_path is not None:
+        named = model.metadata().get("k2edge.labels")
+        if named:
+            candidates.append(model_path.parent / named)
+        candidates.append(model_path.parent / "labels.txt")
+    for c in candidates:
+        if c.is_file():
+            return tuple(line.strip() for line in c.read_text().splitlines() if line.strip())
+    if override:
+        raise BuildError(f"labels file {str(override)!r} does not exist")
+    return ()
+
+
+def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: dict | None) -> NormalisedModel:
+    """Normalise ``source`` through the cache (keyed by the file's bytes and the shape settings)."""
+    model, where = load_onnx(source)
+    raw = model.SerializeToString(deterministic=True)
+    shapes = sorted((k, tuple(v)) for k, v in (input_shapes or {}).items())
+    key = digest("normalised", NORMALISER_VERSION, onnx.__version__, raw, str(batch_size), repr(shapes))
+
+    def build(tmp: Path) -> dict:
+        nm = normalise(model, batch_size=batch_size, input_shapes=input_shapes)
+        (tmp / "model.onnx").write_bytes(nm.serialized)
+        return {"original_opset": nm.original_opset}
+
+    entry = cache.get_or_build("normalised", key, build, what=f"normalised {where}")
+    loaded = onnx.load(str(entry.file("model.onnx")))
+    return NormalisedModel(model=loaded, source=where, original_opset=entry.meta["original_opset"])
+
+
+def find_calibration(model_path: Path | None) -> Path | None:
+    """A calibration set shipped beside the model (``calib/`` or ``calib.npz``), if any."""
+    if model_path is None:
+        return None
+    for name in ("calib", "calib.npz"):
+        if (model_path.parent / name).exists():
+            return model_path.parent / name
+    return None
+
+
+class Engine:
+    """A built model: plan, backend, preprocessing and labels. Use :meth:`build`."""
+
+    def __init__(self, backend: Backend, plan: PartitionPlan, model: NormalisedModel, profile: Profile,
+                 preprocess: Preprocess, labels: tuple[str, ...], info: BuildInfo) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.model = model
+        self.profile = profile
+        self.preprocess = preprocess
+        self.labels = labels
+        self.info = info
+        spec = backend.inputs[0]
+        self.input_name = spec.name
+        self.input_shape = spec.shape
+
+    # construction ----------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        model: str | os.PathLike | onnx.ModelProto,
+        profile: Profile | str | os.PathLike | dict,
+        calib: str | os.PathLike | Dataset | None = None,
+        *,
+        precision: str | None = None,
+        board: str | None = None,
+        backend: str = "onnxruntime",
+        cache_dir: str | os.PathLike | None = None,
+        input_shapes: dict[str, tuple[int, ...]] | None = None,
+        labels: str | os.PathLike | None = None,
+        threads_per_lane: int | None = None,
+    ) -> "Engine":
+        """Normalise, plan, calibrate and build ``model`` under ``profile``; every step is cached.
+
+        Args:
+            model: an ONNX file or ModelProto.
+            profile: a Profile, a profile path or name (``c3``), or a dict.
+            calib: calibration set (ImageFolder directory or ``.npz``) for INT8 layers; when None,
+                a ``calib/`` or ``calib.npz`` beside the model is used if present.
+            precision: replace the profile's precision chain (``"fp32"`` = reference mode).
+            board: ``orin-agx`` (default), ``orin-nx-16``, ``orin-nx-8`` or ``orin-nano``.
+            backend: ``onnxruntime`` (the TensorRT backend arrives with the Jetson work).
+            cache_dir: engine cache directory (default ``~/.cache/k2edge``).
+
+        Raises:
+            K2EdgeError: any input problem, with one message naming it.
+        """
+        started = time.perf_counter()
+        if backend not in BACKENDS:
+            from ..errors import BackendUnavailable
+
+            raise BackendUnavailable(f"backend {backend!r} is not available here; available: {', '.join(BACKENDS)}")
+        if precision is not None and precision not in ("fp32", "fp16", "int8"):
+            raise BuildError(f"precision must be fp32, fp16 or int8, got {precision!r}")
+        profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        er = profile.edge_runtime
+        cache = EngineCache(cache_dir)
+        model_path = None if isinstance(model, onnx.ModelProto) else Path(model)
+        normalised = load_normalised(model, cache, er.batch_size, input_shapes)
+        hits = {}
+        plan = plan_partition(normalised, profile, board, precision)
+        if len(normalised.graph.inputs) != 1:
+            raise BuildError(f"k2edge serves single-input models; this one has inputs {list(normalised.graph.inputs)}")
+        input_name = normalised.graph.inputs[0]
+        input_shape = normalised.graph.shape(input_name)
+        preprocess = Preprocess.for_model(normalised.metadata(), input_shape)
+        label_names = load_labels(model_path, normalised, labels)
+
+        quant = None
+        int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
+        calib_source = None
+        if int8_nodes:
+            if calib is None:
+                calib = find_calibration(model_path)
+                if calib is not None:
+                    log.info("using the calibration set beside the model: %s", calib)
+            if calib is None:
+                raise BuildError(
+                    f"profile {profile.name or ''} runs {len(int8_nodes)} layer(s) in INT8 and needs a calibration set: "
+                    f"pass --calib DIR|FILE.npz (an ImageFolder directory or an .npz with 'x')"
+                )
+            dataset = calib if isinstance(calib, Dataset) else open_dataset(calib, label_names)
+            calib_source = dataset.source
+            from .quantize import calibrate_int8
+
+            exclude = tuple(sorted(n.name for n in normalised.graph.nodes if n.name not in int8_nodes))
+            quant = calibrate_int8(normalised, dataset, preprocess, cache, exclude)
+            hits["int8"] = quant.cached
+
+        from .onnxruntime_backend import OnnxRuntimeBackend, build_segments
+
+        built = build_segments(normalised, plan, quant, cache)
+        hits["engine"] = built.cached
+        graph = normalised.graph
+        inputs = (TensorSpec(input_name, input_shape, graph.tensors[input_name].dtype),)
+        runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane)
+        info = BuildInfo(hits, time.perf_counter() - started, calib_source, built.notes)
+        return cls(runner, plan, normalised, profile, preprocess, label_names, info)
+
+    # lifecycle -------------------------------------------------------------------------------
+    def activate(self) -> "Engine":
+        self.backend.activate()
+        return self
+
+    def deactivate(self) -> None:
+        self.backend.deactivate()
+
+    @property
+    def active(self) -> bool:
+        return self.backend.active
+
+    def __enter__(self) -> "Engine":
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    # inference -------------------------------------------------------------------------------
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.backend.outputs
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_shape[0]
+
+    def lanes(self) -> tuple[LaneInfo, ...]:
+        return self.backend.lanes()
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch synchronously. Returns output name -> array.
+
+        Raises:
+            InputError: wrong input names, shape or dtype.
+            EngineStateError: the engine is not active.
+        """
+        return self.backend.infer(feeds)
+
+    def submit(self, feeds: dict[str, np.ndarray]) -> Future:
+        """Queue one batch on the lanes; the future resolves to the outputs dict."""
+        return self.backend.submit(feeds)
+
+    def stage(self, items: Sequence, out: np.ndarray | None = None) -> np.ndarray:
+        """Stage up to ``batch_size`` items (images, paths, bytes or sample tensors) into one input batch.
+
+        A short last batch is padded by repeating its last item.
+        """
+        if not items:
+            raise InputError("nothing to stage")
+        if len(items) > self.batch_size:
+            raise InputError(f"{len(items)} items do not fit a batch of {self.batch_size}")
+        if out is None:
+            out = np.empty(self.input_shape, dtype=np.float32)
+        for i in range(self.batch_size):
+            self.preprocess.stage(items[min(i, len(items) - 1)], out=out[i])
+        return out
+
+    def stream(self, items: Iterable, *, prefetch: bool | None = None, depth: int | None = None,
+               max_in_flight: int | None = None) -> Iterator[StreamResult]:
+        """Run many inputs through the lanes, results in input order.
+
+        With prefetch (default: the profile's ``dma_prefetch``) a staging thread fills a ring of
+        ``prefetch_depth`` buffers ahead of the engine; without it each request is staged inline
+        on the first lane, right before its first segment runs.
+        """
+        er = self.profile.edge_runtime
+        prefetch = er.dma_prefetch if prefetch is None else prefetch
+        depth = depth or er.prefetch_depth
+        in_flight_cap = max_in_flight or max(2, len(self.plan.devices) + depth)
+        groups = _batched(items, self.batch_size)
+        pending: list[tuple[list, Future, float]] = []
+
+        def drain(limit: int):
+            while len(pending) > limit:
+                group, fut, t0 = pending.pop(0)
+                try:
+                    outputs = fut.result()
+                    yield StreamResult(group, outputs, None, (time.perf_counter() - t0) * 1e3)
+                except Exception as exc:
+                    yield StreamResult(group, None, exc, (time.perf_counter() - t0) * 1e3)
+
+        if prefetch:
+            ring = PrefetchRing(self.input_shape, depth, lambda g, buf: self.stage(g, out=buf)).start(groups)
+            try:
+                for staged in ring:
+                    if staged.error is not None:
+                        yield from drain(0)
+                        yield StreamResult(staged.items, None, staged.error)
+                        continue
+                    slot = staged.slot
+                    fut = self.backend.submit({self.input_name: ring.buffers[slot]}, release=lambda s=slot: ring.release(s))
+                    pending.append((staged.items, fut, time.perf_counter()))
+                    yield from drain(in_flight_cap)
+                yield from drain(0)
+            finally:
+                ring.close()
+        else:
+            for group in groups:
+                fut = self.backend.submit(stage=lambda g=group: {self.input_name: self.stage(g)})
+                pending.append((group, fut, time.perf_counter()))
+                yield from drain(in_flight_cap)
+            yield from drain(0)
+
+    def top_k(self, logits: np.ndarray, k: int = 5) -> list[list[dict]]:
+        """Per sample: the k best classes as ``{"index", "label", "score"}`` (softmax scores)."""
+        logits = np.asarray(logits, dtype=np.float64).reshape(logits.shape[0], -1)
+        z = logits - logits.max(axis=1, keepdims=True)
+        probs = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+        k = max(1, min(k, probs.shape[1]))
+        out = []
+        for row in probs:
+            idx = np.argsort(-row, kind="stable")[:k]
+            out.append([{"index": int(i), "label": self.labels[i] if i < len(self.labels) else str(int(i)),
+                         "score": float(row[i])} for i in idx])
+        return out
+
+    def describe(self) -> dict:
+        """The engine as a report: plan summary, lanes, build info."""
+        d = self.backend.describe()
+        d.update({"profile": self.profile.name, "model": self.model.source, "model_sha256": self.model.sha256,
+                  "input": {"name": self.input_name, "shape": list(self.input_shape)},
+                  "cache_hits": self.info.cache_hits, "build_seconds": round(self.info.seconds, 3),
+                  "calibration": self.info.calibration})
+        return d
+
+
+def _batched(items: Iterable, n: int) -> Iterator[list]:
+    group = []
+    for item in items:
+        group.append(item)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group

@@ -1,0 +1,139 @@
+"""Lanes: one worker thread per device, handing each request from segment to segment.
+
+Consecutive requests overlap across lanes: while the ``dla0`` lane runs segment 1 of request n,
+the ``gpu`` lane can run segment 0 of request n+1. Model-wise plans instead send each request to
+one whole-model lane, chosen by smooth weighted round-robin over the plan's request shares.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+RunSegment = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclass
+class Job:
+    """One request travelling through the lanes."""
+
+    future: Future
+    route: tuple[int, ...]  # segment indices in order
+    tensors: dict[str, np.ndarray] | None = None
+    stage: Callable[[], dict[str, np.ndarray]] | None = None
+    release: Callable[[], None] | None = None
+    release_after: int = 0  # route step after which no segment reads the request's inputs
+    step: int = 0
+    outputs: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Lane(threading.Thread):
+    """A device's worker: takes jobs from its inbox, runs the job's current segment, passes it on."""
+
+    def __init__(self, device: str, run: RunSegment, lane_of_segment: Callable[[int], "Lane"]):
+        super().__init__(name=f"k2edge-lane-{device}", daemon=True)
+        self.device = device
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._run = run
+        self._lane_of = lane_of_segment
+
+    def run(self) -> None:
+        while True:
+            job = self.inbox.get()
+            if job is None:
+                return
+            self._step(job)
+
+    def _step(self, job: Job) -> None:
+        if job.future.cancelled():
+            _release(job)
+            return
+        try:
+            if job.tensors is None:
+                job.tensors = job.stage()  # staging inline, on the engine's own lane
+            seg = job.route[job.step]
+            produced = self._run(seg, job.tensors)
+            if job.step >= job.release_after:
+                _release(job)
+            job.tensors.update(produced)
+        except BaseException as exc:  # report any failure on the request's future, keep the lane alive
+            _release(job)
+            job.future.set_exception(exc)
+            return
+        job.step += 1
+        if job.step == len(job.route):
+            job.future.set_result({name: job.tensors[name] for name in job.outputs})
+        else:
+            self._lane_of(job.route[job.step]).inbox.put(job)
+
+
+def _release(job: Job) -> None:
+    if job.release is not None:
+        release, job.release = job.release, None
+        release()
+
+
+class WeightedChooser:
+    """Smooth weighted round-robin (as nginx): over N picks, lane i gets round(N * share_i)."""
+
+    def __init__(self, shares: Sequence[float]):
+        self._weights = list(shares)
+        self._current = [0.0] * len(shares)
+        self._lock = threading.Lock()
+
+    def pick(self) -> int:
+        with self._lock:
+            total = sum(self._weights)
+            for i, w in enumerate(self._weights):
+                self._current[i] += w
+            best = max(range(len(self._current)), key=lambda i: self._current[i])
+            self._current[best] -= total
+            return best
+
+
+class LaneSet:
+    """The lanes of one plan and the routing of requests through them."""
+
+    def __init__(self, devices: Sequence[str], routes: Sequence[tuple[int, ...]], shares: Sequence[float] | None,
+                 segment_device: Sequence[str], segment_inputs: Sequence[Sequence[str]], model_inputs: Sequence[str],
+                 run: RunSegment, outputs: tuple[str, ...]):
+        self._lanes = {d: Lane(d, run, self._lane_for_segment) for d in devices}
+        self._segment_device = list(segment_device)
+        self._routes = list(routes)
+        # the last step of each route that reads a model input: prefetch slots are released after it
+        self._release_after = {
+            route: max((i for i, seg in enumerate(route) if set(segment_inputs[seg]) & set(model_inputs)), default=0)
+            for route in self._routes
+        }
+        self._chooser = WeightedChooser(shares) if shares else None
+        self._outputs = outputs
+
+    def _lane_for_segment(self, seg: int) -> Lane:
+        return self._lanes[self._segment_device[seg]]
+
+    def route(self) -> tuple[int, ...]:
+        return self._routes[self._chooser.pick()] if self._chooser else self._routes[0]
+
+    def start(self) -> None:
+        for lane in self._lanes.values():
+            lane.start()
+
+    def stop(self) -> None:
+        for lane in self._lanes.values():
+            lane.inbox.put(None)
+        for lane in self._lanes.values():
+            lane.join(timeout=30)
+
+    def submit(self, feeds, stage, release) -> Future:
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        route = self.route()
+        job = Job(fut, route, tensors=dict(feeds) if feeds is not None else None, stage=stage,
+                  release=release, release_after=self._release_after[route], outputs=self._outputs)
+        self._lane_for_segment(job.route[0]).inbox.put(job)
+        return fut

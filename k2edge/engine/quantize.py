@@ -1,0 +1,174 @@
+"""INT8 calibration and FP16 conversion, computed once in Python and reused by both backends.
+
+INT8 produces, from one calibration pass over a calibration set:
+
+* a Q/DQ ONNX model (symmetric INT8, per-channel weights) that ONNX Runtime runs and that
+  TensorRT takes for explicit quantisation;
+* per-tensor dynamic ranges and a TensorRT calibration cache (``calib.cache``) for the DLA's
+  implicit-quantisation route.
+
+Both are stored in the engine cache keyed by the model, the calibration data and the settings,
+so a second build does no calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..errors import BuildError
+from ..model.datasets import Dataset
+from ..model.ingest import NormalisedModel
+from ..model.preprocess import Preprocess
+from .cache import EngineCache, digest
+
+log = logging.getLogger(__name__)
+
+QUANT_VERSION = "1"
+TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
+MAX_CALIBRATION_SAMPLES = 512
+
+
+@dataclass(frozen=True)
+class QuantArtefacts:
+    """What INT8 calibration produced."""
+
+    key: str
+    qdq_model: Path
+    dynamic_ranges: dict[str, float]
+    trt_calibration_cache: Path
+    samples: int
+    cached: bool
+
+
+def stage_batches(dataset: Dataset, preprocess: Preprocess, input_shape: tuple[int, ...], limit: int | None = None):
+    """Yield input batches of exactly ``input_shape`` (the last one padded by repeating samples)."""
+    batch = input_shape[0]
+    samples = list(dataset.samples[: limit or len(dataset)])
+    if not samples:
+        return
+    for start in range(0, len(samples), batch):
+        chunk = samples[start:start + batch]
+        chunk += [chunk[-1]] * (batch - len(chunk))
+        out = np.empty(input_shape, dtype=np.float32)
+        for i, sample in enumerate(chunk):
+            preprocess.stage(sample, out=out[i])
+        yield out
+
+
+def calibrate_int8(
+    model: NormalisedModel,
+    dataset: Dataset,
+    preprocess: Preprocess,
+    cache: EngineCache,
+    exclude_nodes: tuple[str, ...] = (),
+) -> QuantArtefacts:
+    """Calibrate ``model`` on ``dataset`` and quantise it to Q/DQ INT8 (cached).
+
+    Args:
+        exclude_nodes: nodes the plan keeps out of INT8 (they stay float in the Q/DQ model).
+
+    Raises:
+        BuildError: the model has more than one input, or calibration fails.
+    """
+    import onnxruntime
+
+    inputs = model.graph.inputs
+    if len(inputs) != 1:
+        raise BuildError(f"INT8 calibration supports single-input models; this one has {list(inputs)}")
+    input_name = inputs[0]
+    input_shape = model.graph.shape(input_name)
+    n = min(len(dataset), MAX_CALIBRATION_SAMPLES)
+    key = digest("int8", QUANT_VERSION, model.sha256, dataset.fingerprint(), str(n), ",".join(sorted(exclude_nodes)),
+                 onnxruntime.__version__)
+
+    def build(tmp: Path) -> dict:
+        from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+        log.info("calibrating INT8 on %d samples from %s", n, dataset.source)
+
+        class _Reader(CalibrationDataReader):
+            def __init__(self):
+                self._it = ({input_name: b} for b in stage_batches(dataset, preprocess, input_shape, n))
+
+            def get_next(self):
+                return next(self._it, None)
+
+        ranges_file = tmp / "ort_ranges.json"
+        quiet = logging.getLogger()
+        level = quiet.level
+        quiet.setLevel(max(level, logging.ERROR))  # the quantiser warns about pre-processing we already did
+        try:
+            quantize_static(
+                model.model,
+                str(tmp / "qdq.onnx"),
+                _Reader(),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=list(exclude_nodes),
+                calibrate_method=CalibrationMethod.MinMax,
+                calibration_cache_path=str(ranges_file),
+                # TensorRT takes symmetric INT8 only (zero point 0), for activations and weights.
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+            )
+        except Exception as exc:
+            raise BuildError(f"INT8 calibration failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            quiet.setLevel(level)
+        ranges = _amax_from_ort_ranges(ranges_file)
+        (tmp / "dynamic_ranges.json").write_text(json.dumps(ranges, indent=1, sort_keys=True))
+        write_trt_calibration_cache(tmp / "calib.cache", ranges)
+        return {"samples": n, "dataset": dataset.source}
+
+    entry = cache.get_or_build("int8", key, build, what=f"Q/DQ INT8 of {model.source}")
+    ranges = json.loads(entry.file("dynamic_ranges.json").read_text())
+    return QuantArtefacts(key, entry.file("qdq.onnx"), ranges, entry.file("calib.cache"), entry.meta.get("samples", n), entry.hit)
+
+
+def _amax_from_ort_ranges(path: Path) -> dict[str, float]:
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    data = load_tensors_data(path)
+    out = {}
+    for name, td in data.data.items():
+        lo, hi = (np.asarray(v, dtype=np.float64).reshape(-1) for v in td.range_value)
+        out[name] = float(max(np.abs(lo).max(), np.abs(hi).max()))
+    return out
+
+
+def write_trt_calibration_cache(path: Path, dynamic_ranges: dict[str, float], version: str = TRT_CACHE_VERSION) -> None:
+    """Write a TensorRT INT8 calibration cache: one ``name: <big-endian float32 scale hex>`` per tensor.
+
+    The scale is amax / 127 (symmetric INT8), the form IInt8EntropyCalibrator2 caches and the DLA
+    route reads back through ``read_calibration_cache``.
+    """
+    lines = [f"TRT-{version}-EntropyCalibration2"]
+    for name in sorted(dynamic_ranges):
+        scale = max(dynamic_ranges[name], 1e-12) / 127.0
+        lines.append(f"{name}: {struct.pack('!f', scale).hex()}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def read_trt_calibration_cache(path: Path) -> dict[str, float]:
+    """Parse a calibration cache back into per-tensor amax values."""
+    out = {}
+    for line in Path(path).read_text().splitlines()[1:]:
+        name, _, hexscale = line.rpartition(": ")
+        if name:
+            out[name] = struct.unpack("!f", bytes.fromhex(hexscale.strip()))[0] * 127.0
+    return out
+
+
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """FP16 weights and activations inside, FP32 at the model's inputs and outputs."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)

@@ -1,0 +1,191 @@
+"""The profile schema.
+
+A profile says how one model runs on one device: which partition granularity, what share of the
+FLOPs stays on the GPU (``offload_ratio``), the precision chain, whether inputs are prefetched.
+The seed example from the design loads unchanged::
+
+    { "edge_runtime": { "tensorrt_partition": "layer-wise", "dma_prefetch": true,
+                        "offload_ratio": 0.35, "precision_fallback": ["fp16", "int8"] } }
+
+Every other key is optional with a documented default. Unknown keys and out-of-range values are
+errors naming the field path (``edge_runtime.offload_ratio: must be within [0, 1], got 1.7``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import ProfileError
+from .validation import describe_validation_error, model_keys
+
+Precision = Literal["fp32", "fp16", "int8"]
+Partition = Literal["layer-wise", "block-wise", "model-wise"]
+
+MIB = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _power_of_two_pool(value: int) -> int:
+    # TensorRT: DLA pool sizes must be powers of two, at least 4 KiB ("Customizing DLA Memory Pools").
+    if value < 4096 or value & (value - 1):
+        raise ValueError(f"must be a power of two of at least 4096 bytes, got {value}")
+    return value
+
+
+class DLAMemoryPools(_Strict):
+    """Per-loadable DLA memory pool limits in bytes (TensorRT defaults)."""
+
+    managed_sram: int = Field(1 * MIB, description="DLA_MANAGED_SRAM; Orin has 1 MiB per core")
+    local_dram: int = Field(1024 * MIB, description="DLA_LOCAL_DRAM")
+    global_dram: int = Field(512 * MIB, description="DLA_GLOBAL_DRAM")
+
+    _check = field_validator("managed_sram", "local_dram", "global_dram")(_power_of_two_pool)
+
+
+class EdgeRuntime(_Strict):
+    """The ``edge_runtime`` section: placement, precision and staging of one model."""
+
+    tensorrt_partition: Partition = Field(
+        "layer-wise",
+        description="layer-wise: cut between any two nodes; block-wise: cut only where one tensor "
+        "crosses; model-wise: whole-model engines per device, requests split by the ratio",
+    )
+    dma_prefetch: bool = Field(True, description="stage the next input while the engine runs")
+    offload_ratio: float = Field(
+        1.0, description="share of the model's FLOPs on the GPU; the rest on the DLA (0.35 = 35 % GPU)"
+    )
+    precision_fallback: tuple[Precision, ...] = Field(
+        ("fp16",), description="precisions in order of preference; each layer takes the first its device runs"
+    )
+    dla_cores: int | None = Field(None, description="DLA cores to use; null = every core the board has")
+    gpu_fallback: bool = Field(True, description="let TensorRT move DLA-incapable layers to the GPU")
+    batch_size: int = Field(1, description="static batch size the engines are built for")
+    prefetch_depth: int = Field(2, description="input buffers in the prefetch ring")
+    offload_tolerance: float = Field(
+        0.02,
+        description="how far the achieved GPU FLOP share may sit from offload_ratio before the planner "
+        "spends another GPU<->DLA transition to get closer",
+    )
+    dla_memory_pools: DLAMemoryPools = Field(default_factory=DLAMemoryPools)
+
+    @field_validator("offload_ratio", "offload_tolerance", mode="before")
+    @classmethod
+    def _unit_interval(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be a number, got {value!r}")
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"must be within [0, 1], got {value}")
+        return float(value)
+
+    @field_validator("precision_fallback", mode="before")
+    @classmethod
+    def _chain(cls, value):
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"must be a non-empty list such as [\"fp16\", \"int8\"], got {value!r}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"lists a precision twice: {list(value)}")
+        return tuple(value)
+
+    @field_validator("dla_cores")
+    @classmethod
+    def _cores(cls, value):
+        if value is not None and not 0 <= value <= 2:
+            raise ValueError(f"must be 0, 1, 2 or null (Orin modules have at most 2 DLA cores), got {value}")
+        return value
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch(cls, value):
+        # DLA: batch <= 4096 ("DLA supported layers and restrictions", general restrictions).
+        if not 1 <= value <= 4096:
+            raise ValueError(f"must be within [1, 4096], got {value}")
+        return value
+
+    @field_validator("prefetch_depth")
+    @classmethod
+    def _depth(cls, value):
+        if not 1 <= value <= 64:
+            raise ValueError(f"must be within [1, 64], got {value}")
+        return value
+
+
+class Profile(_Strict):
+    """A named profile. ``name`` defaults to the file's stem."""
+
+    name: str | None = None
+    description: str | None = None
+    edge_runtime: EdgeRuntime
+
+    @classmethod
+    def from_dict(cls, data: object, source: str = "profile") -> "Profile":
+        """Validate a decoded JSON document.
+
+        Raises:
+            ProfileError: naming the field path of every problem.
+        """
+        if not isinstance(data, dict):
+            raise ProfileError(f"{source}: must be a JSON object with an 'edge_runtime' section")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ProfileError(f"{source}: {describe_validation_error(exc, model_keys(cls))}") from None
+
+    def to_dict(self) -> dict:
+        """The profile as JSON-ready data, every default spelled out."""
+        return self.model_dump(mode="json")
+
+
+def profile_search_path() -> list[Path]:
+    """Where bare profile names (``c3``) are looked up, in order."""
+    paths = [Path(p) for p in os.environ.get("K2EDGE_PROFILE_PATH", "").split(os.pathsep) if p]
+    paths += [Path.cwd() / "profiles", Path(__file__).resolve().parents[2] / "profiles", Path("/etc/k2edge/profiles")]
+    seen, unique = set(), []
+    for p in paths:
+        if p not in seen:
+            seen.add(p)
+            unique.append(p)
+    return unique
+
+
+def find_profile(name_or_path: str | os.PathLike) -> Path:
+    """Resolve a profile path, or a bare name such as ``c3`` on :func:`profile_search_path`."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    if path.suffix == "" and len(path.parts) == 1:
+        for folder in profile_search_path():
+            candidate = folder / f"{path.name}.json"
+            if candidate.is_file():
+                return candidate
+        where = ", ".join(str(p) for p in profile_search_path())
+        raise ProfileError(f"profile {str(name_or_path)!r} not found (looked in {where})")
+    raise ProfileError(f"profile file {str(path)!r} does not exist")
+
+
+def load_profile(source: str | os.PathLike | dict) -> Profile:
+    """Load and validate a profile from a path, a bare name (``c3``) or a dict.
+
+    Raises:
+        ProfileError: the file is missing, is not JSON, or a field is invalid (the message names it).
+    """
+    if isinstance(source, dict):
+        return Profile.from_dict(source)
+    path = find_profile(source)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read ({exc.strerror})") from None
+    profile = Profile.from_dict(data, source=str(path))
+    if profile.name is None:
+        profile = profile.model_copy(update={"name": path.stem})
+    return profile
