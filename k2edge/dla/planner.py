@@ -11,9 +11,10 @@ Granularities (``edge_runtime.tensorrt_partition``):
   *requests* between the GPU engine and the DLA engines.
 
 For the split granularities the planner chooses which atomic units (single nodes, or blocks between
-allowed cuts) run on the DLA so that the GPU keeps ``offload_ratio`` of the FLOPs. It minimises the
-number of GPU<->DLA transitions (each costs a reformat) subject to landing within
-``offload_tolerance`` of the requested share, and only gives up closeness where the DLA rules, the
+allowed cuts) run on the DLA so that the GPU keeps ``offload_ratio`` of the FLOPs. Among the
+splits that land within ``offload_tolerance`` of the requested share it takes the one with the
+fewest GPU<->DLA transitions (each costs a reformat), spending another transition only when it
+buys at least ``TRANSITION_COST`` of share. It gives up closeness only where the DLA rules, the
 allowed cuts or the transition budget leave no choice; the notes then say why.
 """
 
@@ -32,6 +33,7 @@ from .precision import device_kind, layer_precision, usable_chain
 from .rules import support_table
 
 MAX_TRANSITIONS = 12
+TRANSITION_COST = 0.01  # within tolerance, one more GPU<->DLA transition must buy 1 % of FLOP share
 _BINS = 8192  # resolution of the FLOP-share search (1/8192 of the model's FLOPs)
 
 
@@ -301,21 +303,25 @@ def _place_split(model, er, cores, board, flops, support, layer_wise: bool) -> _
 
 
 def _why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, n_cuts) -> str:
-    max_dla = sum(f for f, e in zip(unit_flops, eligible) if e)
-    if (1 - ratio) * total > max_dla + 0.5:
-        blocked = [i for i, s in enumerate(support) if not s.ok]
-        why = f"the DLA can run at most {max_dla / total:.1%} of the FLOPs"
+    head = f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: "
+    blocked = [i for i, s in enumerate(support) if not s.ok]
+    floor = 1.0 - sum(f for f, e in zip(unit_flops, eligible) if e) / total  # lowest GPU share the rules allow
+    if ratio < floor and abs(achieved - floor) <= 0.02:
+        why = f"the DLA can run at most {1 - floor:.1%} of the FLOPs"
         if blocked:
             why += f" ({_reasons(graph, support, blocked)})"
         if not layer_wise:
-            why += "; block-wise units that hold any unsupported node stay on the GPU whole"
-        return f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: {why}"
+            why += "; block-wise, a block that holds any unsupported node stays on the GPU whole"
+        return head + why
+    if blocked:
+        runs = sum(1 for i, s in enumerate(support) if not s.ok and (i == 0 or support[i - 1].ok))
+        return head + (f"{len(blocked)} DLA-unsupported node(s) sit in {runs} separate places "
+                       f"({_reasons(graph, support, blocked)}); getting closer needs more than {MAX_TRANSITIONS} "
+                       f"GPU<->DLA transitions, each a reformat and a DLA loadable (16 per core at most)")
     if not layer_wise:
-        return (f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: block-wise cuts are "
-                f"allowed at only {n_cuts} places (where exactly one tensor crosses) and no set of whole blocks "
-                f"comes closer within {MAX_TRANSITIONS} GPU<->DLA transitions")
-    return (f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: no split within "
-            f"{MAX_TRANSITIONS} GPU<->DLA transitions comes closer (layer FLOPs are too coarse)")
+        return head + (f"block-wise cuts are allowed at only {n_cuts} places (where exactly one tensor crosses) "
+                       f"and no set of whole blocks comes closer")
+    return head + "the layers' FLOPs are too coarse for a closer split"
 
 
 def _choose_units(unit_flops, eligible, target, total, tolerance) -> list[bool]:
@@ -349,19 +355,15 @@ def _choose_units(unit_flops, eligible, target, total, tolerance) -> list[bool]:
         history.append(cur)
         prev = cur
 
-    best = None  # (error_bins, transitions, state, sum)
-    for t in range(MAX_TRANSITIONS + 1):
-        for d in (G, D):
-            bits = prev.get((t, d), 0)
-            if not bits:
-                continue
-            s = _closest_bit(bits, goal)
-            err = abs(s - goal)
-            if best is None or err < best[0] or (err == best[0] and t < best[1]):
-                best = (err, t, (t, d), s)
-        if best is not None and best[0] / _BINS <= tolerance:
-            break
-    assert best is not None  # all-GPU is always reachable
+    candidates = []  # (share error, transitions, end state, reachable sum)
+    for (t, d), bits in prev.items():
+        s = _closest_bit(bits, goal)
+        candidates.append((abs(s - goal) / _BINS, t, (t, d), s))
+    within = [c for c in candidates if c[0] <= tolerance]
+    if within:  # fewest transitions that land within tolerance, one transition worth TRANSITION_COST of share
+        best = min(within, key=lambda c: (c[0] + TRANSITION_COST * c[1], c[1], c[2]))
+    else:
+        best = min(candidates, key=lambda c: (c[0], c[1], c[2]))
     _, _, state, s = best
     return _reconstruct(history, weights, state, s)
 

@@ -195,7 +195,7 @@ class Engine:
         hits["engine"] = built.cached
         graph = normalised.graph
         inputs = (TensorSpec(input_name, input_shape, graph.tensors[input_name].dtype),)
-        runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane)
+        runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane, prefetch=er.dma_prefetch)
         info = BuildInfo(hits, time.perf_counter() - started, calib_source, built.notes)
         return cls(runner, plan, normalised, profile, preprocess, label_names, info)
 

@@ -103,18 +103,20 @@ class OnnxRuntimeBackend(Backend):
         plan: the plan.
         build: the built segment models.
         inputs / outputs: the model's input specs and output names.
-        threads_per_lane: intra-op threads of each session (default: cores / lanes, at least 1).
+        threads_per_lane: intra-op threads of each session. Default: the cores left after one for the
+            prefetch staging thread (when ``prefetch``), shared between the lanes, at least 1. On a
+            Jetson the GPU and DLAs leave the CPU to staging; CPU lanes must leave it a core.
     """
 
     name = "onnxruntime"
 
     def __init__(self, plan: PartitionPlan, build: BuildResult, inputs: tuple[TensorSpec, ...],
-                 outputs: tuple[str, ...], threads_per_lane: int | None = None) -> None:
+                 outputs: tuple[str, ...], threads_per_lane: int | None = None, prefetch: bool = False) -> None:
         super().__init__(inputs, outputs)
         self.plan = plan
         self.build = build
-        n_lanes = len(plan.devices)
-        self.threads_per_lane = threads_per_lane or max(1, (os.cpu_count() or 1) // n_lanes)
+        cores = max(1, (os.cpu_count() or 1) - (1 if prefetch else 0))
+        self.threads_per_lane = threads_per_lane or max(1, cores // len(plan.devices))
         self._sessions: list = []
         self._lanes: LaneSet | None = None
 

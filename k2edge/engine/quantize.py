@@ -104,9 +104,13 @@ def calibrate_int8(
         quiet = logging.getLogger()
         level = quiet.level
         quiet.setLevel(max(level, logging.ERROR))  # the quantiser warns about pre-processing we already did
+        # quantize_static rewrites a ModelProto it is given to external data in a temporary
+        # directory; hand it a file so the normalised model in memory stays intact.
+        source = tmp / "input.onnx"
+        source.write_bytes(model.serialized)
         try:
             quantize_static(
-                model.model,
+                str(source),
                 str(tmp / "qdq.onnx"),
                 _Reader(),
                 quant_format=QuantFormat.QDQ,
@@ -123,6 +127,7 @@ def calibrate_int8(
             raise BuildError(f"INT8 calibration failed: {type(exc).__name__}: {exc}") from exc
         finally:
             quiet.setLevel(level)
+            source.unlink(missing_ok=True)
         ranges = _amax_from_ort_ranges(ranges_file)
         (tmp / "dynamic_ranges.json").write_text(json.dumps(ranges, indent=1, sort_keys=True))
         write_trt_calibration_cache(tmp / "calib.cache", ranges)

@@ -74,7 +74,7 @@ def open_dataset(path: str | os.PathLike, labels: Sequence[str] | None = None) -
     """
     p = Path(path)
     if not p.exists():
-        raise DatasetError(f"dataset {str(p)!r} does not exist")
+        raise DatasetError(f"dataset {os.fspath(path)!r} does not exist")
     if p.is_file():
         if p.suffix != ".npz":
             raise DatasetError(f"dataset {str(p)!r}: expected a directory of images or an .npz file")

@@ -70,9 +70,9 @@ class EdgeRuntime(_Strict):
     batch_size: int = Field(1, description="static batch size the engines are built for")
     prefetch_depth: int = Field(2, description="input buffers in the prefetch ring")
     offload_tolerance: float = Field(
-        0.02,
-        description="how far the achieved GPU FLOP share may sit from offload_ratio before the planner "
-        "spends another GPU<->DLA transition to get closer",
+        0.05,
+        description="how far the achieved GPU FLOP share may sit from offload_ratio; within it the planner "
+        "prefers fewer GPU<->DLA transitions",
     )
     dla_memory_pools: DLAMemoryPools = Field(default_factory=DLAMemoryPools)
 

@@ -1,0 +1,126 @@
+"""The command line, run as a user runs it: a subprocess of the installed entry point."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "models" / "digits" / "model.onnx")
+
+
+def k2edge(*args, check=True):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "k2edge", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"k2edge {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_help_lists_every_command():
+    out = k2edge("--help").stdout
+    for cmd in ("inspect", "plan", "build", "infer", "eval", "profiles", "doctor"):
+        assert cmd in out
+
+
+def test_inspect_json():
+    data = json.loads(k2edge("inspect", MODEL, "--json").stdout)
+    assert data["inputs"] == [{"name": "input", "shape": [1, 1, 32, 32], "dtype": "float32"}]
+    gap = next(n for n in data["nodes"] if n["op"] == "GlobalAveragePool")
+    assert gap["dla"] is False and "GlobalAveragePool" in gap["dla_reason"]
+    assert sum(n["flops"] for n in data["nodes"]) == data["total_flops"] > 0
+
+
+def test_plan_json_with_ratio_and_board():
+    data = json.loads(k2edge("plan", MODEL, "--offload-ratio", "0.5", "--partition", "block-wise", "--board", "orin-nx-8", "--json").stdout)
+    assert data["requested_gpu_share"] == 0.5 and abs(data["gpu_flop_share"] - 0.5) <= 0.05
+    assert {s["device"] for s in data["segments"]} == {"gpu", "dla0"}
+    assert all({"device", "nodes", "flops", "precision", "inputs", "outputs"} <= set(s) for s in data["segments"])
+    text = k2edge("plan", MODEL, "-p", "c1").stdout
+    assert "requested GPU share 0.350" in text and "note:" in text
+
+
+def test_infer_json_and_save_output(tmp_path):
+    samples = sorted((ROOT / "models/digits/samples").glob("*.jpg"))[:3]
+    out = tmp_path / "out.npy"
+    proc = k2edge("infer", MODEL, "-p", "c5", *map(str, samples), "--json", "--top-k", "3", "--save-output", str(out))
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(records) == 3
+    for rec, path in zip(records, samples):
+        assert len(rec["top_k"]) == 3 and {"index", "label", "score"} == set(rec["top_k"][0])
+        assert rec["top_k"][0]["label"] == path.name.split("-")[1]
+        assert rec["latency_ms"] > 0
+    saved = np.load(out)
+    assert saved.shape == (3, 10)
+    assert [int(i) for i in saved.argmax(axis=1)] == [int(p.name.split("-")[1]) for p in samples]
+
+
+def test_infer_npy_input(tmp_path):
+    x = np.zeros((1, 32, 32), np.float32)
+    np.save(tmp_path / "x.npy", x)
+    rec = json.loads(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "x.npy"), "--json").stdout)
+    assert len(rec["top_k"]) == 5
+
+
+def test_eval_json():
+    data = json.loads(k2edge("eval", MODEL, "-p", "cpu-dev", "--dataset", str(ROOT / "models/digits/eval.npz"), "--json").stdout)
+    assert data["samples"] == 540 and data["top1"] >= 0.97
+
+
+def test_profiles_commands(tmp_path):
+    listing = k2edge("profiles", "list").stdout
+    for name in ("c1", "c2", "c3", "c4", "c5", "c6", "cpu-dev"):
+        assert name in listing
+    shown = json.loads(k2edge("profiles", "show", "c1").stdout)
+    assert shown["edge_runtime"]["offload_ratio"] == 0.35 and shown["edge_runtime"]["batch_size"] == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"edge_runtime": {"offload_ratio": 1.7}}')
+    proc = k2edge("profiles", "validate", str(bad), check=False)
+    assert_one_line_error(proc, "edge_runtime.offload_ratio: must be within [0, 1], got 1.7")
+
+
+def test_doctor_runs_here():
+    data = json.loads(k2edge("doctor", "--json").stdout)
+    assert data["backends"]["onnxruntime"]["version"]
+    assert "jtop" in data and "dla_cores" in data
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["inspect", "nope.onnx"], ["does not exist"]),
+    (["inspect", "pyproject.toml"], ["not an ONNX model"]),
+    (["plan", MODEL], ["give --profile P"]),
+    (["plan", MODEL, "-p", "no-such"], ["profile 'no-such' not found"]),
+    (["infer", MODEL, "-p", "cpu-dev", "missing.jpg"], ["input file 'missing.jpg' does not exist"]),
+    (["infer", MODEL, "-p", "cpu-dev", "pyproject.toml"], ["cannot decode image"]),
+    (["eval", MODEL, "-p", "cpu-dev", "--dataset", "nowhere/"], ["dataset 'nowhere/' does not exist"]),
+    (["build", MODEL, "-p", "c2", "--calib", "models/digits/labels.txt"], ["expected a directory of images or an .npz"]),
+    (["plan", MODEL, "--offload-ratio", "x", "--partition", "layer-wise"], ["invalid float value"]),
+    (["frobnicate"], ["invalid choice"]),
+])
+def test_bad_input_is_one_line_exit_1(args, fragments):
+    assert_one_line_error(k2edge(*args, check=False), *fragments)
+
+
+def test_wrong_tensor_shape_is_one_line(tmp_path):
+    np.save(tmp_path / "bad.npy", np.zeros((3, 28, 28), np.float32))
+    assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "bad.npy"), check=False),
+                          "fits neither a sample (1, 32, 32) nor a batch (1, 1, 32, 32)")
+
+
+def test_bad_profile_file_is_one_line(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text('{"edge_runtime": {"offload_ratio": 0.5, "partition": "layer-wise"}}')
+    assert_one_line_error(k2edge("plan", MODEL, "-p", str(p), check=False), "edge_runtime.partition: unknown key")
