@@ -18,6 +18,7 @@ from .errors import (
     BuildError,
     DatasetError,
     EngineStateError,
+    InferenceError,
     InputError,
     K2EdgeError,
     ModelError,
@@ -41,6 +42,7 @@ __all__ = [
     "DatasetError",
     "BackendUnavailable",
     "EngineStateError",
+    "InferenceError",
     "__version__",
 ]
 

@@ -17,6 +17,7 @@ __all__ = [
     "DatasetError",
     "BackendUnavailable",
     "EngineStateError",
+    "InferenceError",
 ]
 
 
@@ -54,3 +55,7 @@ class BackendUnavailable(K2EdgeError):
 
 class EngineStateError(K2EdgeError):
     """An engine method was called in the wrong lifecycle state."""
+
+
+class InferenceError(K2EdgeError):
+    """A backend failed while running a request."""

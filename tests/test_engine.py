@@ -196,3 +196,20 @@ def test_top_k_uses_labels(demo_model, demo_batch):
         top = e.top_k(e.infer({"input": demo_batch[0]})["logits"], 3)[0]
     assert [t["label"] for t in top] == [e.labels[t["index"]] for t in top]
     assert top[0]["score"] >= top[1]["score"] >= top[2]["score"] and abs(sum(t["score"] for t in top)) <= 1.0 + 1e-6
+
+
+def test_backend_failure_is_one_k2edge_error():
+    """A model that normalises but that ONNX Runtime cannot run fails with InferenceError, not a traceback."""
+    import onnx
+
+    from k2edge import InferenceError
+
+    model = graphs.conv_chain()
+    # conv0's weight expects 5 input channels while x has 3: shape inference lets it through
+    model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.zeros((8, 5, 3, 3), np.float32), "w0"))
+    with Engine.build(model, "cpu-dev") as engine:
+        x = np.zeros((1, 3, 16, 16), np.float32)
+        with pytest.raises(InferenceError, match=r"segment 0 on gpu \(cpu lane\) failed"):
+            engine.infer({"x": x})
+        with pytest.raises(InferenceError):
+            engine.submit({"x": x}).result(timeout=30)

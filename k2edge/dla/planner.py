@@ -115,7 +115,6 @@ class PartitionPlan:
 
 @dataclass
 class _Placement:
-    devices: list[str]  # per node (split plans) — unused for model-wise
     segments: list[Segment]
     notes: list[str]
     gpu_flops: float
@@ -163,7 +162,8 @@ def plan_partition(
         notes.append("reference mode: every segment runs in FP32 (a real DLA cannot; ONNX Runtime lanes only)")
     segments = tuple(_assign_precision(s, graph, chain, reference=precision == "fp32") for s in placement.segments)
     share = placement.gpu_flops / total if total else 1.0
-    transitions = sum(1 for a, b in zip(segments, segments[1:]) if a.kind != b.kind) if not er.tensorrt_partition == "model-wise" else 0
+    model_wise = er.tensorrt_partition == "model-wise"  # whole-model engines: no cuts, no transitions
+    transitions = 0 if model_wise else sum(1 for a, b in zip(segments, segments[1:]) if a.kind != b.kind)
     notes.insert(0, f"requested GPU share {er.offload_ratio:.3f}, achieved {share:.3f}")
     return PartitionPlan(
         model_sha256=model.sha256,
@@ -246,7 +246,7 @@ def _place_model_wise(model, er, cores, board, flops, support) -> _Placement:
             f"achieved GPU share exceeds the request because the DLA engines fall back to the GPU for "
             f"{len(unsupported)} node(s) ({fallback_flops / total:.1%} of the FLOPs): {_reasons(graph, support, unsupported)}"
         )
-    return _Placement([], segs, notes, gpu_flops)
+    return _Placement(segs, notes, gpu_flops)
 
 
 def _place_split(model, er, cores, board, flops, support, layer_wise: bool) -> _Placement:
@@ -299,7 +299,7 @@ def _place_split(model, er, cores, board, flops, support, layer_wise: bool) -> _
         ins, outs = graph.segment_io(start, stop)
         segs.append(Segment(len(segs), device, start, stop, tuple(nd.name for nd in graph.nodes[start:stop]),
                             sum(flops[start:stop]), ins, outs))
-    return _Placement([], segs, notes, gpu_flops)
+    return _Placement(segs, notes, gpu_flops)
 
 
 def _why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, n_cuts) -> str:

@@ -23,6 +23,7 @@ import onnx
 
 from .._lazy import LazyModule
 from ..dla.planner import PartitionPlan
+from ..errors import BuildError, InferenceError
 from ..model.extract import extract_submodel
 from ..model.ingest import NormalisedModel
 from .base import Backend, LaneInfo, TensorSpec
@@ -126,8 +127,7 @@ class OnnxRuntimeBackend(Backend):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 3
-        self._sessions = [ort.InferenceSession(str(a.path), sess_options=opts, providers=["CPUExecutionProvider"])
-                          for a in self.build.segments]
+        self._sessions = [self._session(a, opts) for a in self.build.segments]
         self._segment_outputs = [list(s.outputs) for s in self.plan.segments]
         self._segment_inputs = [list(s.inputs) for s in self.plan.segments]
         if self.plan.is_model_wise:
@@ -140,6 +140,14 @@ class OnnxRuntimeBackend(Backend):
                               self._segment_inputs, [spec.name for spec in self.inputs], self._run_segment, self.outputs)
         self._lanes.start()
 
+    @staticmethod
+    def _session(artefact: SegmentArtefact, opts):
+        try:
+            return ort.InferenceSession(str(artefact.path), sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BuildError(f"onnxruntime cannot load segment {artefact.index} ({artefact.executed_precision}): {first}") from None
+
     def deactivate_impl(self) -> None:
         if self._lanes is not None:
             self._lanes.stop()
@@ -149,7 +157,11 @@ class OnnxRuntimeBackend(Backend):
     def _run_segment(self, index: int, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = self._segment_outputs[index]
         feeds = {k: tensors[k] for k in self._segment_inputs[index]}
-        return dict(zip(names, self._sessions[index].run(names, feeds)))
+        try:
+            return dict(zip(names, self._sessions[index].run(names, feeds)))
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InferenceError(f"segment {index} on {self.plan.segments[index].device} (cpu lane) failed: {first}") from None
 
     def infer_impl(self, feeds):
         tensors = dict(feeds)
