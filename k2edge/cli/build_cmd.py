@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+COMMAND = "build"
+HELP = "build (or load from the cache) a model's engine for a profile"
+ORDER = 30
+
 from .common import add_build, add_json, add_model, build_engine, print_json
 
 

@@ -40,6 +40,8 @@ def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None
                    help="replace the profile's precision chain; fp32 is the reference mode")
     p.add_argument("--board", choices=BOARD_CHOICES, help="board to plan for (default: this board, else orin-agx)")
     p.add_argument("--cache", metavar="DIR", help="engine cache directory (default: ~/.cache/k2edge)")
+    p.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto",
+                   help="auto: TensorRT where it exists, else ONNX Runtime (default)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -60,7 +62,7 @@ def build_engine(args):
     from ..engine.engine import Engine
 
     return Engine.build(args.model, args.profile, args.calib, precision=args.precision, board=board_of(args),
-                        cache_dir=args.cache, input_shapes=dict(args.input_shape) or None)
+                        backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None)
 
 
 def print_json(data) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+COMMAND = "doctor"
+HELP = "report backends, TensorRT/CUDA/L4T versions, DLA cores and the jtop service"
+ORDER = 90
+
 from .common import add_json, print_json
 
 

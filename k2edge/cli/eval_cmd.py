@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+COMMAND = "eval"
+HELP = "measure top-1 accuracy on a labelled dataset"
+ORDER = 50
+
 import time
 
 from ..errors import DatasetError

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+COMMAND = "infer"
+HELP = "classify images or .npy tensors"
+ORDER = 40
+
 import json
 import time
 from pathlib import Path

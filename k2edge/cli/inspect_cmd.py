@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+COMMAND = "inspect"
+HELP = "show a model's inputs, outputs and nodes with FLOPs and DLA support"
+ORDER = 10
+
 from .common import add_json, add_model, print_json, table
 
 

@@ -13,15 +13,20 @@ import sys
 
 from ..errors import K2EdgeError
 
-COMMANDS = (
-    ("inspect", "inspect_cmd", "show a model's inputs, outputs and nodes with FLOPs and DLA support"),
-    ("plan", "plan_cmd", "plan the GPU/DLA partition of a model under a profile"),
-    ("build", "build_cmd", "build (or load from the cache) a model's engine for a profile"),
-    ("infer", "infer_cmd", "classify images or .npy tensors"),
-    ("eval", "eval_cmd", "measure top-1 accuracy on a labelled dataset"),
-    ("profiles", "profiles_cmd", "list, show or validate profiles"),
-    ("doctor", "doctor_cmd", "report backends, TensorRT/CUDA/L4T versions, DLA cores and the jtop service"),
-)
+
+
+def _command_modules():
+    """Every ``k2edge/cli/*_cmd.py`` module, ordered by its ``ORDER``.
+
+    Each declares ``COMMAND`` (the name), ``HELP`` (one line), ``ORDER`` (position in --help),
+    ``register(parser)`` and ``run(args)``; heavy imports live inside ``run``.
+    """
+    import pkgutil
+
+    from . import __path__ as cli_path
+
+    mods = [importlib.import_module(f".{m.name}", __package__) for m in pkgutil.iter_modules(cli_path) if m.name.endswith("_cmd")]
+    return sorted(mods, key=lambda m: (m.ORDER, m.COMMAND))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,9 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each step does")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, module, help_text in COMMANDS:
-        mod = importlib.import_module(f".{module}", __package__)
-        p = sub.add_parser(name, help=help_text, description=help_text)
+    for mod in _command_modules():
+        p = sub.add_parser(mod.COMMAND, help=mod.HELP, description=mod.HELP)
         mod.register(p)
         p.set_defaults(run=mod.run)
     return parser

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+COMMAND = "plan"
+HELP = "plan the GPU/DLA partition of a model under a profile"
+ORDER = 20
+
 from .common import BOARD_CHOICES, add_json, add_model, board_of, print_json, table
 
 

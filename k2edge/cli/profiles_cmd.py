@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+COMMAND = "profiles"
+HELP = "list, show or validate profiles"
+ORDER = 80
+
 import json
 import sys
 

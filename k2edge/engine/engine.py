@@ -31,8 +31,6 @@ from .prefetch import PrefetchRing
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("onnxruntime",)
-
 
 @dataclass(frozen=True)
 class BuildInfo:
@@ -126,7 +124,7 @@ class Engine:
         *,
         precision: str | None = None,
         board: str | None = None,
-        backend: str = "onnxruntime",
+        backend: str = "auto",
         cache_dir: str | os.PathLike | None = None,
         input_shapes: dict[str, tuple[int, ...]] | None = None,
         labels: str | os.PathLike | None = None,
@@ -141,17 +139,16 @@ class Engine:
                 a ``calib/`` or ``calib.npz`` beside the model is used if present.
             precision: replace the profile's precision chain (``"fp32"`` = reference mode).
             board: ``orin-agx`` (default), ``orin-nx-16``, ``orin-nx-8`` or ``orin-nano``.
-            backend: ``onnxruntime`` (the TensorRT backend arrives with the Jetson work).
+            backend: ``auto`` (TensorRT where it exists, else ONNX Runtime), ``onnxruntime`` or ``tensorrt``.
             cache_dir: engine cache directory (default ``~/.cache/k2edge``).
 
         Raises:
             K2EdgeError: any input problem, with one message naming it.
         """
-        started = time.perf_counter()
-        if backend not in BACKENDS:
-            from ..errors import BackendUnavailable
+        from .backends import resolve_backend
 
-            raise BackendUnavailable(f"backend {backend!r} is not available here; available: {', '.join(BACKENDS)}")
+        started = time.perf_counter()
+        backend = resolve_backend(backend)
         if precision is not None and precision not in ("fp32", "fp16", "int8"):
             raise BuildError(f"precision must be fp32, fp16 or int8, got {precision!r}")
         profile = profile if isinstance(profile, Profile) else load_profile(profile)
@@ -189,14 +186,19 @@ class Engine:
             quant = calibrate_int8(normalised, dataset, preprocess, cache, exclude)
             hits["int8"] = quant.cached
 
-        from .onnxruntime_backend import OnnxRuntimeBackend, build_segments
-
-        built = build_segments(normalised, plan, quant, cache)
-        hits["engine"] = built.cached
         graph = normalised.graph
         inputs = (TensorSpec(input_name, input_shape, graph.tensors[input_name].dtype),)
-        runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane, prefetch=er.dma_prefetch)
-        info = BuildInfo(hits, time.perf_counter() - started, calib_source, built.notes)
+        if backend == "tensorrt":
+            from .tensorrt_backend import create_backend
+
+            runner = create_backend(normalised, plan, quant, cache, profile, inputs, graph.outputs)
+        else:
+            from .onnxruntime_backend import OnnxRuntimeBackend, build_segments
+
+            built = build_segments(normalised, plan, quant, cache)
+            runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane, prefetch=er.dma_prefetch)
+        hits["engine"] = runner.build.cached
+        info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes))
         return cls(runner, plan, normalised, profile, preprocess, label_names, info)
 
     # lifecycle -------------------------------------------------------------------------------
