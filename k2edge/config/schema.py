@@ -1,0 +1,215 @@
+"""The daemon config schema.
+
+Relative paths in the file are resolved against the file's directory. Secrets never live in the
+TOML: the MQTT password comes from a file or a systemd credential (``LoadCredential=``), read at
+start and kept out of every log, status message and repr.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import K2EdgeError
+from ..profile.validation import describe_validation_error, model_keys
+
+DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
+_TOPIC_LEVEL = re.compile(r"^[A-Za-z0-9_.:-]+$")
+
+
+class ConfigError(K2EdgeError):
+    """The daemon config is missing, not TOML, or invalid (the message names the key)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _topic_level(value: str, what: str) -> str:
+    if not _TOPIC_LEVEL.match(value):
+        raise ValueError(f"{what} must be letters, digits, '_', '.', ':' or '-' (it becomes a topic level), got {value!r}")
+    return value
+
+
+class MqttConfig(_Strict):
+    """Broker connection. Password from ``password_file`` or ``password_credential`` only."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(1883, ge=1, le=65535)
+    client_id: str | None = Field(None, description="stable id for the persistent session; default k2edge-{device_id}")
+    topic_prefix: str | None = Field(None, description="default k2edge/{device_id}")
+    keepalive_s: int = Field(30, ge=5, le=3600)
+    session_expiry_s: int = Field(86400, ge=1, description="how long the broker keeps queued requests while we are down")
+    qos: int = Field(1, ge=0, le=2)
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    username: str | None = None
+    password_file: Path | None = None
+    password_credential: str | None = Field(None, description="name of a systemd credential ($CREDENTIALS_DIRECTORY/NAME)")
+    reconnect_min_s: float = Field(0.5, gt=0)
+    reconnect_max_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _pairs(self):
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.password_file and self.password_credential:
+            raise ValueError("give password_file or password_credential, not both")
+        if (self.password_file or self.password_credential) and not self.username:
+            raise ValueError("a password needs a username")
+        if self.reconnect_min_s > self.reconnect_max_s:
+            raise ValueError("reconnect_min_s must not exceed reconnect_max_s")
+        return self
+
+
+class ModelConfig(_Strict):
+    """One served model."""
+
+    name: str
+    onnx: Path
+    profile: str = "cpu-dev"
+    labels: Path | None = None
+    calib: Path | None = None
+    backend: str = Field("auto", pattern="^(auto|onnxruntime|tensorrt)$")
+    top_k: int = Field(5, ge=1, le=1000)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return _topic_level(v, "model name")
+
+
+class ServiceConfig(_Strict):
+    """Scheduling and limits."""
+
+    queue_size: int = Field(64, ge=1, le=100000, description="requests waiting; a full queue answers busy")
+    max_batch: int = Field(8, ge=1, le=256)
+    batch_timeout_ms: float = Field(2.0, ge=0, le=10000)
+    max_payload_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    staging_threads: int = Field(2, ge=1, le=64)
+    telemetry_interval_s: float = Field(5.0, gt=0)
+    default_deadline_ms: float | None = Field(None, gt=0, description="deadline for requests that give none")
+    drain_timeout_s: float = Field(30.0, gt=0)
+    cache_dir: Path | None = Field(None, description="engine cache; default $CACHE_DIRECTORY or ~/.cache/k2edge")
+    state_dir: Path | None = Field(None, description="outbox and state; default $STATE_DIRECTORY or ~/.local/state/k2edge")
+
+
+class FleetConfig(_Strict):
+    group: str | None = Field(None, description="shared-subscription group: also take work from $share/{group}/k2edge/pool/infer/{model}")
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, v):
+        return v if v is None else _topic_level(v, "fleet.group")
+
+
+class DaemonConfig(_Strict):
+    """The whole file."""
+
+    device_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0])
+    board: str | None = Field(None, description="orin-agx | orin-nx-16 | orin-nx-8 | orin-nano; default: detected")
+    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    models: tuple[ModelConfig, ...]
+    source: Path | None = Field(None, exclude=True)
+
+    @field_validator("device_id")
+    @classmethod
+    def _device(cls, v):
+        return _topic_level(v, "device_id")
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v):
+        if not v:
+            raise ValueError("at least one [[models]] entry is needed")
+        names = [m.name for m in v]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"model names must be unique, repeated: {sorted(dup)}")
+        return v
+
+    @property
+    def client_id(self) -> str:
+        return self.mqtt.client_id or f"k2edge-{self.device_id}"
+
+    @property
+    def prefix(self) -> str:
+        return self.mqtt.topic_prefix or f"k2edge/{self.device_id}"
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def _resolve(data: dict, base: Path) -> dict:
+    """Make relative paths in the file relative to the file's directory."""
+    def fix(section: dict, keys):
+        for k in keys:
+            if isinstance(section.get(k), str) and section[k] and not os.path.isabs(section[k]):
+                section[k] = str(base / section[k])
+
+    fix(data.get("mqtt", {}), ("tls_ca_file", "tls_cert_file", "tls_key_file", "password_file"))
+    fix(data.get("service", {}), ("cache_dir", "state_dir"))
+    for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
+        if isinstance(m, dict):
+            fix(m, ("onnx", "labels", "calib"))
+            prof = m.get("profile")
+            if isinstance(prof, str) and (prof.endswith(".json") or "/" in prof) and not os.path.isabs(prof):
+                m["profile"] = str(base / prof)
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
+    """Read and validate the daemon config.
+
+    Raises:
+        ConfigError: missing file, TOML syntax error (with line), or invalid keys (with field paths).
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    p = Path(path) if path else DEFAULT_PATH
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist (an example ships as config/k2edge.toml)") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    data = _resolve(data, p.resolve().parent)
+    try:
+        cfg = DaemonConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{p}: {describe_validation_error(exc, model_keys(DaemonConfig))}") from None
+    return cfg.model_copy(update={"source": p})
+
+
+def read_secret(path: Path | None = None, credential: str | None = None, what: str = "secret") -> str | None:
+    """A secret from a file or a systemd credential; stripped of the trailing newline.
+
+    Raises:
+        ConfigError: the file or credential is missing (the message names where, never the value).
+    """
+    if credential:
+        directory = os.environ.get("CREDENTIALS_DIRECTORY")
+        if not directory:
+            raise ConfigError(f"{what}: credential {credential!r} requested but $CREDENTIALS_DIRECTORY is not set "
+                              f"(add LoadCredential={credential}:/path to the unit)")
+        path = Path(directory) / credential
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8").rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read {str(path)!r} ({exc.strerror})") from None

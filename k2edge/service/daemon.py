@@ -1,0 +1,234 @@
+"""``k2edge serve``: wires config, engines, the scheduler, the MQTT transport, health and sd_notify.
+
+Lifecycle: build (or load from the cache) every model's engines -> connect -> READY=1 -> serve,
+sending WATCHDOG=1 only while every serving thread is looping -> on SIGTERM/SIGINT drain: status
+``draining``, STOPPING=1, stop taking new requests (left un-acknowledged, so the broker keeps them
+for the next start), finish and publish everything accepted, status ``offline``, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import threading
+import time
+from collections import OrderedDict
+from .. import __version__
+from ..config.schema import DaemonConfig
+from . import topics
+from .protocol import BUSY, PAYLOAD_TOO_LARGE, UNKNOWN_MODEL, RequestError, encode, error_response, ok_response
+from .runtime import ModelRuntime
+from .scheduler import Scheduler, Work
+from .sdnotify import Notifier
+from .stats import ServiceStats
+from .transport import MqttTransport
+
+log = logging.getLogger(__name__)
+_PEEK_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+
+
+class _Seen:
+    """Request keys answered or in flight (bounded), so a redelivered request is answered once."""
+
+    def __init__(self, size: int = 65536) -> None:
+        self._keys: OrderedDict = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def add(self, key) -> bool:
+        """Record ``key``; False when it was already there."""
+        with self._lock:
+            if key in self._keys:
+                return False
+            self._keys[key] = True
+            if len(self._keys) > self._size:
+                self._keys.popitem(last=False)
+            return True
+
+
+class Daemon:
+    """The serving process. ``run()`` blocks until drained; returns the exit code."""
+
+    def __init__(self, cfg: DaemonConfig, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.notify = notifier or Notifier()
+        self.stats = ServiceStats()
+        self.models: dict[str, ModelRuntime] = {}
+        self._draining = threading.Event()
+        self._stop = threading.Event()
+        self._seen = _Seen()
+        self.transport: MqttTransport | None = None
+        self.scheduler: Scheduler | None = None
+        self._thermal_state = "unknown"
+
+    # setup ---------------------------------------------------------------------------------------
+    def _build_models(self) -> None:
+        from ..dla.boards import DEFAULT_BOARD, detect_board
+
+        detected = detect_board()
+        board = self.cfg.board or (detected.key if detected else DEFAULT_BOARD)
+        for m in self.cfg.models:
+            self.notify.notify(f"STATUS=building engines for {m.name}")
+            log.info("model %s: building engines (profile %s, board %s)", m.name, m.profile, board)
+            rt = ModelRuntime(m, self.cfg.service.max_batch, board, self.cfg.service.cache_dir)
+            rt.activate()
+            self.models[m.name] = rt
+
+    def status_payload(self, state: str) -> bytes:
+        return json.dumps({
+            "state": state,
+            "device": self.cfg.device_id,
+            "version": __version__,
+            "models": [{"name": name, "profile": rt.profile_name, "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines)}
+                       for name, rt in self.models.items()],
+            "topics": {"requests": topics.request_filter(self.cfg.prefix),
+                       "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},
+            "time": time.time(),
+        }).encode()
+
+    def telemetry_payload(self) -> bytes:
+        snap = self.stats.snapshot()
+        snap.update({"device": self.cfg.device_id, "state": "draining" if self._draining.is_set() else "online",
+                     "queue_depth": self.scheduler.queue_depth() if self.scheduler else 0,
+                     "thermal": {"state": self._thermal_state}, "escalation_rate": 0.0,
+                     "cloud": {"state": "not configured"}, "time": time.time()})
+        return json.dumps(snap).encode()
+
+    # request path (network thread) ---------------------------------------------------------------
+    def _on_message(self, msg, token) -> None:
+        props = getattr(msg, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) or None
+        correlation = getattr(props, "CorrelationData", None)
+        content_type = getattr(props, "ContentType", None)
+        user_props = {str(k): str(v) for k, v in (getattr(props, "UserProperty", None) or [])}
+        model = topics.model_of(msg.topic) or ""
+        work = Work(msg.topic, model, msg.payload, content_type, user_props, response_topic, correlation,
+                    time.monotonic(), token)
+        if self._draining.is_set():
+            # not acknowledged: the broker keeps it in our session for the next start
+            return
+        if len(msg.payload) > self.cfg.service.max_payload_bytes:
+            self._reply_now(work, PAYLOAD_TOO_LARGE, f"payload of {len(msg.payload)} bytes exceeds the limit of "
+                            f"{self.cfg.service.max_payload_bytes}")
+            return
+        if model not in self.models:
+            self._reply_now(work, UNKNOWN_MODEL, f"no model {model!r} here; served: {sorted(self.models)}")
+            return
+        if not self.scheduler.offer(work):
+            self._reply_now(work, BUSY, f"queue full ({self.cfg.service.queue_size} requests waiting); retry later")
+
+    def _reply_now(self, work: Work, code: str, message: str) -> None:
+        # routing only: the payload is not parsed here (network thread), its id is peeked
+        rid = work.user_properties.get("id")
+        if rid is None:
+            m = _PEEK_ID.search(work.payload[:4096])
+            rid = m.group(1).decode(errors="replace") if m else None
+        self._respond(work, RequestError(code, message, rid))
+
+    def _is_duplicate(self, work: Work) -> bool:
+        req = work.request
+        if req.id is None and work.correlation is None:
+            return False
+        key = (req.id, work.response_topic, work.correlation, work.model)
+        return not self._seen.add(key)
+
+    def _respond(self, work: Work, result) -> None:
+        """Publish the answer (or error) for ``work``, then acknowledge its request."""
+        try:
+            if result is None:  # a duplicate delivery: answered already
+                return
+            req = work.request
+            rid = req.id if req else (result.request_id if isinstance(result, RequestError) else None)
+            if isinstance(result, RequestError):
+                body = error_response(result.code, result.message, rid or result.request_id, work.model or None, self.cfg.device_id)
+                self.stats.failed(result.code)
+            else:
+                rt = self.models[work.model]
+                total = (time.monotonic() - work.received) * 1e3
+                latency = {k: round(v, 3) if isinstance(v, float) else v for k, v in work.timings.items()}
+                latency["total"] = round(total, 3)
+                top = rt.top_k(result, req.top_k or rt.cfg.top_k)[0]
+                body = ok_response(req, self.cfg.device_id, rt.profile_name, top, latency, self._thermal_state)
+                self.stats.answered(total)
+            topic = work.response_topic
+            if not topic:
+                topic = topics.result_topic(self.cfg.prefix, rid) if rid and topics.valid_level(rid) else topics.errors_topic(self.cfg.prefix)
+            self.transport.publish(topic, encode(body), qos=self.cfg.mqtt.qos, correlation=work.correlation)
+        finally:
+            self.transport.done(work.ack_token)
+
+    # run -----------------------------------------------------------------------------------------
+    def _on_connected(self) -> None:
+        self.transport.publish(topics.status_topic(self.cfg.prefix), self.status_payload("online"), qos=1, retain=True)
+
+    def request_drain(self, *_):
+        if not self._draining.is_set():
+            log.info("drain requested: finishing accepted requests")
+        self._draining.set()
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self._build_models()
+        self.scheduler = Scheduler(self.models, queue_size=cfg.service.queue_size, max_batch=cfg.service.max_batch,
+                                   batch_timeout_ms=cfg.service.batch_timeout_ms, staging_threads=cfg.service.staging_threads,
+                                   default_deadline_ms=cfg.service.default_deadline_ms, respond=self._respond,
+                                   is_duplicate=self._is_duplicate)
+        self.scheduler.start()
+        subs = [topics.request_filter(cfg.prefix)]
+        if cfg.fleet.group:
+            subs.append(topics.shared_filter(cfg.fleet.group))
+        will = (topics.status_topic(cfg.prefix), self.status_payload("offline"))
+        self.transport = MqttTransport(cfg, subs, self._on_message, self._on_connected, will)
+        self.transport.start()
+        ready = False
+        watchdog = self.notify.watchdog_interval()
+        last_dog = last_telemetry = 0.0
+        last_status = ""
+        while not self._draining.is_set():
+            now = time.monotonic()
+            connected = self.transport.connected.is_set()
+            if connected and not ready:
+                ready = True
+                self.notify.notify("READY=1", f"STATUS=serving {', '.join(self.models)} on {cfg.mqtt.host}:{cfg.mqtt.port}")
+                log.info("serving %s on %s (prefix %s)", ", ".join(self.models), f"{cfg.mqtt.host}:{cfg.mqtt.port}", cfg.prefix)
+            status = "serving" if connected else "waiting for the broker"
+            if ready and status != last_status:
+                self.notify.notify(f"STATUS={status}")
+                last_status = status
+            healthy = self.transport.alive and self.scheduler.alive(max_age=5.0)
+            if watchdog and healthy and now - last_dog >= watchdog:
+                self.notify.notify("WATCHDOG=1")
+                last_dog = now
+            if connected and now - last_telemetry >= cfg.service.telemetry_interval_s:
+                self.transport.publish(topics.telemetry_topic(cfg.prefix), self.telemetry_payload(), qos=0)
+                last_telemetry = now
+            self._draining.wait(0.2)
+        return self._drain()
+
+    def _drain(self) -> int:
+        cfg = self.cfg
+        self.notify.notify("STOPPING=1", "STATUS=draining")
+        if self.transport.connected.is_set():
+            self.transport.publish(topics.status_topic(cfg.prefix), self.status_payload("draining"), qos=1, retain=True)
+        finished = self.scheduler.wait_idle(cfg.service.drain_timeout_s)
+        if not finished:
+            log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", cfg.service.drain_timeout_s)
+        self.transport.publish(topics.status_topic(cfg.prefix), self.status_payload("offline"), qos=1, retain=True)
+        if not self.transport.wait_published(timeout=10):
+            log.warning("some answers were not acknowledged by the broker before exit")
+        self.transport.stop()
+        self.scheduler.stop()
+        for rt in self.models.values():
+            rt.deactivate()
+        log.info("drained; offline")
+        return 0
+
+
+def serve(cfg: DaemonConfig) -> int:
+    """Run the daemon with SIGTERM/SIGINT draining it."""
+    daemon = Daemon(cfg)
+    signal.signal(signal.SIGTERM, daemon.request_drain)
+    signal.signal(signal.SIGINT, daemon.request_drain)
+    return daemon.run()

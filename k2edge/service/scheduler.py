@@ -1,0 +1,259 @@
+"""Scheduling: a bounded intake queue, staging workers, and a dynamic batcher per model.
+
+Nothing here runs in paho's network thread except :meth:`Scheduler.offer`, which only does a
+``put_nowait``. A full queue answers ``busy`` at once. A request past its deadline is answered
+``deadline_exceeded`` — before it runs if it is already late, and instead of the answer if the
+answer comes too late. One failing request never takes the others down.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import InputError
+from .protocol import BAD_REQUEST, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN_MODEL, Request, RequestError, parse_request
+from .runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Work:
+    """One request from arrival to answer."""
+
+    topic: str
+    model: str
+    payload: bytes
+    content_type: str | None
+    user_properties: dict
+    response_topic: str | None
+    correlation: bytes | None
+    received: float
+    ack_token: object = None
+    request: Request | None = None
+    sample: np.ndarray | None = None
+    staged: float = 0.0
+    timings: dict = field(default_factory=dict)
+
+
+class Scheduler:
+    """Intake queue -> staging workers -> per-model batchers -> engines -> ``respond``.
+
+    Args:
+        models: served models by name.
+        respond: ``respond(work, result_or_error)`` publishes the answer (thread-safe).
+        is_duplicate: ``is_duplicate(request)`` — True when this id was already answered or is in flight.
+    """
+
+    def __init__(self, models: dict[str, ModelRuntime], *, queue_size: int, max_batch: int, batch_timeout_ms: float,
+                 staging_threads: int, default_deadline_ms: float | None, respond: Callable, is_duplicate: Callable) -> None:
+        self.models = models
+        self.intake: queue.Queue[Work | None] = queue.Queue(maxsize=queue_size)
+        self._batchers = {name: _Batcher(self, rt, max_batch, batch_timeout_ms / 1e3) for name, rt in models.items()}
+        self._respond = respond
+        self._is_duplicate = is_duplicate
+        self._default_deadline_ms = default_deadline_ms
+        self._stagers = [threading.Thread(target=self._stage_loop, name=f"k2edge-stage-{i}", daemon=True)
+                         for i in range(staging_threads)]
+        self._outstanding = 0
+        self._idle = threading.Condition()
+        self.heartbeats: dict[str, float] = {}
+
+    # lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        for t in self._stagers:
+            t.start()
+        for b in self._batchers.values():
+            b.start()
+
+    def offer(self, work: Work) -> bool:
+        """Queue a request (network thread). False when the queue is full."""
+        with self._idle:
+            self._outstanding += 1
+        try:
+            self.intake.put_nowait(work)
+            return True
+        except queue.Full:
+            self._finished()
+            return False
+
+    def queue_depth(self) -> int:
+        return self.intake.qsize() + sum(b.depth() for b in self._batchers.values())
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until every accepted request has been answered (drain)."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._outstanding:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def stop(self) -> None:
+        for _ in self._stagers:
+            self.intake.put(None)
+        for b in self._batchers.values():
+            b.stop()
+
+    def alive(self, max_age: float) -> bool:
+        """True when every worker thread lives and has looped within ``max_age`` seconds."""
+        now = time.monotonic()
+        threads = [*self._stagers, *(b.thread for b in self._batchers.values())]
+        return all(t.is_alive() for t in threads) and all(now - hb <= max_age for hb in self.heartbeats.values())
+
+    # internals ---------------------------------------------------------------------------------
+    def _finished(self) -> None:
+        with self._idle:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
+
+    def answer(self, work: Work, result) -> None:
+        """Publish an answer or an error (RequestError) for ``work``; never raises."""
+        try:
+            self._respond(work, result)
+        except Exception:
+            log.exception("publishing the answer to %s failed", work.topic)
+        finally:
+            self._finished()
+
+    def _stage_loop(self) -> None:
+        name = threading.current_thread().name
+        while True:
+            self.heartbeats[name] = time.monotonic()
+            try:
+                work = self.intake.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if work is None:
+                return
+            try:
+                self._stage(work)
+            except RequestError as err:
+                self.answer(work, err)
+            except InputError as err:
+                self.answer(work, RequestError(BAD_REQUEST, str(err), work.request.id if work.request else None))
+            except Exception as exc:
+                log.exception("staging a request on %s failed", work.topic)
+                self.answer(work, RequestError(INTERNAL, f"internal error while staging: {type(exc).__name__}"))
+
+    def _stage(self, work: Work) -> None:
+        runtime = self.models.get(work.model)
+        if runtime is None:
+            raise RequestError(UNKNOWN_MODEL, f"no model {work.model!r} here; served: {sorted(self.models)}")
+        req = parse_request(work.payload, work.model, work.content_type, work.user_properties, work.received)
+        if req.deadline_ms is None and self._default_deadline_ms:
+            req.deadline_ms = self._default_deadline_ms
+        work.request = req
+        if self._is_duplicate(work):
+            log.info("request %s on %s already answered or in flight; not answering twice", req.id, work.topic)
+            self.answer(work, None)
+            return
+        if req.deadline is not None and time.monotonic() > req.deadline:
+            raise RequestError(DEADLINE_EXCEEDED, f"deadline of {req.deadline_ms:g} ms passed before staging", req.id)
+        t0 = time.monotonic()
+        work.sample = runtime.stage(req.image, req.tensor)
+        work.staged = time.monotonic()
+        work.timings["stage"] = (work.staged - t0) * 1e3
+        work.timings["queue"] = (t0 - work.received) * 1e3
+        self._batchers[work.model].put(work)
+
+
+class _Batcher:
+    """Collects up to ``max_batch`` staged requests of one model within ``timeout`` and runs them."""
+
+    def __init__(self, scheduler: Scheduler, runtime: ModelRuntime, max_batch: int, timeout: float) -> None:
+        self.s = scheduler
+        self.rt = runtime
+        self.max_batch = max_batch
+        self.timeout = timeout
+        self.q: queue.Queue[Work | None] = queue.Queue()
+        # keep requests in our queue (where deadlines and busy are decided) rather than in the lanes
+        self._slots = threading.BoundedSemaphore(4)
+        self.thread = threading.Thread(target=self._loop, name=f"k2edge-batch-{runtime.name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=10)
+
+    def put(self, work: Work) -> None:
+        self.q.put(work)
+
+    def depth(self) -> int:
+        return self.q.qsize()
+
+    def _loop(self) -> None:
+        name = self.thread.name
+        while True:
+            self.s.heartbeats[name] = time.monotonic()
+            try:
+                first = self.q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if first is None:
+                return
+            batch = [first]
+            until = time.monotonic() + self.timeout
+            while len(batch) < self.max_batch:
+                left = until - time.monotonic()
+                try:
+                    item = self.q.get(timeout=left) if left > 0 else self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.q.put(None)
+                    break
+                batch.append(item)
+            self._dispatch(batch)
+
+    def _dispatch(self, batch: list[Work]) -> None:
+        now = time.monotonic()
+        live = []
+        for w in batch:
+            if w.request.deadline is not None and now > w.request.deadline:
+                self.s.answer(w, RequestError(DEADLINE_EXCEEDED, f"deadline of {w.request.deadline_ms:g} ms passed in the queue", w.request.id))
+            else:
+                live.append(w)
+        if not live:
+            return
+        self._slots.acquire()
+        started = time.monotonic()
+        try:
+            future = self.rt.submit([w.sample for w in live])
+        except Exception as exc:
+            self._slots.release()
+            log.exception("model %s: submitting a batch failed", self.rt.name)
+            for w in live:
+                self.s.answer(w, RequestError(INTERNAL, f"inference failed: {exc}", w.request.id))
+            return
+        future.add_done_callback(lambda f: self._complete(f, live, started))
+
+    def _complete(self, future, live: list[Work], started: float) -> None:
+        self._slots.release()
+        done = time.monotonic()
+        try:
+            outputs = future.result()[self.rt.output_name]
+        except Exception as exc:
+            log.error("model %s: batch of %d failed: %s", self.rt.name, len(live), exc)
+            for w in live:
+                self.s.answer(w, RequestError(INTERNAL, f"inference failed: {exc}", w.request.id))
+            return
+        for i, w in enumerate(live):
+            w.timings["infer"] = (done - started) * 1e3
+            w.timings["batch"] = len(live)
+            if w.request.deadline is not None and done > w.request.deadline:
+                self.s.answer(w, RequestError(DEADLINE_EXCEEDED, f"answer ready after the {w.request.deadline_ms:g} ms deadline", w.request.id))
+            else:
+                self.s.answer(w, outputs[i:i + 1])

@@ -1,0 +1,41 @@
+"""Topic names of the MQTT contract (pure)."""
+
+from __future__ import annotations
+
+POOL_PREFIX = "k2edge/pool"
+
+
+def request_filter(prefix: str) -> str:
+    return f"{prefix}/infer/+"
+
+
+def shared_filter(group: str) -> str:
+    return f"$share/{group}/{POOL_PREFIX}/infer/+"
+
+
+def status_topic(prefix: str) -> str:
+    return f"{prefix}/status"
+
+
+def telemetry_topic(prefix: str) -> str:
+    return f"{prefix}/telemetry"
+
+
+def result_topic(prefix: str, request_id: str) -> str:
+    return f"{prefix}/result/{request_id}"
+
+
+def errors_topic(prefix: str) -> str:
+    """Where an error goes when a request gives neither a Response Topic nor a usable id."""
+    return f"{prefix}/errors"
+
+
+def model_of(topic: str) -> str | None:
+    """The model name of a request topic (``.../infer/{model}``), else None."""
+    head, sep, model = topic.rpartition("/infer/")
+    return model if sep and model and "/" not in model else None
+
+
+def valid_level(value: str) -> bool:
+    """True when ``value`` can be one topic level: non-empty, no wildcards, no separator, no NUL."""
+    return bool(value) and not any(c in value for c in "+#/\x00") and len(value.encode()) <= 256

@@ -1,0 +1,212 @@
+"""Real infrastructure for the daemon tests: a mosquitto broker on a free loopback port, the
+daemon as a subprocess, and an MQTT 5 test client that records every answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+ROOT = Path(__file__).resolve().parents[1]
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+class Broker:
+    """mosquitto with persistence (sessions and queued messages survive a restart) and TCP_NODELAY."""
+
+    def __init__(self, workdir: Path, extra_conf: str = "") -> None:
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.conf = self.dir / "mosquitto.conf"
+        self.conf.write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "set_tcp_nodelay true\n"
+            "persistence true\n"
+            f"persistence_location {self.dir}/\n"
+            "autosave_interval 1\n"
+            "max_queued_messages 10000\n"
+            # as root mosquitto drops to the 'mosquitto' user, which cannot read pytest's private
+            # temporary directories (persistence, password files); no effect for other users
+            "user root\n" + extra_conf
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Broker":
+        self.log = open(self.dir / "mosquitto.log", "ab")
+        self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT)
+        wait_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: mosquitto writes its persistence file on the way out
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self, down_s: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+def write_config(path: Path, port: int, models: list[dict], device: str = "t1", service: dict | None = None,
+                 fleet: str | None = None, mqtt_extra: dict | None = None) -> Path:
+    def val(v):
+        return json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
+
+    lines = [f'device_id = "{device}"', "[mqtt]", 'host = "127.0.0.1"', f"port = {port}", "reconnect_min_s = 0.2",
+             "reconnect_max_s = 1.0"]
+    for k, v in (mqtt_extra or {}).items():
+        lines.append(f"{k} = {val(v)}")
+    lines += ["[service]", "telemetry_interval_s = 1"]
+    for k, v in (service or {}).items():
+        lines.append(f"{k} = {val(v)}")
+    if fleet:
+        lines += ["[fleet]", f'group = "{fleet}"']
+    for m in models:
+        lines.append("[[models]]")
+        lines += [f"{k} = {val(v)}" for k, v in m.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class DaemonProcess:
+    """``k2edge serve`` in a subprocess, its log captured."""
+
+    def __init__(self, config: Path, log: Path, env: dict | None = None) -> None:
+        self.config, self.log_path = config, log
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "DaemonProcess":
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "k2edge", "serve", "--config", str(self.config)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        return self
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Client:
+    """An MQTT 5 requester: private reply topic, correlation data, every answer recorded in order."""
+
+    def __init__(self, port: int, client_id: str | None = None, persistent: bool = False) -> None:
+        self.port = port
+        self.reply_topic = f"test/{uuid.uuid4().hex[:8]}/reply"
+        self.answers: list[tuple[dict, object]] = []
+        self.statuses: list[dict] = []
+        self.other: list[tuple[str, dict]] = []
+        self.dups: list[bool] = []  # MQTT DUP flag of each answer: a broker retransmission, not a second answer
+        self._cond = threading.Condition()
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"test-{uuid.uuid4().hex[:8]}",
+                             protocol=mqtt.MQTTv5)
+        self.c.on_message = self._on_message
+        self.c.on_socket_open = lambda c, u, s: s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.c.reconnect_delay_set(0.1, 0.5)
+        self.persistent = persistent
+        self._subscribed = threading.Event()
+        self.c.on_connect = self._on_connect
+
+    def _on_connect(self, client, userdata, flags, rc, props):
+        client.subscribe([(self.reply_topic, 1), ("k2edge/+/status", 1), ("k2edge/+/result/#", 1), ("k2edge/+/errors", 1)])
+        self._subscribed.set()
+
+    def connect(self) -> "Client":
+        props = Properties(PacketTypes.CONNECT)
+        if self.persistent:
+            props.SessionExpiryInterval = 3600
+        self.c.connect("127.0.0.1", self.port, keepalive=10, clean_start=not self.persistent, properties=props)
+        self.c.loop_start()
+        assert self._subscribed.wait(10)
+        time.sleep(0.2)  # let SUBACK land before anything is published
+        return self
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+    def _on_message(self, client, userdata, msg):
+        try:
+            body = json.loads(msg.payload)
+        except ValueError:
+            body = {"raw": msg.payload.decode(errors="replace")}
+        with self._cond:
+            if msg.topic.endswith("/status"):
+                self.statuses.append(body)
+            elif msg.topic == self.reply_topic:
+                self.answers.append((body, getattr(msg.properties, "CorrelationData", None)))
+                self.dups.append(bool(msg.dup))
+            else:
+                self.other.append((msg.topic, body))
+            self._cond.notify_all()
+
+    def publish(self, topic: str, payload, *, content_type: str = "application/json", user_properties: dict | None = None,
+                reply: bool = True, correlation: bytes | None = None):
+        props = Properties(PacketTypes.PUBLISH)
+        if reply:
+            props.ResponseTopic = self.reply_topic
+            props.CorrelationData = correlation or uuid.uuid4().bytes
+        props.ContentType = content_type
+        if user_properties:
+            props.UserProperty = list(user_properties.items())
+        if isinstance(payload, dict):
+            payload = json.dumps(payload).encode()
+        self.c.publish(topic, payload, qos=1, properties=props)
+        return props.CorrelationData if reply else None
+
+    def wait_for(self, predicate, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out; {len(self.answers)} answers, statuses {[s.get('state') for s in self.statuses]}")
+                self._cond.wait(left)
+
+    def wait_answers(self, n: int, timeout: float = 30.0) -> list[dict]:
+        self.wait_for(lambda c: len(c.answers) >= n, timeout)
+        return [a for a, _ in self.answers]
+
+    def wait_state(self, state: str, device: str = "t1", timeout: float = 60.0) -> None:
+        self.wait_for(lambda c: any(s.get("state") == state and s.get("device") == device for s in c.statuses), timeout)

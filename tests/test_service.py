@@ -1,0 +1,352 @@
+"""The daemon against a real mosquitto: answers, persistence across restarts, malformed input,
+busy, deadlines, draining, sd_notify and a fleet on a shared subscription."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import graphs
+from mqtt_support import ROOT, Broker, Client, DaemonProcess, write_config
+
+DEMO = ROOT / "models" / "digits"
+SAMPLES = sorted((DEMO / "samples").glob("*.jpg"))
+DIGITS = {"name": "digits", "onnx": DEMO / "model.onnx", "profile": "cpu-dev", "top_k": 3}
+TOPIC = "k2edge/t1/infer/digits"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory) -> Path:
+    """A deliberately heavy conv chain (~100 ms per request here) for queueing and draining tests."""
+    path = tmp_path_factory.mktemp("slow") / "slow.onnx"
+    onnx.save(graphs.conv_chain(n_convs=6, channels=64, size=96), str(path))
+    return path
+
+
+@pytest.fixture
+def run_daemon(tmp_path, broker):
+    started = []
+
+    def start(models=(DIGITS,), device="t1", wait=True, env=None, **kw) -> DaemonProcess:
+        cfg = write_config(tmp_path / f"{device}-{len(started)}.toml", broker.port, list(models), device=device, **kw)
+        d = DaemonProcess(cfg, tmp_path / f"{device}-{len(started)}.log", env).start()
+        started.append(d)
+        if wait:
+            watcher = Client(broker.port).connect()
+            try:
+                watcher.wait_for(lambda c: any(s.get("state") == "online" and s.get("device") == device
+                                               and s.get("time", 0) > d_started for s in c.statuses), 120)
+            except TimeoutError:
+                raise AssertionError(d.output()) from None
+            finally:
+                watcher.close()
+        return d
+
+    d_started = time.time() - 1
+    yield start
+    for d in started:
+        d.kill()
+
+
+def _image_request(path: Path, rid: str | None = None, **extra) -> dict:
+    body = {"id": rid or uuid.uuid4().hex[:12], "image": base64.b64encode(path.read_bytes()).decode()}
+    body.update(extra)
+    return body
+
+
+def _tensor_request(arr: np.ndarray, rid: str | None = None) -> dict:
+    return {"id": rid or uuid.uuid4().hex[:12],
+            "tensor": {"dtype": str(arr.dtype), "shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}}
+
+
+def _cli_infer(*inputs) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "k2edge", "infer", str(DEMO / "model.onnx"), "-p", "cpu-dev", "--json",
+                          "--top-k", "3", *map(str, inputs)], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_answers_equal_k2edge_infer(run_daemon, broker, tmp_path):
+    """JSON images, raw JPEG payloads and tensors are answered as `k2edge infer` answers them."""
+    run_daemon()
+    client = Client(broker.port).connect()
+    tensor = np.random.default_rng(0).standard_normal((1, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "t.npy", tensor)
+    want = _cli_infer(*SAMPLES[:4], tmp_path / "t.npy")
+    corr = [client.publish(TOPIC, _image_request(p)) for p in SAMPLES[:2]]
+    corr += [client.publish(TOPIC, p.read_bytes(), content_type="image/jpeg", user_properties={"id": f"raw{i}", "top_k": "3"})
+             for i, p in enumerate(SAMPLES[2:4])]
+    corr.append(client.publish(TOPIC, _tensor_request(tensor)))
+    client.wait_answers(5)
+    by_corr = {c: a for a, c in client.answers}
+    for c, w in zip(corr, want):
+        got = by_corr[c]
+        assert got["status"] == "ok" and got["source"] == "edge" and got["model"] == "digits", got
+        assert [t["index"] for t in got["top_k"]] == [t["index"] for t in w["top_k"]]
+        for a, b in zip(got["top_k"], w["top_k"]):
+            assert a["score"] == pytest.approx(b["score"], rel=1e-4, abs=1e-6)
+        assert set(got["latency_ms"]) >= {"queue", "stage", "infer", "total"}
+    client.close()
+
+
+def test_fallback_result_topic_without_response_topic(run_daemon, broker):
+    run_daemon()
+    client = Client(broker.port).connect()
+    client.publish(TOPIC, _image_request(SAMPLES[5], rid="plain-1"), reply=False)
+    client.wait_for(lambda c: any(t == "k2edge/t1/result/plain-1" for t, _ in c.other))
+    body = next(b for t, b in client.other if t == "k2edge/t1/result/plain-1")
+    assert body["status"] == "ok" and body["top_k"][0]["label"] == "5"
+    client.close()
+
+
+def test_requests_sent_while_down_are_answered_after_start(run_daemon, broker):
+    """The persistent session keeps requests at the broker while the daemon is stopped."""
+    d = run_daemon()
+    assert d.terminate() == 0
+    client = Client(broker.port).connect()
+    corr = [client.publish(TOPIC, _image_request(p, rid=f"queued-{i}")) for i, p in enumerate(SAMPLES[:5])]
+    time.sleep(0.5)
+    assert client.answers == []
+    run_daemon(wait=False)
+    answers = client.wait_answers(5, timeout=120)
+    assert sorted(a["id"] for a in answers) == [f"queued-{i}" for i in range(5)]
+    assert {c for _, c in client.answers} == set(corr)
+    time.sleep(1.0)
+    assert len(client.answers) == 5, "answered twice"
+    client.close()
+
+
+def test_broker_restart_mid_stream_loses_nothing_and_answers_once(run_daemon, broker):
+    run_daemon()
+    client = Client(broker.port, client_id="restart-client", persistent=True).connect()
+    ids = [f"r{i:03d}" for i in range(60)]
+    done = threading.Event()
+
+    def send():
+        for i, rid in enumerate(ids):
+            client.publish(TOPIC, _image_request(SAMPLES[i % 10], rid=rid))
+            time.sleep(0.02)
+        done.set()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.4)
+    broker.restart(down_s=0.5)
+    sender.join()
+    client.wait_for(lambda c: len({a["id"] for a, _ in c.answers}) >= len(ids), timeout=120)
+    time.sleep(2.0)  # anything answered twice would arrive by now
+    # A QoS 1 answer whose PUBACK died with the broker is retransmitted with the DUP flag: the same
+    # message again, which a receiver recognises. A second *answer* would arrive without it.
+    fresh = Counter(a["id"] for (a, _), dup in zip(client.answers, client.dups) if not dup)
+    assert set(Counter(a["id"] for a, _ in client.answers)) == set(ids)
+    assert max(fresh.values()) == 1, [k for k, v in fresh.items() if v > 1]
+    assert all(a["status"] == "ok" for a, _ in client.answers)
+    # and the daemon itself answered each request once
+    client.c.subscribe("k2edge/t1/telemetry", qos=0)
+    client.wait_for(lambda c: any(t == "k2edge/t1/telemetry" and b["counts"].get("ok") == len(ids) for t, b in c.other), 15)
+    client.close()
+
+
+MALFORMED = [
+    (b"not json at all", {}, "bad_request", "not JSON"),
+    (b"[1, 2, 3]", {}, "bad_request", "JSON object"),
+    (json.dumps({"id": "x1", "image": 42}).encode(), {}, "bad_request", "base64 string"),
+    (json.dumps({"id": "x2", "image": "%%%not-base64%%%"}).encode(), {}, "bad_request", "not valid base64"),
+    (json.dumps({"id": "x3", "image": base64.b64encode(b"GIF89a garbage").decode()}).encode(), {}, "bad_request", "cannot decode image"),
+    (json.dumps({"id": "x4", "tensor": {"dtype": "float32", "shape": [3, 28, 28],
+                                         "data": base64.b64encode(np.zeros((3, 28, 28), np.float32).tobytes()).decode()}}).encode(),
+     {}, "bad_request", "tensor shape [3, 28, 28]"),
+    (json.dumps({"id": "x5", "tensor": {"dtype": "float64", "shape": [1, 32, 32],
+                                         "data": base64.b64encode(np.zeros((1, 32, 32)).tobytes()).decode()}}).encode(),
+     {}, "bad_request", "tensor dtype float64"),
+    (json.dumps({"id": "x6", "tensor": {"dtype": "float32", "shape": [1, 32, 32], "data": "AAAA"}}).encode(), {}, "bad_request", "needs 4096"),
+    (json.dumps({"id": "x7", "image": "AAAA", "top_k": "five"}).encode(), {}, "bad_request", "top_k must be an integer"),
+    (json.dumps({"id": "bad/+#", "image": "AAAA"}).encode(), {}, "bad_request", "cannot be a topic level"),
+    (json.dumps({"id": "x8", "image": "AAAA", "colour": "red"}).encode(), {}, "bad_request", "unknown fields ['colour']"),
+    (json.dumps({"id": "x9"}).encode(), {}, "bad_request", "exactly one of 'image'"),
+    (json.dumps({"id": "x10", "image": "AAAA", "deadline_ms": -5}).encode(), {}, "bad_request", "deadline_ms"),
+    (b"\xff\xd8 not a real jpeg", {"content_type": "image/jpeg"}, "bad_request", "cannot decode image"),
+    (b"<xml/>", {"content_type": "application/xml"}, "bad_request", "content type 'application/xml'"),
+]
+
+
+def test_malformed_requests_get_precise_errors_and_the_daemon_keeps_serving(run_daemon, broker):
+    run_daemon(service={"max_payload_bytes": 65536})
+    client = Client(broker.port).connect()
+    corr = {}
+    for i, (payload, opts, code, fragment) in enumerate(MALFORMED):
+        corr[client.publish(TOPIC, payload, **opts)] = (code, fragment)
+    corr[client.publish(TOPIC, b"{" + b" " * 70000 + b"}")] = ("payload_too_large", "exceeds the limit of 65536")
+    corr[client.publish("k2edge/t1/infer/nosuchmodel", _image_request(SAMPLES[0], rid="m1"))] = ("unknown_model", "no model 'nosuchmodel'")
+    good = client.publish(TOPIC, _image_request(SAMPLES[8], rid="still-alive"))
+    client.wait_answers(len(corr) + 1)
+    answers = {c: a for a, c in client.answers}
+    for c, (code, fragment) in corr.items():
+        a = answers[c]
+        assert a["status"] == "error" and a["error"]["code"] == code, (fragment, a)
+        assert fragment in a["error"]["message"], (fragment, a)
+    assert answers[good]["status"] == "ok" and answers[good]["top_k"][0]["label"] == "8"
+    unknown = next(a for c, a in answers.items() if corr.get(c, ("",))[0] == "unknown_model")
+    assert unknown["id"] == "m1"
+    client.close()
+
+
+def test_full_queue_answers_busy_at_once(run_daemon, broker, slow_model):
+    run_daemon(models=[{"name": "slow", "onnx": slow_model, "profile": "cpu-dev"}],
+               service={"queue_size": 2, "max_batch": 1, "staging_threads": 1})
+    client = Client(broker.port).connect()
+    x = np.zeros((3, 96, 96), np.float32)
+    n = 30
+    for i in range(n):
+        client.publish("k2edge/t1/infer/slow", _tensor_request(x, rid=f"b{i}"))
+    answers = client.wait_answers(n, timeout=120)
+    codes = Counter(a["status"] if a["status"] == "ok" else a["error"]["code"] for a in answers)
+    assert codes["busy"] >= 10 and codes["ok"] >= 2 and set(codes) <= {"ok", "busy"}, codes
+    assert Counter(a["id"] for a in answers) == Counter(f"b{i}" for i in range(n))
+    busy = [a for a in answers if a["status"] == "error"]
+    assert "queue full" in busy[0]["error"]["message"]
+    client.close()
+
+
+def test_deadlines_are_never_answered_late(run_daemon, broker, slow_model):
+    run_daemon(models=[{"name": "slow", "onnx": slow_model, "profile": "cpu-dev"}], service={"max_batch": 1})
+    client = Client(broker.port).connect()
+    x = np.zeros((3, 96, 96), np.float32)
+    for i in range(6):
+        body = _tensor_request(x, rid=f"d{i}")
+        body["deadline_ms"] = 30
+        client.publish("k2edge/t1/infer/slow", body)
+    generous = _tensor_request(x, rid="patient")
+    generous["deadline_ms"] = 60000
+    client.publish("k2edge/t1/infer/slow", generous)
+    answers = {a["id"]: a for a in client.wait_answers(7, timeout=120)}
+    late = [a for rid, a in answers.items() if rid.startswith("d")]
+    assert all(a["status"] == "error" and a["error"]["code"] == "deadline_exceeded" for a in late[1:]), late
+    for a in late:
+        if a["status"] == "ok":  # only possible when answered within its 30 ms
+            assert a["latency_ms"]["total"] <= 30
+    assert answers["patient"]["status"] == "ok"
+    client.close()
+
+
+def test_sigterm_drains_in_flight_work_then_goes_offline(run_daemon, broker, slow_model):
+    d = run_daemon(models=[{"name": "slow", "onnx": slow_model, "profile": "cpu-dev"}], service={"max_batch": 1})
+    client = Client(broker.port).connect()
+    x = np.zeros((3, 96, 96), np.float32)
+    for i in range(6):
+        client.publish("k2edge/t1/infer/slow", _tensor_request(x, rid=f"s{i}"))
+    time.sleep(0.3)
+    assert d.terminate(timeout=60) == 0
+    answers = client.wait_answers(6, timeout=30)
+    assert sorted(a["id"] for a in answers) == [f"s{i}" for i in range(6)]
+    assert all(a["status"] == "ok" for a in answers)
+    states = [s["state"] for s in client.statuses if s.get("device") == "t1"]
+    assert states[-2:] == ["draining", "offline"], states
+    client.close()
+    # the retained status says offline to anyone who looks later
+    late = Client(broker.port).connect()
+    late.wait_state("offline")
+    late.close()
+
+
+def test_sd_notify_ready_watchdog_stopping(run_daemon, broker, tmp_path):
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(0.5)
+    messages: list[str] = []
+
+    def listen():
+        while not stop.is_set():
+            try:
+                messages.append(sock.recv(4096).decode())
+            except socket.timeout:
+                continue
+
+    stop = threading.Event()
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    d = run_daemon(env={"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "1000000"})
+    time.sleep(2.5)
+    assert d.terminate() == 0
+    time.sleep(0.5)
+    stop.set()
+    t.join()
+    sock.close()
+    flat = [line for m in messages for line in m.splitlines()]
+    assert "READY=1" in flat
+    assert any(line.startswith("STATUS=serving") for line in flat)
+    assert flat.count("WATCHDOG=1") >= 3
+    assert "STOPPING=1" in flat
+    assert flat.index("READY=1") < flat.index("WATCHDOG=1") < flat.index("STOPPING=1")
+
+
+def test_two_daemons_share_the_pool_each_request_answered_once(run_daemon, broker):
+    run_daemon(device="fa", fleet="line3")
+    run_daemon(device="fb", fleet="line3")
+    client = Client(broker.port).connect()
+    n = 40
+    for i in range(n):
+        client.publish("k2edge/pool/infer/digits", _image_request(SAMPLES[i % 10], rid=f"p{i}"))
+    client.wait_answers(n, timeout=60)
+    time.sleep(1.0)
+    ids = Counter(a["id"] for a, _ in client.answers)
+    assert ids == Counter(f"p{i}" for i in range(n))
+    devices = Counter(a["device"] for a, _ in client.answers)
+    assert set(devices) == {"fa", "fb"} and min(devices.values()) >= n // 4, devices
+    client.close()
+
+
+def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
+    """Username/password auth against a broker that requires it; the secret appears nowhere."""
+    secret = "s3cr3t-" + uuid.uuid4().hex
+    pw = tmp_path / "passwd"
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(pw), "k2edge", secret], check=True, capture_output=True)
+    pw.chmod(0o600)
+    secured = Broker(tmp_path / "secured", extra_conf="")
+    secured.conf.write_text(secured.conf.read_text().replace("allow_anonymous true", f"allow_anonymous false\npassword_file {pw}"))
+    secured.start()
+    try:
+        (tmp_path / "mqtt-password").write_text(secret + "\n")
+        cfg = write_config(tmp_path / "auth.toml", secured.port, [DIGITS], device="auth",
+                           mqtt_extra={"username": "k2edge", "password_file": str(tmp_path / "mqtt-password")})
+        d = DaemonProcess(cfg, tmp_path / "auth.log", env={"K2EDGE_DEBUG_MQTT": "1"}).start()
+        import paho.mqtt.client as mqtt
+
+        seen = []
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        c.username_pw_set("k2edge", secret)
+        c.on_message = lambda cl, u, m: seen.append(m.payload)
+        c.connect("127.0.0.1", secured.port)
+        c.subscribe("k2edge/auth/status", qos=1)
+        c.loop_start()
+        deadline = time.monotonic() + 120
+        while not any(b'"online"' in p for p in seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any(b'"online"' in p for p in seen), d.output()
+        assert d.terminate() == 0
+        c.loop_stop()
+        assert secret not in d.output()
+        assert all(secret.encode() not in p for p in seen)
+    finally:
+        secured.stop()

@@ -1,0 +1,168 @@
+"""Pure parts of the daemon: request parsing, topics, ack ordering, backoff, health, config."""
+
+import base64
+import json
+import time
+
+import numpy as np
+import pytest
+
+from k2edge.config import load_config
+from k2edge.config.schema import ConfigError, read_secret
+from k2edge.service import topics
+from k2edge.service.protocol import RequestError, parse_request
+from k2edge.service.runtime import batch_sizes
+from k2edge.service.scheduler import Scheduler
+from k2edge.service.transport import AckSequencer, backoff
+
+
+def _parse(obj, ctype=None, props=None):
+    payload = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return parse_request(payload, "m", ctype, props or {}, received=100.0)
+
+
+def test_parse_json_image_and_tensor():
+    r = _parse({"id": "a", "image": base64.b64encode(b"\xff\xd8jpeg").decode(), "top_k": 3, "deadline_ms": 250,
+                "prompt": "what is it?", "allow_cloud": False, "deferrable": True})
+    assert (r.id, r.image, r.top_k, r.deadline, r.prompt, r.allow_cloud, r.deferrable) == (
+        "a", b"\xff\xd8jpeg", 3, 100.25, "what is it?", False, True)
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = _parse({"tensor": {"dtype": "float32", "shape": [2, 3], "data": base64.b64encode(arr.tobytes()).decode()}})
+    np.testing.assert_array_equal(t.tensor, arr)
+    assert t.id is None
+
+
+def test_parse_raw_image_with_user_properties():
+    r = _parse(b"\x89PNG...", "image/png", {"id": "p1", "top_k": "2", "deadline_ms": "50", "allow_cloud": "false"})
+    assert (r.id, r.image, r.top_k, r.deadline_ms, r.allow_cloud) == ("p1", b"\x89PNG...", 2, 50.0, False)
+    with pytest.raises(RequestError, match="user property top_k must be a number"):
+        _parse(b"x", "image/png", {"top_k": "lots"})
+    with pytest.raises(RequestError, match=r"unknown user properties \['colour'\]"):
+        _parse(b"x", "image/jpeg", {"colour": "red"})
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ({"id": 5, "image": "AA=="}, "id must be a string"),
+    ({"id": "a/b", "image": "AA=="}, "cannot be a topic level"),
+    ({"id": "a#", "image": "AA=="}, "cannot be a topic level"),
+    ({"image": "AA==", "allow_cloud": "yes"}, "allow_cloud must be true or false"),
+    ({"tensor": {"dtype": "complex64", "shape": [1], "data": ""}}, "tensor.dtype"),
+    ({"tensor": {"dtype": "float32", "shape": [0], "data": ""}}, "positive integers"),
+    ({"tensor": {"dtype": "float32", "shape": [1]}}, "exactly dtype, shape and data"),
+])
+def test_parse_errors_are_bad_request(bad, fragment):
+    with pytest.raises(RequestError) as err:
+        _parse(bad)
+    assert err.value.code == "bad_request" and fragment in err.value.message
+
+
+def test_topics():
+    assert topics.model_of("k2edge/dev/infer/digits") == "digits"
+    assert topics.model_of("k2edge/pool/infer/digits") == "digits"
+    assert topics.model_of("k2edge/dev/status") is None
+    assert topics.shared_filter("g") == "$share/g/k2edge/pool/infer/+"
+    assert not topics.valid_level("") and not topics.valid_level("a+b") and topics.valid_level("req-1.x:y")
+
+
+def test_acks_go_out_in_arrival_order_and_never_across_reconnects():
+    sent = []
+    seq = AckSequencer(sent.append)
+    t1, t2, t3 = seq.received(1), seq.received(2), seq.received(3)
+    seq.done(t2)
+    assert sent == []  # 1 is not done: 2 must wait
+    seq.done(t1)
+    assert sent == [1, 2]
+    seq.new_connection()
+    seq.done(t3)  # packet id 3 belongs to the old connection: the broker redelivers it instead
+    assert sent == [1, 2]
+
+
+def test_backoff_is_jittered_and_capped():
+    delays = [backoff(a, 0.5, 30.0) for a in range(12) for _ in range(50)]
+    assert min(delays) >= 0.5 and max(delays) <= 30.0
+    assert len({round(d, 3) for d in delays}) > 100
+    assert backoff(20, 0.5, 30.0, rng=lambda: 1.0) == 30.0
+
+
+def test_batch_sizes():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(8) == [1, 2, 4, 8]
+    assert batch_sizes(6) == [1, 2, 4, 6]
+
+
+def test_a_wedged_worker_fails_the_health_check():
+    """WATCHDOG=1 is only sent while every serving thread loops: a wedged one stops it."""
+    import threading
+
+    from k2edge.service.scheduler import Work
+
+    release = threading.Event()
+
+    class WedgedModel:  # a model whose staging never returns, as a hung decoder would
+        name = "m"
+
+        def stage(self, image, tensor):
+            release.wait(10)
+            raise RuntimeError("released")
+
+    answered = []
+    s = Scheduler({"m": WedgedModel()}, queue_size=4, max_batch=1, batch_timeout_ms=1, staging_threads=1,
+                  default_deadline_ms=None, respond=lambda w, r: answered.append(r), is_duplicate=lambda w: False)
+    s._batchers.clear()
+    s.start()
+    time.sleep(0.1)
+    assert s.alive(max_age=0.4)
+    payload = json.dumps({"id": "w", "image": "AAAA"}).encode()
+    assert s.offer(Work("t/infer/m", "m", payload, None, {}, None, None, time.monotonic()))
+    time.sleep(1.0)
+    assert not s.alive(max_age=0.4)
+    release.set()
+    time.sleep(0.7)
+    assert s.alive(max_age=0.6)
+    assert answered and answered[0].code == "internal"
+    s.stop()
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "k.toml"
+    p.write_text(text)
+    return p
+
+
+def test_config_example_loads_and_resolves_paths():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "config" / "k2edge.toml")
+    assert cfg.device_id == "demo" and cfg.prefix == "k2edge/demo" and cfg.client_id == "k2edge-demo"
+    assert cfg.models[0].onnx.is_file() and cfg.models[0].calib.is_dir()
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("models = []", "models: Value error, at least one"),
+    ('[[models]]\nname = "a"\nonnx = "m.onnx"\nturbo = true', "models.0.turbo: unknown key"),
+    ('[[models]]\nname = "a/b"\nonnx = "m.onnx"', "model name must be letters"),
+    ('[mqtt]\nport = 0\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.port: must be >= 1"),
+    ('[mqtt]\npassword_file = "p"\n[[models]]\nname = "a"\nonnx = "m"', "a password needs a username"),
+    ('[mqtt]\npassword = "hunter2"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.password: unknown key"),
+    ("device_id = 'x'\n[service\n", "not valid TOML"),
+])
+def test_config_errors_name_the_key(tmp_path, text, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, text))
+    assert fragment.replace("Value error, ", "") in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_secrets_from_file_and_credential(tmp_path, monkeypatch):
+    (tmp_path / "pw").write_text("hunter2\n")
+    assert read_secret(tmp_path / "pw") == "hunter2"
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    assert read_secret(credential="pw") == "hunter2"
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    with pytest.raises(ConfigError, match="CREDENTIALS_DIRECTORY is not set") as err:
+        read_secret(credential="pw")
+    assert "hunter2" not in str(err.value)
