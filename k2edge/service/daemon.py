@@ -192,13 +192,15 @@ class Daemon:
             if connected and not ready:
                 ready = True
                 self.notify.notify("READY=1", f"STATUS=serving {', '.join(self.models)} on {cfg.mqtt.host}:{cfg.mqtt.port}")
+                last_status = "serving"
                 log.info("serving %s on %s (prefix %s)", ", ".join(self.models), f"{cfg.mqtt.host}:{cfg.mqtt.port}", cfg.prefix)
             status = "serving" if connected else "waiting for the broker"
             if ready and status != last_status:
                 self.notify.notify(f"STATUS={status}")
                 last_status = status
             healthy = self.transport.alive and self.scheduler.alive(max_age=5.0)
-            if watchdog and healthy and now - last_dog >= watchdog:
+            # systemd arms the watchdog at READY=1; before that the engine builds own the time
+            if watchdog and ready and healthy and now - last_dog >= watchdog:
                 self.notify.notify("WATCHDOG=1")
                 last_dog = now
             if connected and now - last_telemetry >= cfg.service.telemetry_interval_s:
