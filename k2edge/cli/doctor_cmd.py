@@ -26,8 +26,11 @@ def run(args) -> int:
     print(f"tensorrt     {trt or 'not installed (on a Jetson: JetPack python3-libnvinfer; venv with --system-site-packages)'}")
     print(f"pycuda       {r['pycuda'] or 'not installed (pip install k2edge[jetson])'}")
     print(f"CUDA devices {', '.join(r['cuda_devices']) or 'none'}")
-    print(f"L4T          {r['l4t'] or 'not a Jetson'}")
-    print(f"board        {r['board'] or 'not a Jetson Orin'}; DLA cores: {r['dla_cores']}")
+    print(f"CUDA         {r.get('cuda') or 'not found (/usr/local/cuda/version.json)'}")
+    print(f"L4T          {r['l4t'] or 'not a Jetson'}" + (f" (JetPack {r['jetpack']})" if r.get("jetpack") else ""))
+    trt_cores = r["backends"]["tensorrt"].get("dla_cores")
+    print(f"board        {r['board'] or 'not a Jetson Orin'}; DLA cores: {r['dla_cores']}"
+          + (f" (TensorRT sees {trt_cores})" if trt_cores is not None else ""))
     jt = r["jtop"]
     state = "running" if jt["socket"] else "not running"
     print(f"jtop service {state}" + (f" (systemd: {jt['systemd']})" if jt["systemd"] else "") + (f"; {jt['hint']}" if "hint" in jt else ""))

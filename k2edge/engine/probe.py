@@ -6,6 +6,7 @@ Paths are read under an injectable root so tests can lay out a fake Jetson tree.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -39,6 +40,43 @@ def l4t_release(root: Path = Path("/")) -> str | None:
         return None
     m = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", text)
     return f"R{m.group(1)}.{m.group(2)}" if m else text.strip().splitlines()[0]
+
+
+# JetPack releases by L4T release (NVIDIA's Jetson Linux release notes); older or unknown ones read as None.
+JETPACK_BY_L4T = {"R36.4.4": "6.2.1", "R36.4.3": "6.2", "R36.4.0": "6.1", "R36.3.0": "6.0", "R36.2.0": "6.0 DP"}
+
+
+def jetpack_release(l4t: str | None) -> str | None:
+    """The JetPack release an L4T release belongs to (``R36.4.3`` -> ``6.2``), None when unknown."""
+    if not l4t:
+        return None
+    return JETPACK_BY_L4T.get(l4t) or JETPACK_BY_L4T.get(l4t + ".0")
+
+
+def cuda_version(root: Path = Path("/")) -> str | None:
+    """The CUDA toolkit version from /usr/local/cuda/version.json (CUDA 11.1+) or version.txt, else None."""
+    base = root / "usr/local/cuda"
+    try:
+        return str(json.loads((base / "version.json").read_text())["cuda"]["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        m = re.search(r"CUDA Version\s+([\d.]+)", (base / "version.txt").read_text())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def tensorrt_dla_cores() -> int | None:
+    """DLA cores as TensorRT sees them (``Builder.num_DLA_cores``), None without TensorRT or a GPU."""
+    if not has_tensorrt():
+        return None
+    try:
+        import tensorrt as trt
+
+        return int(trt.Builder(trt.Logger(trt.Logger.ERROR)).num_DLA_cores)
+    except Exception:  # no CUDA device, a broken install: the doctor reports, it does not fail
+        return None
 
 
 def cuda_devices(root: Path = Path("/")) -> list[str]:
@@ -87,11 +125,14 @@ def doctor_report(root: Path = Path("/")) -> dict:
     return {
         "backends": {
             "onnxruntime": {"version": ort_version, "providers": providers},
-            "tensorrt": {"version": module_version("tensorrt") if has_tensorrt() else None},
+            "tensorrt": {"version": module_version("tensorrt") if has_tensorrt() else None,
+                         "dla_cores": tensorrt_dla_cores()},
         },
         "pycuda": module_version("pycuda") if importlib.util.find_spec("pycuda") else None,
         "cuda_devices": cuda_devices(root),
+        "cuda": cuda_version(root),
         "l4t": l4t_release(root),
+        "jetpack": jetpack_release(l4t_release(root)),
         "board": board.name if board else None,
         "dla_cores": board.dla_cores if board else 0,
         "jtop": jtop_service(root),

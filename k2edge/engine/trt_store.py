@@ -1,0 +1,132 @@
+"""TensorRT segment engines in the engine cache: keyed, built when missing, verified before loading.
+
+One cache entry per plan segment (``<cache>/tensorrt/<key>/``: ``segment.onnx``, ``calib.cache`` for
+DLA INT8, ``engine.plan``, ``inspector.json``, ``placement.json``, and the manifest with every file's
+sha256). The key (``trt_spec.engine_key``) covers the segment model, its plan, the builder settings,
+the TensorRT version, the L4T release and the GPU, because an engine runs only on the TensorRT
+version and device that built it [NVIDIA/TensorRT#2105]. A small record per segment
+(``<cache>/tensorrt-targets/``) remembers the target of its last build, so that a rebuild after an
+upgrade says what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from ..dla.planner import PartitionPlan
+from ..model.extract import extract_submodel
+from ..model.ingest import NormalisedModel
+from .cache import MANIFEST, CacheEntry, EngineCache, digest
+from .quantize import QuantArtefacts
+from .trt_build import build_segment_engine, segment_calibration_cache
+from .trt_spec import SegmentBuildSpec, TargetFacts, engine_key
+
+log = logging.getLogger(__name__)
+
+
+def target_facts(trt, cuda, logger) -> TargetFacts:
+    """The TensorRT version, L4T release, GPU compute capability, CUDA version and DLA cores here."""
+    from .probe import l4t_release
+
+    cuda.init()
+    major, minor = cuda.Device(0).compute_capability()
+    return TargetFacts(tensorrt=str(trt.__version__), l4t=l4t_release(), compute_capability=f"{major}.{minor}",
+                       cuda=".".join(str(v) for v in cuda.get_version()),
+                       dla_cores=int(trt.Builder(logger).num_DLA_cores))
+
+
+class EngineStore:
+    """Segment engines through the cache: build when missing or corrupt, verify before loading, rebuild on demand."""
+
+    def __init__(self, trt, logger, cache: EngineCache, model: NormalisedModel, plan: PartitionPlan,
+                 specs: tuple[SegmentBuildSpec, ...], quant: QuantArtefacts | None, facts: TargetFacts, batch_size: int):
+        self.trt, self.logger, self.cache = trt, logger, cache
+        self.plan, self.specs, self.facts = plan, specs, facts
+        self._quant = quant
+        self._batch = batch_size
+        qdq = None
+        if any(s.source_model == "qdq" for s in specs):
+            import onnx
+
+            qdq = onnx.load(str(quant.qdq_model))
+        self._models = {}
+        self.keys = {}
+        self._identity = {}
+        calib_sha = _sha256(quant.trt_calibration_cache.read_bytes()) if quant else ""
+        for seg, spec in zip(plan.segments, specs):
+            source = qdq if spec.source_model == "qdq" else model.model
+            sub = extract_submodel(source, seg.inputs, seg.outputs, f"segment{seg.index}_{seg.device}")
+            self._models[seg.index] = sub
+            seg_sha = _sha256(sub.SerializeToString(deterministic=True))
+            seg_plan = json.dumps(seg.to_dict(), sort_keys=True)
+            calib = calib_sha if spec.int8_source == "calibration-cache" else ""
+            self.keys[seg.index] = engine_key(seg_sha, spec, seg_plan, facts, calib)
+            # the same engine on any target: where the last build of it is recorded (to say why a rebuild happens)
+            self._identity[seg.index] = digest("tensorrt-segment", seg_sha, seg_plan, spec.to_json(), calib)
+
+    def entry(self, index: int) -> CacheEntry:
+        """The verified cache entry of segment ``index``, built now if missing or corrupt."""
+        spec = self.specs[index]
+
+        def build(tmp: Path) -> dict:
+            sub = self._models[index]
+            (tmp / "segment.onnx").write_bytes(sub.SerializeToString())
+            calib = None
+            if spec.int8_source == "calibration-cache":
+                segment_calibration_cache(self._quant.trt_calibration_cache, sub, tmp / "calib.cache", self.facts.tensorrt)
+                calib = (tmp / "calib.cache").read_bytes()
+            why = self._changed_target(index)
+            log.log(logging.WARNING if why else logging.INFO, "building TensorRT engine for segment %d (%s, %s)%s",
+                    index, spec.device, spec.precision_label, why)
+            meta = build_segment_engine(self.trt, self.logger, spec, sub, tmp, calib, self._batch)
+            return {**meta, "device": spec.device, "precision": spec.precision_label, "target": asdict(self.facts)}
+
+        entry = self.cache.get_or_build("tensorrt", self.keys[index], build,
+                                        what=f"TensorRT segment {index} ({spec.device}, {spec.precision_label})")
+        if not entry.hit:
+            record = self._record_path(index)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({"key": self.keys[index], "target": asdict(self.facts)}))
+        return entry
+
+    def _record_path(self, index: int) -> Path:
+        return self.cache.root / "tensorrt-targets" / f"{self._identity[index]}.json"
+
+    def _changed_target(self, index: int) -> str:
+        """Why an engine that was built before is built again: what changed on this device, if anything."""
+        try:
+            before = json.loads(self._record_path(index).read_text())["target"]
+        except (OSError, ValueError, KeyError):
+            return ""
+        now = asdict(self.facts)
+        changed = [f"{k} {before.get(k)} -> {now[k]}" for k in ("tensorrt", "l4t", "compute_capability", "cuda")
+                   if before.get(k) != now[k]]
+        if not changed:
+            return ""
+        return (f": the cached engine was built for another target ({', '.join(changed)}); TensorRT engines run only on "
+                f"the TensorRT version and device that built them")
+
+    def read_engine(self, index: int) -> bytes:
+        """The engine's bytes, checked against the manifest's sha256 first; a mismatch is rebuilt."""
+        entry = self.entry(index)
+        data = (entry.path / "engine.plan").read_bytes()
+        expected = json.loads((entry.path / MANIFEST).read_text())["files"].get("engine.plan")
+        if _sha256(data) != expected:
+            log.warning("segment %d: engine.plan in %s changed since it was built (checksum mismatch); rebuilding",
+                        index, entry.path)
+            entry = self.rebuild(index)
+            data = (entry.path / "engine.plan").read_bytes()
+        return data
+
+    def rebuild(self, index: int) -> CacheEntry:
+        shutil.rmtree(self.cache.entry_dir("tensorrt", self.keys[index]), ignore_errors=True)
+        return self.entry(index)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
