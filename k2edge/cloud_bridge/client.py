@@ -1,0 +1,345 @@
+"""The K2 client: one chat completion with an optional image, bounded retries honouring
+Retry-After within the request's deadline, quota errors failing fast, and a circuit breaker.
+
+OpenAI mode uses the official ``openai`` SDK with its own retries off (``max_retries=0``): the
+retries are done here so Retry-After, the deadline, quota errors and the breaker's count (one
+failure per call, not per attempt) are all handled in one place. Anthropic mode posts to the
+Anthropic-compatible ``/v1/messages`` with ``httpx2`` (the SDK's HTTP library); Moonshot's
+endpoint multiplies the temperature by 0.6, so the client sends ``temperature / 0.6`` (capped at
+1.0, the API's maximum, i.e. an effective 0.6 at most) to get the configured effective value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from pydantic import SecretStr
+
+from .breaker import CircuitBreaker
+from .errors import (
+    BreakerOpen,
+    CloudAuthError,
+    CloudConfigError,
+    CloudError,
+    CloudQuotaError,
+    CloudRateLimited,
+    CloudRejected,
+    CloudTimeout,
+    CloudUnavailable,
+)
+from .image import PreparedImage, prepare_image
+from .retry import RETRYABLE_STATUS, backoff_s, is_quota_error, parse_retry_after, scrub
+from .settings import CloudSettings, resolve_api_key
+
+log = logging.getLogger(__name__)
+
+__all__ = ["K2Client", "CloudAnswer", "build_text", "ANTHROPIC_TEMPERATURE_SCALE", "DEFAULT_QUESTION"]
+
+ANTHROPIC_TEMPERATURE_SCALE = 0.6  # Moonshot's /anthropic: real_temperature = request_temperature * 0.6
+ANTHROPIC_VERSION = "2023-06-01"
+DEFAULT_QUESTION = "What does this image show? Answer with the most likely label and one short sentence."
+_MIN_ATTEMPT_S = 0.01
+_RESOLVE = object()
+
+
+@dataclass(frozen=True)
+class CloudAnswer:
+    """The cloud's answer: its text, the model that answered, the round trip (all attempts) and attempts made."""
+
+    text: str
+    model: str
+    latency_ms: float
+    attempts: int
+
+
+def build_text(prompt: str | None, top_k: Sequence[dict] | None) -> str:
+    """The text part: the user's prompt (or a default question) and the edge's top-k as context."""
+    text = prompt.strip() if prompt and prompt.strip() else DEFAULT_QUESTION
+    if top_k:
+        guesses = ", ".join(f"{r.get('label', r.get('index'))} ({float(r.get('score', 0.0)):.3f})" for r in top_k)
+        text += f"\n\nThe on-device classifier's top-{len(top_k)} guesses (label, probability): {guesses}."
+    return text
+
+
+class _Failure(Exception):
+    """One failed HTTP attempt, normalised across wires."""
+
+    def __init__(self, kind: str, detail: str, status: int | None = None, headers=None, body=None) -> None:
+        super().__init__(detail)
+        self.kind, self.detail, self.status, self.headers, self.body = kind, detail, status, headers or {}, body
+
+
+class _OpenAIWire:
+    def __init__(self, settings: CloudSettings, key: str) -> None:
+        import openai
+
+        self._openai = openai
+        self.client = openai.OpenAI(base_url=settings.base_url, api_key=key, timeout=settings.timeout_s, max_retries=0)
+        self.settings = settings
+
+    def body(self, image: PreparedImage | None, text: str) -> dict:
+        content: list[dict] = []
+        if image is not None:
+            content.append({"type": "image_url", "image_url": {"url": image.data_url}})
+        content.append({"type": "text", "text": text})
+        return {"model": self.settings.model, "temperature": self.settings.temperature, "max_tokens": self.settings.max_tokens,
+                "messages": [{"role": "system", "content": self.settings.system_prompt}, {"role": "user", "content": content}]}
+
+    def send(self, body: dict, timeout: float) -> tuple[str, str]:
+        try:
+            resp = self.client.chat.completions.create(**body, timeout=timeout)
+        except Exception as exc:
+            raise self._failure(exc) from None
+        try:
+            text = resp.choices[0].message.content or ""
+        except (AttributeError, IndexError, TypeError):
+            raise _Failure("protocol", "the server's answer has no choices[0].message") from None
+        return text, getattr(resp, "model", None) or body["model"]
+
+    def models(self, timeout: float) -> list[str]:
+        try:
+            return sorted(m.id for m in self.client.models.list(timeout=timeout).data)
+        except Exception as exc:
+            raise self._failure(exc) from None
+
+    def _failure(self, exc: Exception) -> _Failure:
+        o = self._openai
+        if isinstance(exc, o.APITimeoutError):
+            return _Failure("timeout", "no answer before the timeout")
+        if isinstance(exc, o.APIConnectionError):
+            cause = exc.__cause__ or exc.__context__
+            return _Failure("connection", f"cannot connect ({type(cause).__name__ if cause else 'connection error'})")
+        if isinstance(exc, o.APIStatusError):
+            body = exc.body
+            return _Failure("status", f"HTTP {exc.status_code}: {_summary(body)}", exc.status_code,
+                            dict(exc.response.headers), body)
+        if isinstance(exc, o.OpenAIError):
+            return _Failure("protocol", f"{type(exc).__name__}")
+        raise exc
+
+
+class _AnthropicWire:
+    def __init__(self, settings: CloudSettings, key: str) -> None:
+        import httpx2
+
+        self._httpx = httpx2
+        headers = {"anthropic-version": ANTHROPIC_VERSION}
+        if key:
+            headers.update({"x-api-key": key, "authorization": f"Bearer {key}"})
+        self.client = httpx2.Client(base_url=settings.base_url, headers=headers, timeout=settings.timeout_s)
+        self.settings = settings
+        self.temperature = min(1.0, settings.temperature / ANTHROPIC_TEMPERATURE_SCALE)
+        if settings.temperature > ANTHROPIC_TEMPERATURE_SCALE:
+            log.warning("anthropic mode: temperature %.2f cannot be reached (the endpoint scales 0..1 to 0..0.6); using 0.6",
+                        settings.temperature)
+
+    def body(self, image: PreparedImage | None, text: str) -> dict:
+        content: list[dict] = []
+        if image is not None:
+            content.append({"type": "image", "source": {"type": "base64", "media_type": image.mime, "data": image.base64}})
+        content.append({"type": "text", "text": text})
+        return {"model": self.settings.model, "max_tokens": self.settings.max_tokens, "temperature": self.temperature,
+                "system": self.settings.system_prompt, "messages": [{"role": "user", "content": content}]}
+
+    def _request(self, method: str, path: str, timeout: float, body: dict | None = None):
+        h = self._httpx
+        try:
+            r = self.client.request(method, path, json=body, timeout=timeout)
+        except h.TimeoutException:
+            raise _Failure("timeout", "no answer before the timeout") from None
+        except h.TransportError as exc:
+            raise _Failure("connection", f"cannot connect ({type(exc).__name__})") from None
+        try:
+            data = r.json()
+        except ValueError:
+            data = r.text
+        if r.status_code >= 400:
+            raise _Failure("status", f"HTTP {r.status_code}: {_summary(data)}", r.status_code, dict(r.headers), data)
+        return data
+
+    def send(self, body: dict, timeout: float) -> tuple[str, str]:
+        data = self._request("POST", "/v1/messages", timeout, body)
+        try:
+            text = "".join(part.get("text", "") for part in data["content"] if part.get("type") == "text")
+        except (KeyError, TypeError, AttributeError):
+            raise _Failure("protocol", "the server's answer has no content list") from None
+        return text, data.get("model") or body["model"]
+
+    def models(self, timeout: float) -> list[str]:
+        data = self._request("GET", "/v1/models", timeout)
+        try:
+            return sorted(m["id"] for m in data["data"])
+        except (KeyError, TypeError):
+            raise _Failure("protocol", "the model list has no data[].id") from None
+
+
+def _summary(body) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            msg = err.get("message") or err.get("type") or json.dumps(err, default=str)
+            return str(msg)[:300]
+        return str(err)[:300]
+    return (str(body) if body is not None else "no body")[:300]
+
+
+class K2Client:
+    """A K2 endpoint.
+
+    Args:
+        settings: the endpoint.
+        api_key: the key; by default read from where ``settings`` says (:func:`resolve_api_key`).
+        breaker: the circuit breaker; by default one from ``settings``.
+        clock, sleep: monotonic clock and sleep (injectable for tests).
+
+    Raises:
+        CloudConfigError: the key source is missing or empty.
+    """
+
+    def __init__(self, settings: CloudSettings, api_key: SecretStr | str | None | object = _RESOLVE, *,
+                 breaker: CircuitBreaker | None = None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.settings = settings
+        if api_key is _RESOLVE:
+            api_key = resolve_api_key(settings)
+        key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else (api_key or "")
+        self._secrets = (key,) if key else ()
+        self.breaker = breaker or CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s, clock)
+        self._clock, self._sleep = clock, sleep
+        self._wire = None
+        self._wire_lock = threading.Lock()
+        self._key = SecretStr(key)
+
+    def __repr__(self) -> str:
+        return f"<K2Client {self.settings.mode} {self.settings.base_url} model={self.settings.model} key={self.settings.key_source()}>"
+
+    @property
+    def wire(self):
+        with self._wire_lock:
+            if self._wire is None:
+                # Self-hosted servers without auth still need a non-empty key for the SDK; it is not a secret.
+                key = self._key.get_secret_value() or ("EMPTY" if self.settings.mode == "openai" else "")
+                cls = _OpenAIWire if self.settings.mode == "openai" else _AnthropicWire
+                self._wire = cls(self.settings, key)
+            return self._wire
+
+    def request_body(self, image_bytes: bytes | None, prompt: str | None, top_k: Sequence[dict] | None) -> dict:
+        """The exact JSON body :meth:`complete` sends (image downscaled, data URL, text part)."""
+        image = prepare_image(image_bytes, self.settings.image_max_side) if image_bytes else None
+        return self.wire.body(image, build_text(prompt, top_k))
+
+    def complete(self, image_bytes: bytes | None, mime: str | None, prompt: str | None, top_k: Sequence[dict] | None,
+                 deadline_s: float) -> CloudAnswer:
+        """Ask K2 once (with bounded retries) and return its answer.
+
+        Args:
+            image_bytes: the request's image (JPEG/PNG/WEBP/GIF...), or None for text only.
+            mime: the caller's idea of its type; the bytes are sniffed and the real type is sent.
+            prompt: the user's question (a default question when None).
+            top_k: the edge's top-k (``{"label", "score"}`` rows) as context.
+            deadline_s: seconds from now by which the answer must be back, retries included.
+
+        Raises:
+            BreakerOpen: the breaker is open (no call made).
+            CloudTimeout: no answer within the deadline.
+            CloudRateLimited / CloudUnavailable: 429 / 5xx / connection failures after the retries.
+            CloudQuotaError: the quota or billing is spent (no retry; opens the breaker).
+            CloudAuthError: the key was rejected (opens the breaker).
+            CloudRejected: the server refuses this request (bad image, unknown model); not an outage.
+            CloudConfigError: no model configured.
+        """
+        del mime  # the bytes decide the MIME type; see prepare_image
+        start = self._clock()
+        end = start + deadline_s
+        if not self.settings.model:
+            raise CloudConfigError("no cloud model configured: set model (k2edge cloud check lists what the server offers)")
+        if not self.breaker.allow():
+            raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
+                              f"next probe in {self.breaker.retry_in_s():.0f} s")
+        try:
+            body = self.request_body(image_bytes, prompt, top_k)
+        except CloudError:
+            self.breaker.release_probe()
+            raise
+        attempts = 0
+        while True:
+            remaining = end - self._clock()
+            if remaining < _MIN_ATTEMPT_S:
+                late = CloudTimeout(f"no answer from the cloud within the deadline ({deadline_s:.2f} s, {attempts} attempt(s))",
+                                    attempts=attempts)
+                if attempts == 0:  # no time was left to try: not the cloud's failure
+                    self.breaker.release_probe()
+                    raise late
+                self._fail(late)
+            attempts += 1
+            try:
+                text, model = self.wire.send(body, min(self.settings.timeout_s, remaining))
+            except _Failure as f:
+                wait = self._classify(f, attempts, deadline_s, end)
+                log.debug("cloud attempt %d failed (%s); retrying in %.2f s", attempts, self._scrub(f.detail), wait)
+                self._sleep(wait)
+                continue
+            latency_ms = (self._clock() - start) * 1e3
+            self.breaker.record_success()
+            log.debug("cloud answered in %.0f ms after %d attempt(s)", latency_ms, attempts)
+            return CloudAnswer(text, model, latency_ms, attempts)
+
+    def _classify(self, f: _Failure, attempts: int, deadline_s: float, end: float) -> float:
+        """Raise for a failure that must not be retried; return the wait before the next attempt."""
+        detail = self._scrub(f.detail)
+        status = f.status
+        if f.kind == "status" and is_quota_error(status, f.body):
+            self._fail(CloudQuotaError(f"the cloud account's quota or billing is exhausted ({detail}); retrying will not help",
+                                       status=status, attempts=attempts), fatal=True)
+        if status in (401, 403):
+            self._fail(CloudAuthError(f"the cloud rejected the API key from {self.settings.key_source()} ({detail})",
+                                      status=status, attempts=attempts), fatal=True)
+        if f.kind == "status" and status not in RETRYABLE_STATUS:
+            self.breaker.record_success()  # the server is up; it refuses this request
+            raise CloudRejected(f"the cloud refused the request ({detail})", status=status, attempts=attempts)
+        if f.kind == "protocol":
+            self._fail(CloudUnavailable(f"the cloud's answer was malformed ({detail})", attempts=attempts))
+        error_cls = CloudRateLimited if status == 429 else CloudTimeout if f.kind == "timeout" else CloudUnavailable
+        if attempts > self.settings.max_retries:
+            self._fail(error_cls(f"the cloud failed after {attempts} attempt(s) ({detail})", status=status, attempts=attempts))
+        retry_after = parse_retry_after(f.headers)
+        wait = retry_after if retry_after is not None else backoff_s(attempts)
+        if self._clock() + wait + _MIN_ATTEMPT_S >= end:
+            why = f"Retry-After {retry_after:g} s" if retry_after is not None else f"backoff {wait:.2f} s"
+            self._fail(error_cls(f"the cloud failed ({detail}) and {why} is beyond the deadline ({deadline_s:.2f} s)",
+                                 status=status, attempts=attempts))
+        return wait
+
+    def _fail(self, err: CloudError, fatal: bool = False):
+        self.breaker.record_failure(str(err), fatal=fatal)
+        raise err
+
+    def _scrub(self, text: str) -> str:
+        return scrub(text, self._secrets)
+
+    def list_models(self, timeout_s: float | None = None) -> list[str]:
+        """Model ids from ``GET /v1/models`` (no breaker, no retries: a check, not a request).
+
+        Raises:
+            CloudError: unreachable, rejected key, or a malformed answer.
+        """
+        try:
+            return self.wire.models(timeout_s or self.settings.timeout_s)
+        except _Failure as f:
+            detail = self._scrub(f.detail)
+            if f.status in (401, 403):
+                raise CloudAuthError(f"the cloud rejected the API key from {self.settings.key_source()} ({detail})", status=f.status) from None
+            if f.kind == "timeout":
+                raise CloudTimeout(f"GET /v1/models: {detail}") from None
+            raise CloudUnavailable(f"GET /v1/models: {detail}", status=f.status) from None
+
+    def close(self) -> None:
+        with self._wire_lock:
+            if self._wire is not None:
+                self._wire.client.close()
+                self._wire = None

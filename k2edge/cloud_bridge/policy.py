@@ -1,0 +1,262 @@
+"""The escalation policy: a pure function of (request, local result, thermal state, cloud health,
+budget) -> :class:`Decision`. Nothing here does I/O; the bridge carries decisions out.
+
+Rules, in order (first match wins):
+
+1. **No edge model** for the request -> cloud.
+2. **critical** -> cloud when offloadable; otherwise refused (``busy``): no new local work.
+3. **hot** -> every offloadable request goes to the cloud.
+4. **A text prompt** (with ``prompts = "cloud"``, the default) needs language understanding the
+   edge has no model for -> cloud, with the edge's top-k as context.
+5. **Confidence** (``max_softmax`` | ``margin`` | ``entropy``, per model) below the model's
+   threshold -> cloud. In **warm** the bar is ``warm_threshold`` (default halfway from the
+   threshold to 1), so low-confidence requests escalate sooner; otherwise -> local.
+
+Then the guards: ``allow_cloud: false`` is always respected (the request is answered locally,
+or refused when there is nothing local to answer with); when the cloud is unavailable (breaker
+open, no budget left this minute) the local answer goes back with ``degraded: true`` and the
+reason, and a deferrable request is also marked for the outbox. In warm and hot the decision
+carries the model's DLA-heavier profile (``prefer_profile``) for the local work that remains.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Mapping, Sequence
+
+from .settings import EscalationSettings
+
+__all__ = [
+    "EscalationPolicy",
+    "EscalationRequest",
+    "LocalResult",
+    "CloudHealth",
+    "Decision",
+    "decide",
+    "confidence",
+    "MEASURES",
+]
+
+MEASURES = ("max_softmax", "margin", "entropy")
+Action = Literal["local", "cloud", "refuse"]
+
+
+def confidence(probs: Sequence[float], measure: str, num_classes: int | None = None) -> float:
+    """Confidence in [0, 1] (higher is surer) of a probability vector, best first or not.
+
+    ``probs`` may be the full softmax or only its top-k; for ``entropy`` on a top-k the missing
+    mass is spread evenly over the ``num_classes - k`` classes not shown (the most uncertain
+    reading, so a top-k never looks surer than the full vector would).
+    """
+    if measure not in MEASURES:
+        raise ValueError(f"confidence measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+    p = sorted((max(0.0, float(x)) for x in probs), reverse=True)
+    if not p:
+        return 0.0
+    if measure == "max_softmax":
+        return min(1.0, p[0])
+    if measure == "margin":
+        return max(0.0, min(1.0, p[0] - (p[1] if len(p) > 1 else 1.0 - p[0])))
+    total_classes = max(num_classes or len(p), len(p))
+    rest = max(0.0, 1.0 - sum(p))
+    unseen = total_classes - len(p)
+    if rest > 1e-12 and unseen == 0:
+        unseen, total_classes = 1, total_classes + 1
+    if total_classes <= 1:
+        return 1.0
+    h = -sum(x * math.log(x) for x in p if x > 0)
+    if unseen and rest > 0:
+        q = rest / unseen
+        h -= unseen * q * math.log(q)
+    return max(0.0, min(1.0, 1.0 - h / math.log(total_classes)))
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """What the edge model answered.
+
+    Attributes:
+        top_k: best first, ``{"index", "label", "score"}`` with softmax scores (``Engine.top_k``'s rows).
+        probs: the full softmax, when available (exact confidence for every measure).
+        num_classes: the model's class count (for entropy on a top-k).
+        latency_ms: local inference time, when measured.
+    """
+
+    top_k: tuple[dict, ...]
+    probs: tuple[float, ...] | None = None
+    num_classes: int | None = None
+    latency_ms: float | None = None
+
+    @classmethod
+    def from_logits(cls, logits, labels: Sequence[str] = (), k: int = 5, latency_ms: float | None = None) -> "LocalResult":
+        """From one sample's logits (any shape that flattens to the classes)."""
+        import numpy as np
+
+        z = np.asarray(logits, dtype=np.float64).reshape(-1)
+        e = np.exp(z - z.max())
+        p = e / e.sum()
+        idx = np.argsort(-p, kind="stable")[: max(1, min(k, p.size))]
+        top = tuple({"index": int(i), "label": labels[i] if i < len(labels) else str(int(i)), "score": float(p[i])} for i in idx)
+        return cls(top, tuple(float(x) for x in p), int(p.size), latency_ms)
+
+    @property
+    def answer(self) -> str | None:
+        """The top-1 label."""
+        return str(self.top_k[0]["label"]) if self.top_k else None
+
+    def confidence(self, measure: str) -> float:
+        probs = self.probs if self.probs is not None else [float(r["score"]) for r in self.top_k]
+        return confidence(probs, measure, self.num_classes)
+
+
+@dataclass(frozen=True)
+class EscalationRequest:
+    """The parts of a request the policy looks at.
+
+    Attributes:
+        model: the edge model asked for.
+        prompt: the user's text, if any.
+        allow_cloud: the request's say; None takes the model's default.
+        deferrable: the requester accepts a late answer (outbox) when the cloud is down.
+        has_local_model: False when the edge has no model for it.
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    allow_cloud: bool | None = None
+    deferrable: bool = False
+    has_local_model: bool = True
+
+
+@dataclass(frozen=True)
+class CloudHealth:
+    """Whether a cloud call can be made now (breaker closed or probing, endpoint configured)."""
+
+    available: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one request, and why.
+
+    Attributes:
+        action: ``local`` (answer on the edge), ``cloud`` (ask K2), ``refuse`` (answer an error).
+        reason: one sentence for the response's escalation reason and the logs.
+        degraded: the answer is worse than the policy wanted (it wanted the cloud and cannot have it).
+        escalate: the policy wanted the cloud (counted in the escalation rate).
+        defer: wanted the cloud, cannot have it now, and the request is deferrable: the bridge
+            puts it in the outbox for a later cloud answer.
+        provisional: made without the local result (not computed yet); run locally, then decide again.
+        confidence / threshold / measure: the numbers judged, when confidence decided.
+        thermal_state: the governor's state used.
+        prefer_profile: the DLA-heavier profile to run the model on (warm/hot), if configured.
+        error_code: for ``refuse``: ``busy`` (thermal critical), ``unknown_model``, ``cloud_unavailable``.
+    """
+
+    action: Action
+    reason: str
+    degraded: bool = False
+    escalate: bool = False
+    defer: bool = False
+    provisional: bool = False
+    confidence: float | None = None
+    threshold: float | None = None
+    measure: str | None = None
+    thermal_state: str = "unknown"
+    prefer_profile: str | None = None
+    error_code: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def decide(request: EscalationRequest, local: LocalResult | None, thermal_state, cloud_health: CloudHealth | None = None,
+           budget_left: int | None = None, settings: EscalationSettings | None = None) -> Decision:
+    """The policy (see the module docstring for the rules).
+
+    Args:
+        request: what was asked.
+        local: the edge's answer, or None when not computed (yet) or there is no edge model.
+        thermal_state: a state name or a ``GovernorState``.
+        cloud_health: whether a call can be made now; None = available.
+        budget_left: cloud requests left in this minute; None = unlimited.
+        settings: the model's escalation settings.
+    """
+    s = settings or EscalationSettings()
+    health = cloud_health or CloudHealth()
+    state = getattr(thermal_state, "state", thermal_state) or "unknown"
+    thermal_reason = getattr(thermal_state, "reason", "")
+    allow = s.allow_cloud if request.allow_cloud is None else request.allow_cloud
+    prefer = s.warm_profile if state in ("warm", "hot") else None
+    if not health.available:
+        cloud_ok, cloud_why = False, health.reason or "the cloud is unavailable"
+    elif budget_left is not None and budget_left <= 0:
+        cloud_ok, cloud_why = False, "the cloud request budget for this minute is spent"
+    else:
+        cloud_ok, cloud_why = True, ""
+    base = {"thermal_state": state, "prefer_profile": prefer}
+    thermal_note = f" ({thermal_reason})" if thermal_reason else ""
+
+    conf = thr = None
+    measure = None
+    if not request.has_local_model:
+        why = f"no edge model for this request{f' ({request.model})' if request.model else ''}"
+    elif state == "critical":
+        why = f"thermal state critical{thermal_note}: no new local work"
+    elif state == "hot":
+        why = f"thermal state hot{thermal_note}: every offloadable request goes to the cloud"
+    elif request.prompt and request.prompt.strip() and s.prompts == "cloud":
+        why = "the prompt needs language understanding the edge has no model for"
+    elif local is None:
+        return Decision("local", "run the edge model, then judge its confidence", provisional=True, **base)
+    else:
+        measure = s.measure
+        conf = local.confidence(measure)
+        thr = s.effective_warm_threshold if state == "warm" else s.threshold
+        bar = f"{'warm ' if state == 'warm' else ''}threshold {thr:.3f}"
+        numbers = {"confidence": conf, "threshold": thr, "measure": measure}
+        if conf >= thr:
+            return Decision("local", f"confidence {conf:.3f} ({measure}) >= {bar}", **numbers, **base)
+        why = f"confidence {conf:.3f} ({measure}) < {bar}"
+    numbers = {"confidence": conf, "threshold": thr, "measure": measure}
+    no_local_work = not request.has_local_model or state == "critical"
+
+    if not allow:
+        if not request.has_local_model:
+            return Decision("refuse", f"{why}, and the request forbids the cloud (allow_cloud false)", escalate=True,
+                            error_code="unknown_model", **numbers, **base)
+        if state == "critical":
+            return Decision("refuse", f"{why}, and the request forbids the cloud (allow_cloud false); "
+                            "retry when the device has cooled", escalate=True, error_code="busy", **numbers, **base)
+        return Decision("local", f"{why}, but the request forbids the cloud (allow_cloud false)", **numbers, **base)
+    if cloud_ok:
+        return Decision("cloud", why, escalate=True, **numbers, **base)
+    if request.deferrable:
+        return Decision("local" if not no_local_work else "cloud", f"{why}; {cloud_why}: deferred to the outbox",
+                        degraded=True, escalate=True, defer=True, **numbers, **base)
+    if no_local_work:
+        code = "cloud_unavailable" if not request.has_local_model else "busy"
+        return Decision("refuse", f"{why}, and {cloud_why}", escalate=True, error_code=code, **numbers, **base)
+    return Decision("local", f"{why}; {cloud_why}: answered locally", degraded=True, escalate=True, **numbers, **base)
+
+
+@dataclass
+class EscalationPolicy:
+    """Per-model escalation settings and :func:`decide` bound to them.
+
+    Args:
+        models: model name -> settings.
+        default: for models not listed.
+    """
+
+    models: Mapping[str, EscalationSettings] = field(default_factory=dict)
+    default: EscalationSettings = field(default_factory=EscalationSettings)
+
+    def settings_for(self, model: str | None) -> EscalationSettings:
+        return self.models.get(model, self.default) if model is not None else self.default
+
+    def decide(self, request: EscalationRequest, local: LocalResult | None, thermal_state,
+               cloud_health: CloudHealth | None = None, budget_left: int | None = None) -> Decision:
+        return decide(request, local, thermal_state, cloud_health, budget_left, self.settings_for(request.model))

@@ -1,0 +1,736 @@
+"""The cloud bridge against a real local HTTP stand-in for K2: request bodies, retries, breaker,
+budget, outbox across restarts, the escalation policy and curve, secrets, and the CLI."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from email.utils import formatdate
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from k2_server import K2StandIn, answer, delay, hang, status
+from k2edge.cloud_bridge import (
+    BreakerOpen,
+    BridgeRequest,
+    CircuitBreaker,
+    CloudAuthError,
+    CloudBridge,
+    CloudConfigError,
+    CloudHealth,
+    CloudQuotaError,
+    CloudRateLimited,
+    CloudRejected,
+    CloudSettings,
+    CloudTimeout,
+    CloudUnavailable,
+    EscalationPolicy,
+    EscalationRequest,
+    EscalationSettings,
+    K2Client,
+    LocalResult,
+    Outbox,
+    RequestBudget,
+    confidence,
+    decide,
+    escalation_curve,
+    resolve_api_key,
+)
+from k2edge.cloud_bridge.curve import confidences
+from k2edge.cloud_bridge.retry import parse_retry_after
+from k2edge.telemetry import SettingsError, validate_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-7f3a9c1e5b2d4f60a8b1c3d5"
+MODEL = "kimi-k2.5"
+
+
+@pytest.fixture
+def k2():
+    """A started K2 stand-in on 127.0.0.1 that requires the test key."""
+    with K2StandIn(api_key=KEY) as server:
+        yield server
+
+
+def settings_for(server: K2StandIn, **kw) -> CloudSettings:
+    base = {"base_url": server.url, "model": MODEL, "timeout_s": 2.0, "max_retries": 2, "breaker_failures": 3,
+            "breaker_cooldown_s": 30.0}
+    base.update(kw)
+    return CloudSettings(**base)
+
+
+def image_bytes(fmt: str, size=(1600, 1200), mode="RGB") -> bytes:
+    img = Image.new(mode, size, (200, 30, 30) if mode == "RGB" else 128)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def decode_data_url(url: str) -> tuple[str, Image.Image]:
+    head, b64 = url.split(",", 1)
+    assert head.startswith("data:") and head.endswith(";base64")
+    return head[5:-7], Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+TOP3 = [{"index": 3, "label": "cat", "score": 0.61}, {"index": 5, "label": "dog", "score": 0.22},
+        {"index": 1, "label": "fox", "score": 0.05}]
+
+
+# the request body --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,mime", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp")])
+def test_request_body_has_image_part_data_url_and_text(k2, fmt, mime):
+    """Exact body: model, temperature 0.6, a content list of image_url (downscaled, base64 data URL, right MIME) + text."""
+    client = K2Client(settings_for(k2, image_max_side=512), KEY)
+    k2.script(answer("a red cat"))
+    ans = client.complete(image_bytes(fmt), "application/octet-stream", "What animal is this?", TOP3, 5.0)
+    assert ans.text == "a red cat" and ans.model == MODEL and ans.attempts == 1 and ans.latency_ms > 0
+    req = k2.chat_requests[-1]
+    assert req.path == "/v1/chat/completions" and req.headers["authorization"] == f"Bearer {KEY}"
+    body = req.body
+    assert set(body) == {"model", "temperature", "max_tokens", "messages"}
+    assert body["model"] == MODEL and body["temperature"] == 0.6 and body["max_tokens"] == 512
+    system, user = body["messages"]
+    assert system["role"] == "system" and isinstance(system["content"], str)
+    assert user["role"] == "user" and isinstance(user["content"], list)  # never the list serialised into a string
+    image_part, text_part = user["content"]
+    assert set(image_part) == {"type", "image_url"} and image_part["type"] == "image_url"
+    sent_mime, img = decode_data_url(image_part["image_url"]["url"])
+    assert sent_mime == mime and img.format == fmt and max(img.size) == 512 and img.size == (512, 384)
+    assert text_part == {"type": "text", "text": "What animal is this?\n\nThe on-device classifier's top-3 guesses "
+                                                "(label, probability): cat (0.610), dog (0.220), fox (0.050)."}
+
+
+def test_small_images_go_unchanged_and_odd_formats_become_png(k2):
+    """An image within the limit is sent as is (sniffed type, not the declared one); BMP is re-encoded as PNG."""
+    client = K2Client(settings_for(k2), KEY)
+    small = image_bytes("JPEG", (64, 48))
+    client.complete(small, "image/png", None, None, 5.0)
+    url = k2.chat_requests[-1].body["messages"][1]["content"][0]["image_url"]["url"]
+    assert url == "data:image/jpeg;base64," + base64.b64encode(small).decode()
+    text = k2.chat_requests[-1].body["messages"][1]["content"][1]["text"]
+    assert text.startswith("What does this image show?") and "guesses" not in text
+    client.complete(image_bytes("BMP", (900, 300)), "image/bmp", "q", None, 5.0)
+    mime, img = decode_data_url(k2.chat_requests[-1].body["messages"][1]["content"][0]["image_url"]["url"])
+    assert mime == "image/png" and img.size == (768, 256)
+
+
+def test_text_only_request_and_undecodable_image(k2):
+    """No image: one text part. Bytes that are not an image: CloudRejected, nothing sent, breaker untouched."""
+    client = K2Client(settings_for(k2), KEY)
+    client.complete(None, None, "Describe a cat", TOP3[:1], 5.0)
+    assert [p["type"] for p in k2.chat_requests[-1].body["messages"][1]["content"]] == ["text"]
+    n = len(k2.chat_requests)
+    with pytest.raises(CloudRejected, match="could not be decoded"):
+        client.complete(b"not an image", "image/png", "q", None, 5.0)
+    assert len(k2.chat_requests) == n and client.breaker.state == "closed"
+
+
+def test_anthropic_mode_body_and_temperature_scaling(k2):
+    """Anthropic-compatible mode: /v1/messages, image as a base64 source with its media type, temperature 0.6/0.6 = 1.0."""
+    client = K2Client(settings_for(k2, base_url=k2.anthropic_url, mode="anthropic", image_max_side=256), KEY)
+    k2.script(answer("a cat, says the messages API"))
+    ans = client.complete(image_bytes("PNG"), None, "What is it?", TOP3, 5.0)
+    assert ans.text == "a cat, says the messages API"
+    req = k2.chat_requests[-1]
+    assert req.path == "/anthropic/v1/messages" and req.headers["x-api-key"] == KEY
+    assert req.headers["anthropic-version"] == "2023-06-01"
+    body = req.body
+    assert body["temperature"] == pytest.approx(1.0) and body["model"] == MODEL and isinstance(body["system"], str)
+    img_part, text_part = body["messages"][0]["content"]
+    assert img_part["type"] == "image" and img_part["source"]["type"] == "base64"
+    assert img_part["source"]["media_type"] == "image/png"
+    assert max(Image.open(io.BytesIO(base64.b64decode(img_part["source"]["data"]))).size) == 256
+    assert text_part["type"] == "text" and "cat (0.610)" in text_part["text"]
+    assert client.list_models() == sorted(k2.models)
+    low = K2Client(settings_for(k2, base_url=k2.anthropic_url, mode="anthropic", temperature=0.3), KEY)
+    low.complete(None, None, "q", None, 5.0)
+    assert k2.chat_requests[-1].body["temperature"] == pytest.approx(0.5)
+
+
+# retries ------------------------------------------------------------------------------------------------
+def test_429_retry_after_seconds_is_honoured(k2):
+    """429 with Retry-After: 0.2 s -> waits at least that long, then the second attempt answers."""
+    client = K2Client(settings_for(k2), KEY)
+    k2.script(status(429, retry_after="0.2"), answer("ok"))
+    t0 = time.monotonic()
+    ans = client.complete(None, None, "q", None, 5.0)
+    assert ans.text == "ok" and ans.attempts == 2
+    chats = k2.chat_requests
+    assert chats[-1].t - chats[-2].t >= 0.2 and time.monotonic() - t0 >= 0.2
+
+
+def test_retry_after_http_date_and_parsing():
+    """Retry-After as an HTTP date, as seconds, as retry-after-ms; garbage is ignored."""
+    now = 1_700_000_000.0
+    assert parse_retry_after({"Retry-After": formatdate(now + 3, usegmt=True)}, now) == pytest.approx(3.0)
+    assert parse_retry_after({"retry-after": "1.5"}) == 1.5
+    assert parse_retry_after({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
+    assert parse_retry_after({"Retry-After": "soon"}) is None and parse_retry_after({}) is None
+
+
+def test_5xx_retried_a_bounded_number_of_times(k2):
+    """500, 502 then an answer with max_retries=2 succeeds; three 500s fail after exactly three attempts."""
+    client = K2Client(settings_for(k2), KEY)
+    k2.script(status(500), status(502), answer("third time"))
+    assert client.complete(None, None, "q", None, 5.0).attempts == 3
+    n = len(k2.chat_requests)
+    k2.script(status(500), status(500), status(500), answer("too late"))
+    with pytest.raises(CloudUnavailable) as e:
+        client.complete(None, None, "q", None, 5.0)
+    assert e.value.attempts == 3 and len(k2.chat_requests) == n + 3 and "HTTP 500" in str(e.value)
+    assert client.breaker.snapshot()["consecutive_failures"] == 1  # one failed call, not three
+
+
+def test_retry_after_beyond_the_deadline_fails_fast(k2):
+    """A Retry-After longer than the time left: give up at once rather than sleep past the deadline."""
+    client = K2Client(settings_for(k2), KEY)
+    k2.script(status(429, retry_after="30"))
+    t0 = time.monotonic()
+    with pytest.raises(CloudRateLimited, match="Retry-After 30 s is beyond the deadline"):
+        client.complete(None, None, "q", None, 1.0)
+    assert time.monotonic() - t0 < 0.5 and len(k2.chat_requests) == 1
+
+
+def test_quota_429_fails_fast_and_opens_the_breaker(k2):
+    """A 429 saying the quota is exhausted is not retried, and opens the breaker."""
+    client = K2Client(settings_for(k2), KEY)
+    body = {"error": {"message": "You exceeded your current quota, please check your plan and billing details.",
+                      "type": "exceeded_current_quota_error"}}
+    k2.script(status(429, retry_after="0.01", body=body), answer("never"))
+    with pytest.raises(CloudQuotaError, match="quota or billing is exhausted") as e:
+        client.complete(None, None, "q", None, 5.0)
+    assert not e.value.retryable and len(k2.chat_requests) == 1 and client.breaker.state == "open"
+
+
+def test_hanging_server_times_out_within_the_deadline(k2):
+    """A server that never answers: CloudTimeout by the deadline, not the (longer) client timeout."""
+    client = K2Client(settings_for(k2, timeout_s=10.0), KEY)
+    k2.script(hang(5.0))
+    t0 = time.monotonic()
+    with pytest.raises(CloudTimeout):
+        client.complete(None, None, "q", None, 0.4)
+    assert 0.35 < time.monotonic() - t0 < 0.9
+
+
+def test_4xx_is_rejected_without_retry_and_does_not_trip_the_breaker(k2):
+    """400 (the server is up, the request is bad): CloudRejected, one attempt, breaker stays closed."""
+    client = K2Client(settings_for(k2, breaker_failures=1), KEY)
+    k2.script(status(400, body={"error": {"message": "image too large", "type": "invalid_request_error"}}))
+    with pytest.raises(CloudRejected, match="image too large"):
+        client.complete(None, None, "q", None, 5.0)
+    assert len(k2.chat_requests) == 1 and client.breaker.state == "closed"
+
+
+def test_wrong_key_is_an_auth_error(k2):
+    """401: CloudAuthError naming where the key came from (never the key); the breaker opens."""
+    client = K2Client(settings_for(k2, api_key_env="K2_KEY"), "sk-wrong-0000000000000")
+    with pytest.raises(CloudAuthError) as e:
+        client.complete(None, None, "q", None, 5.0)
+    assert "environment variable K2_KEY" in str(e.value) and "sk-wrong" not in str(e.value)
+    assert client.breaker.state == "open"
+
+
+# circuit breaker ------------------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_breaker_opens_probes_once_and_closes():
+    """closed -> open after N failures -> half-open after the cooldown: one probe; success closes, failure reopens."""
+    clock = FakeClock()
+    b = CircuitBreaker(failures=3, cooldown_s=10.0, clock=clock)
+    for _ in range(2):
+        assert b.allow()
+        b.record_failure("500")
+    assert b.state == "closed"
+    b.record_failure("500")
+    assert b.state == "open" and not b.allow() and b.retry_in_s() == pytest.approx(10.0)
+    clock.t += 10.0
+    assert b.state == "half_open" and b.allow() and not b.allow()  # one probe only
+    b.record_failure("still down")
+    assert b.state == "open" and not b.allow()
+    clock.t += 10.0
+    assert b.allow()
+    b.record_success()
+    assert b.state == "closed" and b.allow() and b.snapshot()["consecutive_failures"] == 0
+
+
+def test_dead_cloud_costs_nothing_once_the_breaker_is_open(k2):
+    """After N failed calls no request reaches the server; after the cooldown one probe does and closes it."""
+    clock = FakeClock(time.monotonic())
+    breaker = CircuitBreaker(2, 30.0, clock)
+    client = K2Client(settings_for(k2, max_retries=0), KEY, breaker=breaker)
+    k2.fallback = status(503)
+    for _ in range(2):
+        with pytest.raises(CloudUnavailable):
+            client.complete(None, None, "q", None, 2.0)
+    n = len(k2.chat_requests)
+    for _ in range(20):
+        with pytest.raises(BreakerOpen):
+            client.complete(None, None, "q", None, 2.0)
+    assert len(k2.chat_requests) == n
+    k2.fallback = answer("back")
+    clock.t += 31.0
+    assert client.complete(None, None, "q", None, 2.0).text == "back" and breaker.state == "closed"
+    assert len(k2.chat_requests) == n + 1
+
+
+# budget --------------------------------------------------------------------------------------------------
+def test_request_budget_is_a_sliding_minute():
+    """3 per minute: the 4th is refused until the first one is 60 s old."""
+    clock = FakeClock(0.0)
+    budget = RequestBudget(3, clock)
+    spent = []
+    for t in (0.0, 10.0, 20.0, 20.0):
+        clock.t = t
+        spent.append(budget.try_acquire())
+    assert spent == [True, True, True, False]
+    assert budget.remaining() == 0 and budget.resets_in_s() == pytest.approx(40.0)
+    clock.t = 60.0
+    assert budget.remaining() == 1 and budget.try_acquire() and not budget.try_acquire()
+    assert budget.snapshot()["refused"] == 2
+    assert RequestBudget(None).try_acquire() and RequestBudget(None).remaining() is None
+
+
+# the policy -------------------------------------------------------------------------------------------
+def local(scores, num_classes=10):
+    return LocalResult(tuple({"index": i, "label": f"c{i}", "score": s} for i, s in enumerate(scores)), None, num_classes)
+
+
+CONFIDENT, UNSURE = local([0.95, 0.03]), local([0.40, 0.35])
+S = EscalationSettings(threshold=0.6, warm_profile="c4")
+
+
+@pytest.mark.parametrize("case,req,result,thermal,health,budget,expect", [
+    ("confident stays local", EscalationRequest("m"), CONFIDENT, "normal", None, None, ("local", False, False)),
+    ("unsure escalates", EscalationRequest("m"), UNSURE, "normal", None, None, ("cloud", False, False)),
+    ("no edge model -> cloud", EscalationRequest("m", has_local_model=False), None, "normal", None, None, ("cloud", False, False)),
+    ("prompt needs language", EscalationRequest("m", prompt="is the cat asleep?"), CONFIDENT, "normal", None, None, ("cloud", False, False)),
+    ("allow_cloud false respected", EscalationRequest("m", allow_cloud=False), UNSURE, "normal", None, None, ("local", False, False)),
+    ("allow_cloud false, hot", EscalationRequest("m", allow_cloud=False), CONFIDENT, "hot", None, None, ("local", False, False)),
+    ("hot escalates the confident", EscalationRequest("m"), CONFIDENT, "hot", None, None, ("cloud", False, False)),
+    ("hot without local result yet", EscalationRequest("m"), None, "hot", None, None, ("cloud", False, False)),
+    ("critical offloads", EscalationRequest("m"), CONFIDENT, "critical", None, None, ("cloud", False, False)),
+    ("critical, cloud forbidden -> refuse", EscalationRequest("m", allow_cloud=False), CONFIDENT, "critical", None, None, ("refuse", False, False)),
+    ("breaker open -> degraded local", EscalationRequest("m"), UNSURE, "normal", CloudHealth(False, "breaker open"), None, ("local", True, False)),
+    ("budget spent -> degraded local", EscalationRequest("m"), UNSURE, "normal", None, 0, ("local", True, False)),
+    ("deferrable and cloud down", EscalationRequest("m", deferrable=True), UNSURE, "normal", CloudHealth(False, "down"), None, ("local", True, True)),
+    ("no model, cloud down -> refuse", EscalationRequest("m", has_local_model=False), None, "normal", CloudHealth(False, "down"), None, ("refuse", False, False)),
+    ("no model, cloud down, deferrable", EscalationRequest("m", has_local_model=False, deferrable=True), None, "normal", CloudHealth(False, "down"), None, ("cloud", True, True)),
+    ("unknown state behaves like normal", EscalationRequest("m"), CONFIDENT, "unknown", None, None, ("local", False, False)),
+])
+def test_policy_table(case, req, result, thermal, health, budget, expect):
+    """The escalation rules, one scenario per row: (action, degraded, defer)."""
+    d = decide(req, result, thermal, health, budget, S)
+    assert (d.action, d.degraded, d.defer) == expect, (case, d)
+    assert d.reason and d.escalate == (d.action != "local" or d.degraded)
+
+
+def test_policy_reasons_codes_and_profiles():
+    """Reasons name the numbers; refusals carry an error code; warm/hot carry the DLA-heavier profile."""
+    d = decide(EscalationRequest("m"), UNSURE, "normal", settings=S)
+    assert d.reason == "confidence 0.400 (max_softmax) < threshold 0.600" and d.escalate and d.confidence == 0.4
+    crit = decide(EscalationRequest("m", allow_cloud=False), CONFIDENT, "critical", settings=S)
+    assert crit.error_code == "busy" and "allow_cloud false" in crit.reason and "cooled" in crit.reason
+    nomodel = decide(EscalationRequest("x", allow_cloud=False, has_local_model=False), None, "normal", settings=S)
+    assert nomodel.action == "refuse" and nomodel.error_code == "unknown_model"
+    down = decide(EscalationRequest("m", has_local_model=False), None, "normal", CloudHealth(False, "the breaker is open"), settings=S)
+    assert down.error_code == "cloud_unavailable" and "the breaker is open" in down.reason
+    assert decide(EscalationRequest("m"), CONFIDENT, "warm", settings=S).prefer_profile == "c4"
+    assert decide(EscalationRequest("m"), CONFIDENT, "normal", settings=S).prefer_profile is None
+    provisional = decide(EscalationRequest("m"), None, "normal", settings=S)
+    assert provisional.action == "local" and provisional.provisional
+    prompt_local = decide(EscalationRequest("m", prompt="hi"), CONFIDENT, "normal",
+                          settings=EscalationSettings(threshold=0.6, prompts="local"))
+    assert prompt_local.action == "local"
+
+
+def test_warm_escalates_low_confidence_sooner():
+    """0.75 passes the 0.6 threshold in normal but not the warm threshold (halfway to 1: 0.8)."""
+    mid = local([0.75, 0.2])
+    assert decide(EscalationRequest("m"), mid, "normal", settings=S).action == "local"
+    warm = decide(EscalationRequest("m"), mid, "warm", settings=S)
+    assert warm.action == "cloud" and warm.threshold == pytest.approx(0.8) and "warm threshold 0.800" in warm.reason
+    explicit = EscalationSettings(threshold=0.6, warm_threshold=0.7)
+    assert decide(EscalationRequest("m"), mid, "warm", settings=explicit).action == "local"
+
+
+def test_confidence_measures():
+    """max_softmax, margin and normalised entropy on full vectors and on top-k."""
+    p = [0.7, 0.2, 0.1]
+    assert confidence(p, "max_softmax") == 0.7
+    assert confidence(p, "margin") == pytest.approx(0.5)
+    h = -sum(x * np.log(x) for x in p)
+    assert confidence(p, "entropy") == pytest.approx(1 - h / np.log(3))
+    assert confidence([1.0, 0.0, 0.0], "entropy") == pytest.approx(1.0)
+    assert confidence([0.25] * 4, "entropy") == pytest.approx(0.0)
+    # top-2 of 4 classes: the missing 0.2 spread over the 2 unseen classes
+    full = confidence([0.5, 0.3, 0.1, 0.1], "entropy")
+    assert confidence([0.5, 0.3], "entropy", num_classes=4) == pytest.approx(full)
+    assert confidence([0.9], "margin") == pytest.approx(0.8)
+    lr = LocalResult.from_logits(np.array([2.0, 1.0, 0.1]), ["a", "b", "c"], k=2)
+    assert lr.answer == "a" and len(lr.top_k) == 2 and lr.num_classes == 3
+    assert lr.confidence("max_softmax") == pytest.approx(np.exp(2) / np.exp([2, 1, 0.1]).sum())
+
+
+# the curve --------------------------------------------------------------------------------------------
+def test_escalation_curve_least_confident_first():
+    """Escalating the least confident first buys the wrong answers first; thresholds reproduce each share."""
+    logits = np.array([[5, 0, 0], [0.2, 0, 0.1], [0, 3, 0], [0, 0.1, 0.3], [4, 0, 1]], dtype=np.float64)
+    labels = [0, 1, 1, 2, 0]  # sample 1 is wrong and the least confident
+    pts = escalation_curve(logits, labels, "max_softmax", [0, 0.2, 0.4, 1.0])
+    assert [p.escalated for p in pts] == [0, 1, 2, 5]
+    assert [p.accuracy for p in pts] == [0.8, 1.0, 1.0, 1.0]
+    assert pts[0].local_accuracy == 0.8 and pts[-1].local_accuracy is None
+    conf = confidences(logits, "max_softmax")
+    assert conf[1] == conf.min()
+    for p in pts:
+        assert (conf < p.threshold).sum() == p.escalated and p.threshold_share == p.escalated / 5
+    with pytest.raises(ValueError, match="labels"):
+        escalation_curve(logits, [0, 1], "margin")
+
+
+# secrets -----------------------------------------------------------------------------------------------
+def test_key_sources_and_their_errors(tmp_path, monkeypatch):
+    """File, systemd credential and environment; each missing source is a one-line error naming it, never a key."""
+    f = tmp_path / "k2.key"
+    f.write_text(KEY + "\n")
+    f.chmod(0o600)
+    assert resolve_api_key(CloudSettings(api_key_file=f)).get_secret_value() == KEY
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "k2").write_text(KEY)
+    got = resolve_api_key(CloudSettings(api_key_credential="k2"), {"CREDENTIALS_DIRECTORY": str(creds)})
+    assert got.get_secret_value() == KEY
+    assert resolve_api_key(CloudSettings(api_key_env="K2"), {"K2": KEY}).get_secret_value() == KEY
+    assert resolve_api_key(CloudSettings()) is None
+    with pytest.raises(CloudConfigError, match="does not exist"):
+        resolve_api_key(CloudSettings(api_key_file=tmp_path / "nope"))
+    with pytest.raises(CloudConfigError, match=r"CREDENTIALS_DIRECTORY is not set; add LoadCredential=k2"):
+        resolve_api_key(CloudSettings(api_key_credential="k2"), {})
+    with pytest.raises(CloudConfigError, match="K2 is not set"):
+        resolve_api_key(CloudSettings(api_key_env="K2"), {})
+    with pytest.raises(SettingsError, match="cloud.api_key_credential: give at most one"):
+        validate_settings(CloudSettings, {"api_key_file": str(f), "api_key_env": "K2"}, "cloud")
+    with pytest.raises(SettingsError, match=r"cloud\.timeout_s: must be > 0"):
+        validate_settings(CloudSettings, {"timeout_s": 0}, "cloud")
+
+
+def test_key_never_reaches_a_log_a_repr_or_an_error(k2, caplog, tmp_path, monkeypatch):
+    """With openai/httpx loggers at DEBUG: success, retries, a server echoing the header, and anthropic mode leak nothing."""
+    for name in ("openai", "httpx", "httpx2", "httpcore", "httpcore2", "k2edge", ""):
+        caplog.set_level(logging.DEBUG, logger=name)
+    monkeypatch.setenv("K2_TEST_KEY", KEY)
+    settings = settings_for(k2, api_key_env="K2_TEST_KEY", breaker_failures=1)
+    bridge = CloudBridge(settings, tmp_path)
+    client = bridge.client
+    errors = []
+    k2.script(status(500), answer("fine"))
+    client.complete(image_bytes("PNG", (64, 64)), "image/png", "q", TOP3, 5.0)
+    k2.script(status(400, body={"error": {"message": f"bad header: Authorization: Bearer {KEY}"}}))
+    with pytest.raises(CloudRejected) as e:
+        client.complete(None, None, "q", None, 5.0)
+    errors.append(e.value)
+    k2.script(status(503, body=f"upstream saw key {KEY}"), status(503, body=f"upstream saw key {KEY}"),
+              status(503, body=f"upstream saw key {KEY}"))
+    out = bridge.handle(BridgeRequest("r1", "m"), UNSURE, 5.0, thermal_state="normal")
+    assert out.degraded and out.source == "edge"
+    anth = K2Client(settings.model_copy(update={"mode": "anthropic", "base_url": k2.anthropic_url}))
+    anth.complete(None, None, "q", None, 5.0)
+    assert any(r.name.startswith("openai") for r in caplog.records)  # the SDK really logged at DEBUG
+    assert any(r.name.startswith("httpcore") or r.name.startswith("httpx") for r in caplog.records)
+    visible = [caplog.text, repr(settings), str(settings), repr(client), repr(anth), json.dumps(bridge.status()),
+               json.dumps(out.to_dict()), *map(str, errors), *(repr(r.args) for r in caplog.records)]
+    for text in visible:
+        assert KEY not in text
+    assert "***" in str(errors[0])
+    bridge.close()
+
+
+# the bridge ---------------------------------------------------------------------------------------------
+def make_bridge(server, tmp_path, **kw):
+    policy = EscalationPolicy({"digits": EscalationSettings(threshold=0.6, warm_profile="c4")})
+    settings = settings_for(server, **kw)
+    return CloudBridge(settings, tmp_path / "state", policy=policy, client=K2Client(settings, KEY))
+
+
+def test_low_confidence_escalates_and_carries_the_cloud_answer(k2, tmp_path):
+    """An unsure local result: source cloud, the cloud's text and latency, the reason with the numbers."""
+    bridge = make_bridge(k2, tmp_path)
+    k2.script(answer("a tabby cat", delay_s=0.05))
+    out = bridge.handle(BridgeRequest("r1", "digits", image=image_bytes("JPEG", (320, 240))), UNSURE, 3.0, "normal")
+    assert (out.source, out.text, out.degraded, out.error_code) == ("cloud", "a tabby cat", False, None)
+    assert out.latency_ms >= 50 and out.cloud_model == MODEL and "confidence 0.400 (max_softmax) < threshold 0.600" in out.reason
+    assert "cat (0.400)" not in k2.chat_requests[-1].body["messages"][1]["content"][1]["text"]  # top-k labels are c0, c1
+    assert "c0 (0.400)" in k2.chat_requests[-1].body["messages"][1]["content"][1]["text"]
+    confident = bridge.handle(BridgeRequest("r2", "digits"), CONFIDENT, 3.0, "normal")
+    assert (confident.source, confident.text, confident.escalated) == ("edge", "c0", False)
+    st = bridge.status()
+    assert st["counts"]["requests"] == 2 and st["counts"]["escalated"] == 1 and st["escalation_rate"] == 0.5
+    assert st["breaker"]["state"] == "closed" and st["budget"]["remaining"] == 59 and st["outbox"]["depth"] == 0
+    bridge.close()
+
+
+def test_hot_escalates_everything_offloadable_without_running_locally(k2, tmp_path):
+    """Hot: a confident request still goes to the cloud and the local model is never run; allow_cloud false runs locally."""
+    bridge = make_bridge(k2, tmp_path)
+    calls = []
+
+    def run_local():
+        calls.append(1)
+        return CONFIDENT
+
+    out = bridge.handle(BridgeRequest("r1", "digits"), run_local, 3.0, "hot")
+    assert out.source == "cloud" and "thermal state hot" in out.reason and calls == []
+    assert out.decision.prefer_profile == "c4"
+    kept = bridge.handle(BridgeRequest("r2", "digits", allow_cloud=False), run_local, 3.0, "hot")
+    assert kept.source == "edge" and kept.text == "c0" and calls == [1] and "allow_cloud false" in kept.reason
+    bridge.close()
+
+
+def test_critical_refuses_local_work_with_a_clear_error(k2, tmp_path):
+    """Critical and the cloud forbidden: error busy, the local model not run."""
+    bridge = make_bridge(k2, tmp_path)
+    out = bridge.handle(BridgeRequest("r1", "digits", allow_cloud=False), lambda: pytest.fail("ran locally"), 3.0, "critical")
+    assert out.error_code == "busy" and out.text is None and "critical" in out.reason
+    bridge.close()
+
+
+def test_dead_cloud_gives_degraded_local_answers_inside_the_deadline(k2, tmp_path):
+    """A hanging cloud: the local answer, degraded, within the deadline; once the breaker opens, at once and with no call."""
+    bridge = make_bridge(k2, tmp_path, breaker_failures=2, max_retries=0, timeout_s=5.0)
+    k2.fallback = hang(5.0)
+    for i in range(2):
+        t0 = time.monotonic()
+        out = bridge.handle(BridgeRequest(f"r{i}", "digits"), UNSURE, 0.3, "normal")
+        assert time.monotonic() - t0 < 0.45
+        assert (out.source, out.text, out.degraded) == ("edge", "c0", True) and "cloud failed" in out.reason
+    n = len(k2.chat_requests)
+    t0 = time.monotonic()
+    out = bridge.handle(BridgeRequest("r3", "digits"), UNSURE, 0.3, "normal")
+    assert time.monotonic() - t0 < 0.05 and len(k2.chat_requests) == n
+    assert out.degraded and "circuit breaker is open" in out.reason
+    assert bridge.status()["breaker"]["state"] == "open" and bridge.status()["last_error"]
+    bridge.close()
+
+
+def test_a_cloud_too_slow_for_the_deadline_is_not_even_asked(k2, tmp_path):
+    """Once the cloud's median round trip is known, a request with less time left is answered locally at once."""
+    bridge = make_bridge(k2, tmp_path)
+    k2.fallback = delay(0.12, "slow answer")
+    for i in range(5):
+        assert bridge.handle(BridgeRequest(f"w{i}", "digits"), UNSURE, 3.0, "normal").source == "cloud"
+    n = len(k2.chat_requests)
+    t0 = time.monotonic()
+    out = bridge.handle(BridgeRequest("r", "digits"), UNSURE, 0.1, "normal")
+    assert time.monotonic() - t0 < 0.05 and len(k2.chat_requests) == n
+    assert out.source == "edge" and out.degraded and "median latency" in out.reason
+    assert bridge.status()["cloud_latency_ms"]["p50"] >= 120
+    bridge.close()
+
+
+def test_no_edge_model_goes_to_the_cloud_and_fails_clearly_when_it_cannot(k2, tmp_path):
+    """No edge model: the cloud answers; with the cloud down the error is cloud_unavailable or deadline_exceeded."""
+    bridge = make_bridge(k2, tmp_path, max_retries=0)
+    out = bridge.handle(BridgeRequest("r1", "captioner", prompt="describe it"), None, 3.0, "normal")
+    assert out.source == "cloud" and "no edge model" in out.reason
+    k2.script(status(500))
+    failed = bridge.handle(BridgeRequest("r2", "captioner"), None, 3.0, "normal")
+    assert failed.error_code == "cloud_unavailable" and failed.text is None
+    k2.script(hang(2.0))
+    late = bridge.handle(BridgeRequest("r3", "captioner"), None, 0.2, "normal")
+    assert late.error_code == "deadline_exceeded"
+    bridge.close()
+
+
+def test_budget_spent_answers_locally(k2, tmp_path):
+    """requests_per_minute=1: the second escalation is answered locally, degraded, naming the budget."""
+    bridge = make_bridge(k2, tmp_path, requests_per_minute=1)
+    assert bridge.handle(BridgeRequest("r1", "digits"), UNSURE, 3.0, "normal").source == "cloud"
+    second = bridge.handle(BridgeRequest("r2", "digits"), UNSURE, 3.0, "normal")
+    assert second.source == "edge" and second.degraded and "budget" in second.reason
+    assert len(k2.chat_requests) == 1
+    bridge.close()
+
+
+def test_deferrable_request_is_delivered_once_across_restarts(k2, tmp_path):
+    """Cloud down: the deferrable request waits in the outbox; after a restart it is delivered once, and never again."""
+    clock = FakeClock(time.time())
+    k2.fallback = status(503)
+    state = tmp_path / "state"
+    b1 = CloudBridge(settings_for(k2, max_retries=0), state, client=K2Client(settings_for(k2, max_retries=0), KEY),
+                     outbox=Outbox(state, clock=clock))
+    req = BridgeRequest("req-42", "digits", prompt="what digit?", image=image_bytes("PNG", (900, 900)), deferrable=True,
+                        response_topic="clients/7/answers", correlation_data=b"\x01corr",
+                        response={"id": "req-42", "model": "digits", "top_k": [{"label": "c0", "score": 0.4}]})
+    out = b1.handle(req, UNSURE, 1.0, "normal")
+    assert out.deferred and out.degraded and out.source == "edge" and out.text == "c0" and "deferred to the outbox" in out.reason
+    assert b1.handle(req, UNSURE, 1.0, "normal").deferred  # the same id again: still one row
+    assert b1.status()["outbox"]["depth"] == 1
+    b1.close()  # "crash"/restart
+
+    k2.fallback = answer("it is a seven")
+    published: list[tuple] = []
+    b2 = CloudBridge(settings_for(k2), state, client=K2Client(settings_for(k2), KEY), outbox=Outbox(state, clock=clock))
+    assert b2.deliver_once(lambda topic, corr, payload: published.append((topic, corr, payload))) == 1
+    assert len(published) == 1
+    topic, corr, payload = published[0]
+    assert topic == "clients/7/answers" and corr == b"\x01corr"
+    assert payload["id"] == "req-42" and payload["source"] == "cloud" and payload["text"] == "it is a seven"
+    assert payload["deferred"] is True and payload["status"] == "ok" and payload["top_k"] == [{"label": "c0", "score": 0.4}]
+    mime, img = decode_data_url(k2.chat_requests[-1].body["messages"][1]["content"][0]["image_url"]["url"])
+    assert mime == "image/png" and img.size == (768, 768)
+    assert b2.deliver_once(lambda *a: published.append(a)) == 0
+    b2.close()
+
+    clock.t += 3600
+    b3 = CloudBridge(settings_for(k2), state, client=K2Client(settings_for(k2), KEY), outbox=Outbox(state, clock=clock))
+    assert b3.deliver_once(lambda *a: published.append(a)) == 0 and len(published) == 1
+    assert b3.status()["outbox"]["depth"] == 0
+    b3.close()
+
+
+def test_failed_publish_resends_the_stored_answer_without_asking_again(k2, tmp_path):
+    """The cloud answered but the publish failed: the next pass publishes the same answer, with no second cloud call."""
+    clock = FakeClock(time.time())
+    state = tmp_path / "state"
+    outbox = Outbox(state, clock=clock)
+    outbox.put("r9", "t/9", None, {"request": {"prompt": "q"}, "response": {}, "reason": "test"})
+    bridge = CloudBridge(settings_for(k2), state, client=K2Client(settings_for(k2), KEY), outbox=outbox)
+    k2.script(answer("first and only answer"))
+
+    def broken(*a):
+        raise ConnectionError("broker gone")
+
+    assert bridge.deliver_once(broken) == 0
+    assert outbox.depth() == 1 and outbox.get("r9").result["text"] == "first and only answer"
+    clock.t += 600
+    got = []
+    assert bridge.deliver_once(lambda *a: got.append(a)) == 1
+    assert got[0][2]["text"] == "first and only answer" and len(k2.chat_requests) == 1
+    bridge.close()
+
+
+def test_deliver_pending_runs_in_a_worker_thread_and_stops(k2, tmp_path):
+    """The daemon's loop: runs on a thread, delivers, stops when told."""
+    bridge = make_bridge(k2, tmp_path)
+    bridge.outbox.put("r1", "t/1", None, {"request": {"prompt": "q"}, "response": {}, "reason": "x"})
+    got, stop = [], threading.Event()
+    t = threading.Thread(target=bridge.deliver_pending, args=(lambda *a: got.append(a), stop), kwargs={"poll_s": 0.01})
+    t.start()
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    t.join(2)
+    assert not t.is_alive() and len(got) == 1 and bridge.status()["counts"]["delivered"] == 1
+    bridge.close()
+
+
+# the outbox ---------------------------------------------------------------------------------------------
+def test_outbox_put_is_idempotent_and_claims_hold_a_lease(tmp_path):
+    """put twice -> one row; a claimed row is not claimable until its lease expires; WAL is on."""
+    clock = FakeClock(1000.0)
+    box = Outbox(tmp_path, lease_s=30, clock=clock)
+    assert box.put("a", "t/a", b"c", {"x": 1}) and not box.put("a", "t/other", None, {"x": 2})
+    assert box.get("a").payload == {"x": 1} and box.get("a").correlation_data == b"c"
+    item, = box.claim()
+    assert item.id == "a" and item.attempts == 1 and box.claim() == [] and box.due() == []
+    clock.t += 31
+    assert [i.id for i in box.due()] == ["a"]
+    mode = box._db.execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    box.close()
+
+
+def test_outbox_crash_mid_delivery_retries_but_never_resends_a_delivered_id(tmp_path):
+    """A process dies holding a lease: after restart the row is claimed again; once delivered, never again."""
+    clock = FakeClock(1000.0)
+    first = Outbox(tmp_path / "state", lease_s=30, clock=clock)
+    first.put("x", "t/x", None, {})
+    first.put("y", "t/y", None, {})
+    assert {i.id for i in first.claim(limit=2)} == {"x", "y"}
+    assert first.mark_delivered("y")
+    first.close()  # dies with "x" leased
+    second = Outbox(tmp_path / "state", lease_s=30, clock=clock)
+    assert second.claim(limit=5) == []  # lease still valid
+    clock.t += 31
+    again = second.claim(limit=5)
+    assert [i.id for i in again] == ["x"] and again[0].attempts == 2
+    assert second.mark_delivered("x") and not second.mark_delivered("x")
+    second.close()
+    third = Outbox(tmp_path / "state", clock=clock)
+    clock.t += 3600
+    assert third.claim(limit=5) == [] and third.depth() == 0
+    third.close()
+
+
+# the command line --------------------------------------------------------------------------------------------
+def k2edge_cli(*args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "k2edge", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_cloud_check_against_the_stand_in(k2, tmp_path):
+    """cloud check: models listed, the configured one marked, a round trip measured; --json for machines; --config works."""
+    k2.fallback = answer("OK")
+    proc = k2edge_cli("cloud", "check", "--base-url", k2.url, "--model", MODEL, "--api-key-env", "K2_TEST_KEY",
+                      env_extra={"K2_TEST_KEY": KEY})
+    assert proc.returncode == 0, proc.stderr
+    assert "2 model(s) listed" in proc.stdout and f"{MODEL}   <- configured" in proc.stdout and "round trip" in proc.stdout
+    assert KEY not in proc.stdout + proc.stderr
+    (tmp_path / "k2.key").write_text(KEY)
+    cfg = tmp_path / "k2edge.toml"
+    cfg.write_text(f'[cloud]\nbase_url = "{k2.url}"\nmodel = "{MODEL}"\napi_key_file = "{tmp_path / "k2.key"}"\n')
+    data = json.loads(k2edge_cli("cloud", "check", "--config", str(cfg), "--json").stdout)
+    assert data["ok"] and data["reachable"] and data["model_listed"] and data["answer"] == "OK" and data["round_trip_ms"] > 0
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--base-url", "http://127.0.0.1:9/v1", "--model", MODEL], "GET /v1/models: cannot connect"),
+    (["--api-key-env", "K2_UNSET_VAR"], "environment variable K2_UNSET_VAR is not set"),
+    (["--config", "/nonexistent.toml"], "does not exist"),
+])
+def test_cloud_check_failures_are_one_line(args, fragment):
+    """Unreachable endpoint, missing key, missing config: one line on stderr, exit 1."""
+    proc = k2edge_cli("cloud", "check", *args)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_cloud_check_wrong_key_is_one_line(k2):
+    """A key the server rejects: one line naming where the key came from."""
+    proc = k2edge_cli("cloud", "check", "--base-url", k2.url, "--model", MODEL, "--api-key-env", "K2_TEST_KEY",
+                      env_extra={"K2_TEST_KEY": "sk-wrong-1234567890abcdef"})
+    assert proc.returncode == 1 and "rejected the API key from environment variable K2_TEST_KEY" in proc.stderr
+    assert "sk-wrong" not in proc.stderr
+
+
+def test_cloud_curve_on_the_demo_model():
+    """cloud curve on the demo set: 0 % is the model's own accuracy, 100 % is perfect, accuracy never falls."""
+    proc = k2edge_cli("cloud", "curve", str(ROOT / "models/digits/model.onnx"), "--profile", "cpu-dev", "--dataset",
+                      str(ROOT / "models/digits/eval.npz"), "--limit", "200", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    pts = data["points"]
+    assert [round(p["share"] * 100) for p in pts] == list(range(0, 101, 5)) and data["samples"] == 200
+    assert pts[-1]["accuracy"] == 1.0 and pts[-1]["escalated"] == 200 and pts[0]["escalated"] == 0
+    assert all(a["accuracy"] <= b["accuracy"] for a, b in zip(pts, pts[1:]))
+    text = k2edge_cli("cloud", "curve", str(ROOT / "models/digits/model.onnx"), "--profile", "cpu-dev", "--dataset",
+                      str(ROOT / "models/digits/eval.npz"), "--limit", "50", "--shares", "0,10,100", "--measure", "margin")
+    assert text.returncode == 0 and "confidence by margin" in text.stdout and "100 %" in text.stdout
