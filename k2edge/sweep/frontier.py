@@ -1,0 +1,230 @@
+"""The latency / accuracy / energy Pareto front and the recommendation, as pure functions.
+
+Objectives: latency (p50 ms, lower is better), top-1 accuracy (higher is better) and energy per
+inference (J, lower is better). Any objective may be unknown (``None``): energy is unknown wherever
+no power rail was read.
+
+Dominance. ``a`` dominates ``b`` when, on every objective known for *both* points, ``a`` is at least
+as good, and on at least one of them strictly better. An objective missing on either side is left
+out of that comparison: a point without an energy reading is compared with the others on latency
+and accuracy only (it is neither penalised nor favoured for the missing reading). Two points with
+no objective known for both never dominate each other.
+
+Consequences, tested in ``tests/test_sweep.py``:
+
+* duplicates (equal on every known objective) do not dominate each other: both are on the front;
+* a tie in one objective is broken by the others (same latency, higher accuracy dominates);
+* a single point is the front; points that trade one objective for another are all on it.
+
+With missing values dominance is not transitive, so the front is defined directly: the points that
+no other point dominates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+GOALS = ("latency", "accuracy", "energy", "balanced")
+
+# (attribute, sense): +1 higher is better, -1 lower is better.
+OBJECTIVES: tuple[tuple[str, int], ...] = (("latency_ms", -1), ("top1", +1), ("energy_j", -1))
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration as the frontier sees it.
+
+    Attributes:
+        name: the configuration's name (unique within a sweep).
+        latency_ms: p50 latency of one request.
+        top1: top-1 accuracy in [0, 1].
+        energy_j: energy per inference, None when unknown.
+        latency_p99_ms: p99 latency, the value ``max_latency_ms`` constrains (p50 when None).
+    """
+
+    name: str
+    latency_ms: float | None
+    top1: float | None
+    energy_j: float | None = None
+    latency_p99_ms: float | None = None
+
+    def value(self, objective: str) -> float | None:
+        v = getattr(self, objective)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def dominates(a: Point, b: Point) -> bool:
+    """True when ``a`` is at least as good as ``b`` on every objective known for both, and better on one."""
+    strictly = False
+    compared = 0
+    for attr, sense in OBJECTIVES:
+        va, vb = a.value(attr), b.value(attr)
+        if va is None or vb is None:
+            continue
+        compared += 1
+        if sense * va < sense * vb:
+            return False
+        if sense * va > sense * vb:
+            strictly = True
+    return compared > 0 and strictly
+
+
+def pareto_front(points: Sequence[Point]) -> list[Point]:
+    """The points no other point dominates, in input order."""
+    return [p for i, p in enumerate(points) if not any(dominates(q, p) for j, q in enumerate(points) if j != i)]
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The configuration chosen for a goal and constraints, or ``name=None`` with the reason.
+
+    Attributes:
+        name: the chosen configuration, or None when no configuration qualifies.
+        goal: the goal it was chosen for.
+        reason: one sentence a person can read: why this one, or why none.
+        candidates: the configurations that met the constraints.
+        scores: balanced scores of the candidates on the front (goal ``balanced`` only).
+    """
+
+    name: str | None
+    goal: str
+    reason: str
+    candidates: tuple[str, ...] = ()
+    scores: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "goal": self.goal, "reason": self.reason,
+                "candidates": list(self.candidates), "scores": dict(self.scores)}
+
+
+def meets(point: Point, max_latency_ms: float | None = None, min_accuracy: float | None = None) -> bool:
+    """Whether ``point`` satisfies the constraints (p99 latency at most ``max_latency_ms``, top-1 at least ``min_accuracy``)."""
+    if max_latency_ms is not None:
+        tail = point.value("latency_p99_ms")
+        tail = point.value("latency_ms") if tail is None else tail
+        if tail is None or tail > max_latency_ms:
+            return False
+    if min_accuracy is not None:
+        top1 = point.value("top1")
+        if top1 is None or top1 < min_accuracy:
+            return False
+    return True
+
+
+def balanced_scores(points: Sequence[Point]) -> dict[str, float]:
+    """Equal-weight min-max score of each point, in [0, 1], higher is better.
+
+    Each objective known for every point is rescaled so the best point gets 1 and the worst 0
+    (all 1 when they are equal); the score is the mean over those objectives. An objective unknown
+    for any point (energy without a power rail) is left out for all of them.
+    """
+    if not points:
+        return {}
+    per_point = {p.name: [] for p in points}
+    for attr, sense in OBJECTIVES:
+        values = [p.value(attr) for p in points]
+        if any(v is None for v in values):
+            continue
+        best, worst = (max(values), min(values)) if sense > 0 else (min(values), max(values))
+        for p, v in zip(points, values):
+            per_point[p.name].append(1.0 if best == worst else (v - worst) / (best - worst))
+    return {name: (sum(s) / len(s) if s else 0.0) for name, s in per_point.items()}
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:.3f} ms"
+
+
+def _fmt_acc(v: float | None) -> str:
+    return "unknown" if v is None else f"{100 * v:.2f} %"
+
+
+def _constraint_text(max_latency_ms: float | None, min_accuracy: float | None) -> str:
+    parts = []
+    if max_latency_ms is not None:
+        parts.append(f"p99 latency <= {max_latency_ms:g} ms")
+    if min_accuracy is not None:
+        parts.append(f"top-1 >= {100 * min_accuracy:.2f} %")
+    return " and ".join(parts)
+
+
+def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms: float | None = None,
+              min_accuracy: float | None = None, energy_unknown_reason: str | None = None) -> Recommendation:
+    """Pick the configuration for ``goal`` among the points that meet the constraints.
+
+    Goals (ties broken by lower p50 latency, then higher top-1, then name):
+
+    * ``latency``: the lowest p50 latency;
+    * ``accuracy``: the highest top-1, then the lowest p50 latency;
+    * ``energy``: the lowest energy per inference among the points where it is known; none when it
+      is known for no point (``energy_unknown_reason`` says why);
+    * ``balanced``: the highest :func:`balanced_scores` among the candidates on their Pareto front.
+
+    Args:
+        points: measured configurations (failed ones left out by the caller).
+        goal: one of :data:`GOALS`.
+        max_latency_ms: keep points whose p99 latency is at most this.
+        min_accuracy: keep points whose top-1 is at least this (a fraction).
+        energy_unknown_reason: why energy is unknown, for the message.
+
+    Returns:
+        A :class:`Recommendation`; ``name`` is None when nothing qualifies.
+
+    Raises:
+        ValueError: an unknown goal.
+    """
+    if goal not in GOALS:
+        raise ValueError(f"goal must be one of {', '.join(GOALS)}, got {goal!r}")
+    points = list(points)
+    constraints = _constraint_text(max_latency_ms, min_accuracy)
+    candidates = [p for p in points if meets(p, max_latency_ms, min_accuracy)]
+    names = tuple(p.name for p in candidates)
+    if not points:
+        return Recommendation(None, goal, "no configuration was measured successfully")
+    if not candidates:
+        return Recommendation(None, goal, f"no configuration meets {constraints}")
+    within = f" among the {len(candidates)} meeting {constraints}" if constraints else ""
+
+    def tie_key(p: Point):
+        lat, acc = p.value("latency_ms"), p.value("top1")
+        return (math.inf if lat is None else lat, -(acc if acc is not None else -math.inf), p.name)
+
+    if goal == "latency":
+        known = [p for p in candidates if p.value("latency_ms") is not None]
+        if not known:
+            return Recommendation(None, goal, "latency is unknown for every candidate", names)
+        best = min(known, key=tie_key)
+        why = f"lowest p50 latency{within}: {_fmt_ms(best.latency_ms)} (top-1 {_fmt_acc(best.top1)})"
+        return Recommendation(best.name, goal, why, names)
+    if goal == "accuracy":
+        known = [p for p in candidates if p.value("top1") is not None]
+        if not known:
+            return Recommendation(None, goal, "accuracy is unknown for every candidate", names)
+        best = min(known, key=lambda p: (-p.value("top1"),) + tie_key(p))
+        why = f"highest top-1{within}: {_fmt_acc(best.top1)}, the fastest at that accuracy ({_fmt_ms(best.latency_ms)} p50)"
+        return Recommendation(best.name, goal, why, names)
+    if goal == "energy":
+        known = [p for p in candidates if p.value("energy_j") is not None]
+        if not known:
+            cause = f" ({energy_unknown_reason})" if energy_unknown_reason else ""
+            return Recommendation(None, goal, f"energy per inference is unknown for every configuration{cause}; "
+                                              "choose --goal latency, accuracy or balanced", names)
+        best = min(known, key=lambda p: (p.value("energy_j"),) + tie_key(p))
+        unknown = len(candidates) - len(known)
+        note = f"; {unknown} configuration(s) without an energy reading were not considered" if unknown else ""
+        why = f"lowest energy per inference{within}: {best.energy_j:.4g} J ({_fmt_ms(best.latency_ms)} p50, top-1 {_fmt_acc(best.top1)}){note}"
+        return Recommendation(best.name, goal, why, names)
+    front = pareto_front(candidates)
+    scores = balanced_scores(front)
+    best = min(front, key=lambda p: (-scores[p.name],) + tie_key(p))
+    used = [attr for attr, _ in OBJECTIVES if all(p.value(attr) is not None for p in front)]
+    words = {"latency_ms": "p50 latency", "top1": "top-1", "energy_j": "energy"}
+    if len(front) == 1:
+        why = (f"the only configuration on the Pareto front{within}, so the balanced choice: "
+               f"{_fmt_ms(best.latency_ms)} p50, top-1 {_fmt_acc(best.top1)}")
+    else:
+        why = (f"best balanced score{within}: {scores[best.name]:.2f} of 1 (mean of {', '.join(words[a] for a in used)}, "
+               f"each rescaled 0..1 over the {len(front)} front points); {_fmt_ms(best.latency_ms)} p50, top-1 {_fmt_acc(best.top1)}")
+    return Recommendation(best.name, goal, why, names, {k: round(v, 4) for k, v in scores.items()})

@@ -1,0 +1,113 @@
+"""Progress while a sweep runs: a rich bar with ETA on a terminal, one line per configuration otherwise.
+
+Both write to stderr so stdout stays clean for the table or ``--json``. A step is one run of one
+configuration; the runner interleaves configurations round by round.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class SweepProgress:
+    """Receives the sweep's progress; this base class ignores it (library use, tests)."""
+
+    def start(self, total_units: float, steps: int, configs: int = 0) -> None:
+        """The sweep starts: ``steps`` runs of ``configs`` configurations, ``total_units`` of work."""
+
+    def begin_step(self, label: str) -> None:
+        """A run starts; ``label`` reads ``[3/30] c3 run 1/5``."""
+
+    def advance(self, units: float, phase: str | None = None) -> None:
+        pass
+
+    def end_step(self, record: dict, units_left_over: float = 0.0) -> None:
+        pass
+
+    def config_done(self, record: dict) -> None:
+        """A configuration has all its runs, or has failed."""
+
+    def note(self, text: str) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def summary_line(record: dict) -> str:
+    """``c3: p50 0.712 ms, 1,540/s, top-1 99.63 %`` or ``c7: failed: reason``."""
+    if record.get("status") == "failed":
+        return f"{record['name']}: failed: {record.get('error')}"
+    energy = record.get("energy_j_per_inference")
+    extra = f", {energy:.3g} J/inference" if energy is not None else ""
+    return (f"{record['name']}: p50 {record['latency_ms']['p50']:.3f} ms, {record['throughput_per_s']:,.0f}/s, "
+            f"top-1 {100 * record['top1']:.2f} %{extra} ({len(record['runs'])} runs, {record.get('measure_seconds', 0):.1f} s)")
+
+
+class LineProgress(SweepProgress):
+    """One line per finished configuration on stderr (logs, CI, pipes)."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.done = self.configs = 0
+
+    def start(self, total_units: float, steps: int, configs: int = 0) -> None:
+        self.configs = configs
+
+    def config_done(self, record: dict) -> None:
+        self.done += 1
+        self.stream.write(f"[{self.done}/{self.configs}] {summary_line(record)}\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        self.stream.write(f"{text}\n")
+        self.stream.flush()
+
+
+class RichProgress(SweepProgress):
+    """A rich progress bar with elapsed time and ETA on stderr; finished configurations print above it."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.console = Console(stderr=True)
+        self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+                             transient=True)
+        self._task = None
+        self.label = ""
+
+    def start(self, total_units: float, steps: int, configs: int = 0) -> None:
+        self._bar.start()
+        self._task = self._bar.add_task("starting", total=max(total_units, 1))
+
+    def begin_step(self, label: str) -> None:
+        self.label = label
+        self._bar.update(self._task, description=f"{label}: building")
+
+    def advance(self, units: float, phase: str | None = None) -> None:
+        kwargs = {"description": f"{self.label}: {phase}"} if phase else {}
+        self._bar.update(self._task, advance=units, **kwargs)
+
+    def end_step(self, record: dict, units_left_over: float = 0.0) -> None:
+        if units_left_over:
+            self._bar.update(self._task, advance=units_left_over)
+
+    def config_done(self, record: dict) -> None:
+        from rich.text import Text
+
+        style = "red" if record.get("status") == "failed" else ""
+        self.console.print(Text(summary_line(record), style=style), highlight=False)
+
+    def note(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+def default_progress() -> SweepProgress:
+    """The rich bar when stderr is a terminal, else one line per finished configuration."""
+    return RichProgress() if sys.stderr.isatty() else LineProgress()
