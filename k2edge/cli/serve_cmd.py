@@ -10,6 +10,7 @@ ORDER = 100
 def register(p) -> None:
     p.add_argument("--config", "-c", metavar="PATH", default=None,
                    help="daemon config (TOML); default /etc/k2edge/k2edge.toml")
+    p.add_argument("--broker", metavar="HOST[:PORT]", help="override the config's mqtt.host and mqtt.port")
 
 
 def run(args) -> int:
@@ -19,6 +20,15 @@ def run(args) -> int:
     from ..service.daemon import serve
 
     cfg = load_config(args.config)
+    if args.broker:
+        from ..errors import K2EdgeError
+
+        host, _, port = args.broker.rpartition(":") if ":" in args.broker else (args.broker, "", "")
+        try:
+            mqtt = cfg.mqtt.model_copy(update={"host": host or cfg.mqtt.host, "port": int(port) if port else cfg.mqtt.port})
+        except ValueError:
+            raise K2EdgeError(f"--broker {args.broker!r}: port must be a number") from None
+        cfg = cfg.model_copy(update={"mqtt": mqtt})
     if not args.verbose:
         logging.getLogger("k2edge").setLevel(logging.INFO)
     return serve(cfg)

@@ -89,7 +89,9 @@ class ServiceConfig(_Strict):
 
     queue_size: int = Field(64, ge=1, le=100000, description="requests waiting; a full queue answers busy")
     max_batch: int = Field(8, ge=1, le=256)
-    batch_timeout_ms: float = Field(2.0, ge=0, le=10000)
+    batch_timeout_ms: float = Field(
+        0.0, ge=0, le=10000,
+        description="0: a batch goes as soon as the engine has a free slot (adaptive); >0: hold it this long for companions")
     max_payload_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     staging_threads: int = Field(2, ge=1, le=64)
     telemetry_interval_s: float = Field(5.0, gt=0)

@@ -127,6 +127,9 @@ class OnnxRuntimeBackend(Backend):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 3
+        # Idle intra-op threads spin by default; with several lanes, staging threads and a network
+        # thread sharing a few cores, the spinning steals the cores the next hop needs.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._sessions = [self._session(a, opts) for a in self.build.segments]
         self._segment_outputs = [list(s.outputs) for s in self.plan.segments]
         self._segment_inputs = [list(s.inputs) for s in self.plan.segments]

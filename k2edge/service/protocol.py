@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,11 +65,6 @@ class Request:
     def deadline(self) -> float | None:
         """Monotonic time after which no answer may be sent."""
         return None if self.deadline_ms is None else self.received + self.deadline_ms / 1e3
-
-
-def _user_properties(props) -> dict[str, str]:
-    pairs = getattr(props, "UserProperty", None) or []
-    return {str(k): str(v) for k, v in pairs}
 
 
 def parse_request(payload: bytes, model: str, content_type: str | None, user_properties: dict[str, str],
@@ -182,7 +178,7 @@ def _tensor(spec, rid) -> np.ndarray:
     if not isinstance(data, str):
         raise RequestError(BAD_REQUEST, "tensor.data must be a base64 string", rid)
     raw = _b64(data, "tensor.data", rid)
-    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    expected = math.prod(shape) * np.dtype(dtype).itemsize
     if len(raw) != expected:
         raise RequestError(BAD_REQUEST, f"tensor.data holds {len(raw)} bytes; {dtype} {tuple(shape)} needs {expected}", rid)
     return np.frombuffer(raw, dtype=dtype).reshape(shape)

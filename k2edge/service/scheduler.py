@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -62,12 +63,16 @@ class Scheduler:
         self._default_deadline_ms = default_deadline_ms
         self._stagers = [threading.Thread(target=self._stage_loop, name=f"k2edge-stage-{i}", daemon=True)
                          for i in range(staging_threads)]
+        # answers are built and published here, not on a lane: a lane goes straight to its next batch
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._responder = threading.Thread(target=self._respond_loop, name="k2edge-respond", daemon=True)
         self._outstanding = 0
         self._idle = threading.Condition()
         self.heartbeats: dict[str, float] = {}
 
     # lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
+        self._responder.start()
         for t in self._stagers:
             t.start()
         for b in self._batchers.values():
@@ -103,11 +108,13 @@ class Scheduler:
             self.intake.put(None)
         for b in self._batchers.values():
             b.stop()
+        self._answers.put(None)
+        self._responder.join(timeout=10)
 
     def alive(self, max_age: float) -> bool:
         """True when every worker thread lives and has looped within ``max_age`` seconds."""
         now = time.monotonic()
-        threads = [*self._stagers, *(b.thread for b in self._batchers.values())]
+        threads = [*self._stagers, self._responder, *(b.thread for b in self._batchers.values())]
         return all(t.is_alive() for t in threads) and all(now - hb <= max_age for hb in self.heartbeats.values())
 
     # internals ---------------------------------------------------------------------------------
@@ -118,13 +125,26 @@ class Scheduler:
                 self._idle.notify_all()
 
     def answer(self, work: Work, result) -> None:
-        """Publish an answer or an error (RequestError) for ``work``; never raises."""
-        try:
-            self._respond(work, result)
-        except Exception:
-            log.exception("publishing the answer to %s failed", work.topic)
-        finally:
-            self._finished()
+        """Queue the answer (outputs, a RequestError, or None for a duplicate) for publishing."""
+        self._answers.put((work, result))
+
+    def _respond_loop(self) -> None:
+        name = threading.current_thread().name
+        while True:
+            self.heartbeats[name] = time.monotonic()
+            try:
+                item = self._answers.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            work, result = item
+            try:
+                self._respond(work, result)
+            except Exception:
+                log.exception("publishing the answer to %s failed", work.topic)
+            finally:
+                self._finished()
 
     def _stage_loop(self) -> None:
         name = threading.current_thread().name
@@ -169,53 +189,75 @@ class Scheduler:
 
 
 class _Batcher:
-    """Collects up to ``max_batch`` staged requests of one model within ``timeout`` and runs them."""
+    """Adaptive dynamic batching for one model.
+
+    A batch goes as soon as the engine has a free slot, with everything queued by then (up to
+    ``max_batch``): an idle engine never makes a lone request wait, and a busy one lets requests
+    pile up into the next batch. ``timeout`` > 0 additionally holds a batch for up to that long
+    after its oldest request was staged, hoping for companions. Slots: one per lane plus one, so
+    the engine is fed while the next batch is stacked.
+    """
+
+    STUCK_AFTER_S = 30.0  # a batch in flight this long means a wedged lane: stop the heartbeat
 
     def __init__(self, scheduler: Scheduler, runtime: ModelRuntime, max_batch: int, timeout: float) -> None:
         self.s = scheduler
         self.rt = runtime
         self.max_batch = max_batch
         self.timeout = timeout
-        self.q: queue.Queue[Work | None] = queue.Queue()
-        # keep requests in our queue (where deadlines and busy are decided) rather than in the lanes
-        self._slots = threading.BoundedSemaphore(4)
+        self._cond = threading.Condition()
+        self._items: deque[Work] = deque()
+        self._slots = len(runtime.lanes()) + 1 if hasattr(runtime, "lanes") else 2
+        self._free = self._slots
+        self._progress = time.monotonic()
+        self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"k2edge-batch-{runtime.name}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
-        self.q.put(None)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
         self.thread.join(timeout=10)
 
     def put(self, work: Work) -> None:
-        self.q.put(work)
+        with self._cond:
+            self._items.append(work)
+            self._cond.notify()
 
     def depth(self) -> int:
-        return self.q.qsize()
+        return len(self._items)
+
+    def _release(self) -> None:
+        with self._cond:
+            self._free += 1
+            self._progress = time.monotonic()
+            self._cond.notify()
+
+    def _beat(self, now: float) -> None:
+        if self._free == self._slots or now - self._progress < self.STUCK_AFTER_S:
+            self.s.heartbeats[self.thread.name] = now
 
     def _loop(self) -> None:
-        name = self.thread.name
         while True:
-            self.s.heartbeats[name] = time.monotonic()
-            try:
-                first = self.q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if first is None:
-                return
-            batch = [first]
-            until = time.monotonic() + self.timeout
-            while len(batch) < self.max_batch:
-                left = until - time.monotonic()
-                try:
-                    item = self.q.get(timeout=left) if left > 0 else self.q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self.q.put(None)
-                    break
-                batch.append(item)
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    self._beat(now)
+                    if self._items and self._free > 0:
+                        hold = self._items[0].staged + self.timeout - now
+                        if self.timeout <= 0 or len(self._items) >= self.max_batch or hold <= 0 or self._stopping:
+                            break
+                        self._cond.wait(min(hold, 0.5))
+                        continue
+                    if not self._items and self._stopping:
+                        return
+                    self._cond.wait(0.5)
+                batch = [self._items.popleft() for _ in range(min(len(self._items), self.max_batch))]
+                self._free -= 1
+                self._progress = now
             self._dispatch(batch)
 
     def _dispatch(self, batch: list[Work]) -> None:
@@ -227,13 +269,13 @@ class _Batcher:
             else:
                 live.append(w)
         if not live:
+            self._release()
             return
-        self._slots.acquire()
         started = time.monotonic()
         try:
             future = self.rt.submit([w.sample for w in live])
         except Exception as exc:
-            self._slots.release()
+            self._release()
             log.exception("model %s: submitting a batch failed", self.rt.name)
             for w in live:
                 self.s.answer(w, RequestError(INTERNAL, f"inference failed: {exc}", w.request.id))
@@ -241,7 +283,7 @@ class _Batcher:
         future.add_done_callback(lambda f: self._complete(f, live, started))
 
     def _complete(self, future, live: list[Work], started: float) -> None:
-        self._slots.release()
+        self._release()
         done = time.monotonic()
         try:
             outputs = future.result()[self.rt.output_name]
@@ -251,6 +293,7 @@ class _Batcher:
                 self.s.answer(w, RequestError(INTERNAL, f"inference failed: {exc}", w.request.id))
             return
         for i, w in enumerate(live):
+            w.timings["batch_wait"] = (started - w.staged) * 1e3
             w.timings["infer"] = (done - started) * 1e3
             w.timings["batch"] = len(live)
             if w.request.deadline is not None and done > w.request.deadline:

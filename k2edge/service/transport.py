@@ -117,6 +117,9 @@ class MqttTransport:
                       keyfile=str(m.tls_key_file) if m.tls_key_file else None,
                       cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         c.on_socket_open = self._on_socket_open
+        # Publishing threads only queue packets; this network thread writes them (paho's hook for an
+        # external event loop). Otherwise every publish is a send() on the publishing thread.
+        c.on_socket_register_write = lambda client, userdata, sock: None
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
