@@ -101,6 +101,7 @@ class MqttTransport:
         self._on_connected_cb = on_connected
         self.connected = threading.Event()
         self._stop = threading.Event()
+        self._closing = False
         self.heartbeat = time.monotonic()
         self._thread: threading.Thread | None = None
         m = cfg.mqtt
@@ -134,13 +135,15 @@ class MqttTransport:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        """Disconnect cleanly (no Last Will) and end the network thread."""
+        self._closing = True
         try:
-            self.client.disconnect()
+            self.client.disconnect()  # queued; the network thread writes DISCONNECT, then the loop ends
         except Exception:  # already gone
             pass
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._stop.set()
 
     @property
     def alive(self) -> bool:
@@ -158,6 +161,8 @@ class MqttTransport:
         up_since: float | None = None
         while not self._stop.is_set():
             self.heartbeat = time.monotonic()
+            if self._closing and not self._socket_open():
+                return
             if not self._socket_open():
                 try:
                     if first:
@@ -180,6 +185,8 @@ class MqttTransport:
                 rc = mqtt.MQTT_ERR_UNKNOWN
             if rc != mqtt.MQTT_ERR_SUCCESS:
                 self.connected.clear()
+                if self._closing:
+                    return
                 up_since = None
                 delay = backoff(attempt, m.reconnect_min_s, m.reconnect_max_s)
                 attempt += 1
