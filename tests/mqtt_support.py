@@ -81,7 +81,9 @@ class Broker:
 
 
 def write_config(path: Path, port: int, models: list[dict], device: str = "t1", service: dict | None = None,
-                 fleet: str | None = None, mqtt_extra: dict | None = None) -> Path:
+                 fleet: str | None = None, mqtt_extra: dict | None = None, tables: dict[str, dict] | None = None) -> Path:
+    """A daemon config; ``tables`` adds top-level tables ([cloud], [thermal]); a dict value inside a
+    model entry becomes its sub-table ([models.escalation])."""
     def val(v):
         return json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
 
@@ -94,9 +96,15 @@ def write_config(path: Path, port: int, models: list[dict], device: str = "t1", 
         lines.append(f"{k} = {val(v)}")
     if fleet:
         lines += ["[fleet]", f'group = "{fleet}"']
+    for name, table in (tables or {}).items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {val(v)}" for k, v in table.items()]
     for m in models:
         lines.append("[[models]]")
-        lines += [f"{k} = {val(v)}" for k, v in m.items()]
+        lines += [f"{k} = {val(v)}" for k, v in m.items() if not isinstance(v, dict)]
+        for sub, table in ((k, v) for k, v in m.items() if isinstance(v, dict)):
+            lines.append(f"[models.{sub}]")
+            lines += [f"{k} = {val(v)}" for k, v in table.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
+from .cloud import CloudSettings, EscalationSettings
+from .thermal import ThermalSettings
 
 DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
 _TOPIC_LEVEL = re.compile(r"^[A-Za-z0-9_.:-]+$")
@@ -77,6 +79,8 @@ class ModelConfig(_Strict):
     calib: Path | None = None
     backend: str = Field("auto", pattern="^(auto|onnxruntime|tensorrt)$")
     top_k: int = Field(5, ge=1, le=1000)
+    escalation: EscalationSettings = Field(default_factory=EscalationSettings,
+                                           description="when this model's requests go to the cloud")
 
     @field_validator("name")
     @classmethod
@@ -118,6 +122,8 @@ class DaemonConfig(_Strict):
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
+    thermal: ThermalSettings = Field(default_factory=ThermalSettings)
+    cloud: CloudSettings | None = Field(None, description="the K2 server; without it nothing is escalated")
     models: tuple[ModelConfig, ...]
     source: Path | None = Field(None, exclude=True)
 
@@ -158,12 +164,15 @@ def _resolve(data: dict, base: Path) -> dict:
 
     fix(data.get("mqtt", {}), ("tls_ca_file", "tls_cert_file", "tls_key_file", "password_file"))
     fix(data.get("service", {}), ("cache_dir", "state_dir"))
+    fix(data.get("cloud", {}) if isinstance(data.get("cloud"), dict) else {}, ("api_key_file", "outbox_path"))
+    fix(data.get("thermal", {}) if isinstance(data.get("thermal"), dict) else {}, ("trace", "sysfs_root"))
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         if isinstance(m, dict):
             fix(m, ("onnx", "labels", "calib"))
-            prof = m.get("profile")
-            if isinstance(prof, str) and (prof.endswith(".json") or "/" in prof) and not os.path.isabs(prof):
-                m["profile"] = str(base / prof)
+            for holder, key in ((m, "profile"), (m.get("escalation") if isinstance(m.get("escalation"), dict) else {}, "warm_profile")):
+                prof = holder.get(key)
+                if isinstance(prof, str) and (prof.endswith(".json") or "/" in prof) and not os.path.isabs(prof):
+                    holder[key] = str(base / prof)
     return data
 
 
@@ -195,6 +204,15 @@ def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
     except ValidationError as exc:
         raise ConfigError(f"{p}: {describe_validation_error(exc, model_keys(DaemonConfig))}") from None
     return cfg.model_copy(update={"source": p})
+
+
+def state_dir(cfg: DaemonConfig) -> Path:
+    """Where the outbox and other state live: the config's, else systemd's $STATE_DIRECTORY, else ~/.local/state."""
+    if cfg.service.state_dir:
+        return Path(cfg.service.state_dir)
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(os.pathsep)[0])
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "k2edge"
 
 
 def read_secret(path: Path | None = None, credential: str | None = None, what: str = "secret") -> str | None:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from .. import __version__
 from ..config.schema import DaemonConfig
 from . import topics
-from .protocol import BUSY, PAYLOAD_TOO_LARGE, UNKNOWN_MODEL, RequestError, encode, error_response, ok_response
+from .protocol import BUSY, INTERNAL, PAYLOAD_TOO_LARGE, UNKNOWN_MODEL, RequestError, encode, error_response, ok_response
 from .runtime import ModelRuntime
 from .scheduler import Scheduler, Work
 from .sdnotify import Notifier
@@ -61,7 +61,7 @@ class Daemon:
         self._seen = _Seen()
         self.transport: MqttTransport | None = None
         self.scheduler: Scheduler | None = None
-        self._thermal_state = "unknown"
+        self.offload = None
 
     # setup ---------------------------------------------------------------------------------------
     def _build_models(self) -> None:
@@ -76,24 +76,34 @@ class Daemon:
             rt.activate()
             self.models[m.name] = rt
 
+    @property
+    def thermal_state(self) -> str:
+        return self.offload.thermal.state if self.offload else "unknown"
+
     def status_payload(self, state: str) -> bytes:
+        cloud = self.offload.bridge.status() if self.offload and self.offload.bridge else None
         return json.dumps({
             "state": state,
             "device": self.cfg.device_id,
             "version": __version__,
-            "models": [{"name": name, "profile": rt.profile_name, "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines)}
-                       for name, rt in self.models.items()],
+            "models": [{"name": name, "profile": rt.profile_name, "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines),
+                        "warm_profile": rt.warm_profile} for name, rt in self.models.items()],
             "topics": {"requests": topics.request_filter(self.cfg.prefix),
                        "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},
+            "thermal": self.thermal_state,
+            "cloud": {"breaker": cloud["breaker"], "budget": cloud["budget"], "outbox": cloud["outbox"]} if cloud else None,
             "time": time.time(),
         }).encode()
 
     def telemetry_payload(self) -> bytes:
         snap = self.stats.snapshot()
+        offload = self.offload.status() if self.offload else {"thermal": {"state": "unknown"}, "cloud": {"state": "not configured"}}
+        counts = snap["counts"]
+        answered = counts.get("ok", 0)
         snap.update({"device": self.cfg.device_id, "state": "draining" if self._draining.is_set() else "online",
                      "queue_depth": self.scheduler.queue_depth() if self.scheduler else 0,
-                     "thermal": {"state": self._thermal_state}, "escalation_rate": 0.0,
-                     "cloud": {"state": "not configured"}, "time": time.time()})
+                     "thermal": offload["thermal"], "cloud": offload["cloud"],
+                     "escalation_rate": counts.get("escalated", 0) / answered if answered else 0.0, "time": time.time()})
         return json.dumps(snap).encode()
 
     # request path (network thread) ---------------------------------------------------------------
@@ -134,30 +144,108 @@ class Daemon:
         key = (req.id, work.response_topic, work.correlation, work.model)
         return not self._seen.add(key)
 
-    def _respond(self, work: Work, result) -> None:
-        """Publish the answer (or error) for ``work``, then acknowledge its request."""
+    def _reply_topic(self, work: Work, rid: str | None) -> str:
+        if work.response_topic:
+            return work.response_topic
+        return topics.result_topic(self.cfg.prefix, rid) if rid and topics.valid_level(rid) else topics.errors_topic(self.cfg.prefix)
+
+    def _route(self, work: Work):
+        """Before staging: let the thermal state / policy take a request off the local path."""
+        rt = self.models[work.model]
+        req = work.request
+        work.reply_topic = self._reply_topic(work, req.id)
+        work.template = {"id": req.id, "model": req.model, "profile": rt.profile_name, "device": self.cfg.device_id}
+        k = req.top_k or rt.cfg.top_k
+        routed = self.offload.before_inference(work, lambda: rt.run_one(req.image, req.tensor, k))
+        if routed is None or routed is True:
+            return bool(routed)
+        return RequestError(routed.error_code or BUSY, routed.reason, req.id)
+
+    def _latency(self, work: Work, **extra) -> tuple[dict, float]:
+        total = (time.monotonic() - work.received) * 1e3
+        latency = {k: round(v, 3) if isinstance(v, float) else v for k, v in work.timings.items()}
+        latency.update({k: round(v, 3) for k, v in extra.items() if v is not None})
+        latency["total"] = round(total, 3)
+        return latency, total
+
+    def _respond(self, work: Work, result) -> bool:
+        """Publish the answer (or error) for ``work`` and acknowledge its request.
+
+        Returns False when the request was handed to the cloud pool instead (it comes back later).
+        """
+        from ..cloud_bridge import LocalResult, Outcome
+
+        handed_on = False
         try:
             if result is None:  # a duplicate delivery: answered already
-                return
+                return True
             req = work.request
             rid = req.id if req else (result.request_id if isinstance(result, RequestError) else None)
+            rt = self.models.get(work.model)
+            if isinstance(result, Exception) and not isinstance(result, RequestError):
+                result = RequestError(INTERNAL, f"internal error: {type(result).__name__}", rid)
+            if isinstance(result, Outcome) and result.error_code:
+                result = RequestError(result.error_code, result.reason, rid)
             if isinstance(result, RequestError):
                 body = error_response(result.code, result.message, rid or result.request_id, work.model or None, self.cfg.device_id)
                 self.stats.failed(result.code)
-            else:
-                rt = self.models[work.model]
-                total = (time.monotonic() - work.received) * 1e3
-                latency = {k: round(v, 3) if isinstance(v, float) else v for k, v in work.timings.items()}
-                latency["total"] = round(total, 3)
-                top = rt.top_k(result, req.top_k or rt.cfg.top_k)[0]
-                body = ok_response(req, self.cfg.device_id, rt.profile_name, top, latency, self._thermal_state)
+            elif isinstance(result, Outcome):
+                top = list(result.local.top_k) if result.local else []
+                cloud_ms = result.latency_ms if result.source == "cloud" else None
+                latency, total = self._latency(work, cloud=cloud_ms)
+                body = ok_response(req, self.cfg.device_id, rt.profile_name, top, latency, self.thermal_state,
+                                   confidence=result.decision.confidence if result.decision else None, source=result.source,
+                                   text=result.text if result.source == "cloud" else None,
+                                   escalation_reason=result.reason if result.escalated else None,
+                                   degraded=result.degraded, deferred=result.deferred)
                 self.stats.answered(total)
-            topic = work.response_topic
-            if not topic:
-                topic = topics.result_topic(self.cfg.prefix, rid) if rid and topics.valid_level(rid) else topics.errors_topic(self.cfg.prefix)
+                self.stats.count("escalated")
+                self.stats.count(f"source_{result.source}")
+            else:
+                local = LocalResult.from_logits(result[0], rt.labels, req.top_k or rt.cfg.top_k)
+                latency, total = self._latency(work)
+                work.template = ok_response(req, self.cfg.device_id, rt.profile_name, list(local.top_k), latency, self.thermal_state)
+                decision = self.offload.after_inference(work, local)
+                if decision is None:
+                    handed_on = True
+                    return False
+                if decision.action == "refuse":
+                    body = error_response(decision.error_code or BUSY, decision.reason, rid, work.model, self.cfg.device_id)
+                    self.stats.failed(decision.error_code or BUSY)
+                else:
+                    below = decision.confidence is not None and decision.threshold is not None and decision.confidence < decision.threshold
+                    wanted_cloud = decision.escalate or decision.degraded or below
+                    body = ok_response(req, self.cfg.device_id, rt.profile_name, list(local.top_k), latency, self.thermal_state,
+                                       confidence=decision.confidence, degraded=decision.degraded,
+                                       escalation_reason=decision.reason if wanted_cloud else None)
+                    self.stats.answered(total)
+                    if decision.escalate:
+                        self.stats.count("escalated")
+            topic = work.reply_topic or self._reply_topic(work, rid)
             self.transport.publish(topic, encode(body), qos=self.cfg.mqtt.qos, correlation=work.correlation)
+            return True
         finally:
-            self.transport.done(work.ack_token)
+            if not handed_on:
+                self.transport.done(work.ack_token)
+
+    def _publish_deferred(self, topic: str, correlation: bytes | None, payload: dict) -> None:
+        """Publish an outbox answer and wait for the broker's acknowledgement (raises if none)."""
+        info = self.transport.publish(topic, encode(payload), qos=1, correlation=correlation)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if info.is_published():
+                    return
+            except (RuntimeError, ValueError):
+                break
+            time.sleep(0.02)
+        raise RuntimeError(f"the broker did not acknowledge the deferred answer on {topic}")
+
+    def _on_thermal(self, st) -> None:
+        for rt in self.models.values():
+            rt.prefer_warm(st.prefer_dla)
+        if self.transport is not None and self.transport.connected.is_set():
+            self.transport.publish(topics.status_topic(self.cfg.prefix), self.status_payload("online"), qos=1, retain=True)
 
     # run -----------------------------------------------------------------------------------------
     def _on_connected(self) -> None:
@@ -171,10 +259,14 @@ class Daemon:
     def run(self) -> int:
         cfg = self.cfg
         self._build_models()
+        from .offload import Offload
+
+        self.offload = Offload(cfg, answer=lambda w, outcome: self.scheduler.answer(w, outcome),
+                               publish=self._publish_deferred, on_thermal=self._on_thermal)
         self.scheduler = Scheduler(self.models, queue_size=cfg.service.queue_size, max_batch=cfg.service.max_batch,
                                    batch_timeout_ms=cfg.service.batch_timeout_ms, staging_threads=cfg.service.staging_threads,
                                    default_deadline_ms=cfg.service.default_deadline_ms, respond=self._respond,
-                                   is_duplicate=self._is_duplicate)
+                                   is_duplicate=self._is_duplicate, route=self._route)
         self.scheduler.start()
         subs = [topics.request_filter(cfg.prefix)]
         if cfg.fleet.group:
@@ -182,6 +274,7 @@ class Daemon:
         will = (topics.status_topic(cfg.prefix), self.status_payload("offline"))
         self.transport = MqttTransport(cfg, subs, self._on_message, self._on_connected, will)
         self.transport.start()
+        self.offload.start()
         ready = False
         watchdog = self.notify.watchdog_interval()
         last_dog = last_telemetry = 0.0
@@ -217,7 +310,9 @@ class Daemon:
         finished = self.scheduler.wait_idle(cfg.service.drain_timeout_s)
         if not finished:
             log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", cfg.service.drain_timeout_s)
-        self.transport.publish(topics.status_topic(cfg.prefix), self.status_payload("offline"), qos=1, retain=True)
+        offline = self.status_payload("offline")  # before the bridge closes its outbox
+        self.offload.stop()
+        self.transport.publish(topics.status_topic(cfg.prefix), offline, qos=1, retain=True)
         if not self.transport.wait_published(timeout=10):
             log.warning("some answers were not acknowledged by the broker before exit")
         self.transport.stop()

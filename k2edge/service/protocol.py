@@ -56,7 +56,7 @@ class Request:
     prompt: str | None = None
     top_k: int | None = None
     deadline_ms: float | None = None
-    allow_cloud: bool = True
+    allow_cloud: bool | None = None  # None: the model's default
     deferrable: bool = False
     received: float = 0.0  # monotonic seconds
     extra: dict = field(default_factory=dict)
@@ -189,20 +189,29 @@ def error_response(code: str, message: str, request_id: str | None, model: str |
             "error": {"code": code, "message": message}}
 
 
-def ok_response(req: Request, device: str, profile: str, top_k: list[dict], latency: dict, thermal_state: str) -> dict:
-    return {
+def ok_response(req: Request, device: str, profile: str, top_k: list[dict], latency: dict, thermal_state: str,
+                confidence: float | None = None, source: str = "edge", text: str | None = None,
+                escalation_reason: str | None = None, degraded: bool = False, deferred: bool = False) -> dict:
+    body = {
         "id": req.id,
         "status": "ok",
-        "source": "edge",
+        "source": source,
         "model": req.model,
         "profile": profile,
         "device": device,
         "top_k": top_k,
-        "confidence": top_k[0]["score"] if top_k else None,
+        "confidence": confidence if confidence is not None else (top_k[0]["score"] if top_k else None),
         "latency_ms": latency,
         "thermal_state": thermal_state,
-        "degraded": False,
+        "degraded": degraded,
     }
+    if text is not None:
+        body["text"] = text
+    if escalation_reason:
+        body["escalation_reason"] = escalation_reason
+    if deferred:
+        body["deferred"] = True
+    return body
 
 
 def encode(response: dict) -> bytes:

@@ -32,21 +32,19 @@ class ModelRuntime:
     """
 
     def __init__(self, cfg: ModelConfig, max_batch: int, board: str | None, cache_dir) -> None:
-        from ..engine.engine import Engine
-
         self.cfg = cfg
         self.name = cfg.name
         base: Profile = load_profile(cfg.profile)
-        self.profile_name = base.name
-        self.engines: dict[int, Engine] = {}
-        for b in batch_sizes(max_batch):
-            er = base.edge_runtime.model_copy(update={"batch_size": b})
-            profile = base.model_copy(update={"edge_runtime": er})
-            engine = Engine.build(cfg.onnx, profile, cfg.calib, board=board, backend=cfg.backend, cache_dir=cache_dir,
-                                  labels=cfg.labels)
-            self.engines[b] = engine
-            log.info("model %s: engine for batch %d ready (%s)", cfg.name, b,
-                     ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
+        self.normal_profile = base.name
+        self.normal = self._build(base, max_batch, board, cache_dir)
+        self.warm = None
+        self.warm_profile = None
+        if cfg.escalation.warm_profile:
+            warm = load_profile(cfg.escalation.warm_profile)
+            self.warm_profile = warm.name
+            self.warm = self._build(warm, max_batch, board, cache_dir)
+        self.engines = self.normal
+        self.profile_name = self.normal_profile
         first = self.engines[1]
         self.preprocess = first.preprocess
         self.labels = first.labels
@@ -56,13 +54,46 @@ class ModelRuntime:
         self.output_name = first.output_names[0]
         self.max_batch = max_batch
 
+    def _build(self, profile: Profile, max_batch: int, board, cache_dir) -> dict:
+        from ..engine.engine import Engine
+
+        engines = {}
+        for b in batch_sizes(max_batch):
+            er = profile.edge_runtime.model_copy(update={"batch_size": b})
+            p = profile.model_copy(update={"edge_runtime": er})
+            engine = Engine.build(self.cfg.onnx, p, self.cfg.calib, board=board, backend=self.cfg.backend,
+                                  cache_dir=cache_dir, labels=self.cfg.labels)
+            engines[b] = engine
+            log.info("model %s: %s engine for batch %d ready (%s)", self.cfg.name, profile.name, b,
+                     ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
+        return engines
+
+    def _all(self):
+        return [*self.normal.values(), *(self.warm.values() if self.warm else ())]
+
     def activate(self) -> None:
-        for e in self.engines.values():
+        for e in self._all():
             e.activate()
 
     def deactivate(self) -> None:
-        for e in self.engines.values():
+        for e in self._all():
             e.deactivate()
+
+    def prefer_warm(self, on: bool) -> None:
+        """Switch to the DLA-heavier warm profile (thermal warm/hot) or back; a no-op without one."""
+        if self.warm is None:
+            return
+        engines, name = (self.warm, self.warm_profile) if on else (self.normal, self.normal_profile)
+        if engines is not self.engines:
+            log.warning("model %s: switching to profile %s", self.name, name)
+            self.engines, self.profile_name = engines, name
+
+    def run_one(self, image: bytes | None, tensor, k: int):
+        """Stage and run one request synchronously (a cloud worker's local fallback)."""
+        from ..cloud_bridge import LocalResult
+
+        out = self.submit([self.stage(image, tensor)]).result()[self.output_name]
+        return LocalResult.from_logits(out[0], self.labels, k)
 
     def lanes(self) -> list[str]:
         return [f"{lane.label} [{lane.precision}]" for lane in self.engines[1].lanes()]
@@ -88,8 +119,9 @@ class ModelRuntime:
     def submit(self, samples: list[np.ndarray]) -> Future:
         """Run a batch of samples; pads to the next engine batch size. Resolves to (n, ...) outputs."""
         n = len(samples)
-        size = next(b for b in sorted(self.engines) if b >= n)
-        engine = self.engines[size]
+        engines = self.engines  # one read: a thermal switch between lines must not mix profiles
+        size = next(b for b in sorted(engines) if b >= n)
+        engine = engines[size]
         batch = np.empty((size, *self.sample_shape), dtype=self.input_dtype)
         for i in range(size):
             batch[i] = samples[min(i, n - 1)]

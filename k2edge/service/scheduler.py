@@ -38,6 +38,8 @@ class Work:
     correlation: bytes | None
     received: float
     ack_token: object = None
+    reply_topic: str | None = None  # where the answer goes (Response Topic, or the fallback)
+    template: dict | None = None  # the local answer, kept for a deferred cloud answer to complete
     request: Request | None = None
     sample: np.ndarray | None = None
     staged: float = 0.0
@@ -49,17 +51,22 @@ class Scheduler:
 
     Args:
         models: served models by name.
-        respond: ``respond(work, result_or_error)`` publishes the answer (thread-safe).
-        is_duplicate: ``is_duplicate(request)`` — True when this id was already answered or is in flight.
+        respond: ``respond(work, result)`` publishes the answer; returns False when it handed the
+            request on (to the cloud pool), which later comes back through :meth:`answer`.
+        is_duplicate: ``is_duplicate(work)`` — True when this id was already answered or is in flight.
+        route: ``route(work)`` before staging — truthy when the request leaves the local path
+            (a RequestError to answer with, or True when it was handed on).
     """
 
     def __init__(self, models: dict[str, ModelRuntime], *, queue_size: int, max_batch: int, batch_timeout_ms: float,
-                 staging_threads: int, default_deadline_ms: float | None, respond: Callable, is_duplicate: Callable) -> None:
+                 staging_threads: int, default_deadline_ms: float | None, respond: Callable, is_duplicate: Callable,
+                 route: Callable | None = None) -> None:
         self.models = models
         self.intake: queue.Queue[Work | None] = queue.Queue(maxsize=queue_size)
         self._batchers = {name: _Batcher(self, rt, max_batch, batch_timeout_ms / 1e3) for name, rt in models.items()}
         self._respond = respond
         self._is_duplicate = is_duplicate
+        self._route = route
         self._default_deadline_ms = default_deadline_ms
         self._stagers = [threading.Thread(target=self._stage_loop, name=f"k2edge-stage-{i}", daemon=True)
                          for i in range(staging_threads)]
@@ -139,12 +146,14 @@ class Scheduler:
             if item is None:
                 return
             work, result = item
+            done = True
             try:
-                self._respond(work, result)
+                done = self._respond(work, result) is not False
             except Exception:
                 log.exception("publishing the answer to %s failed", work.topic)
             finally:
-                self._finished()
+                if done:
+                    self._finished()
 
     def _stage_loop(self) -> None:
         name = threading.current_thread().name
@@ -180,6 +189,12 @@ class Scheduler:
             return
         if req.deadline is not None and time.monotonic() > req.deadline:
             raise RequestError(DEADLINE_EXCEEDED, f"deadline of {req.deadline_ms:g} ms passed before staging", req.id)
+        if self._route is not None:
+            routed = self._route(work)
+            if isinstance(routed, RequestError):
+                raise routed
+            if routed:
+                return
         t0 = time.monotonic()
         work.sample = runtime.stage(req.image, req.tensor)
         work.staged = time.monotonic()

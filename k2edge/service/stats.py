@@ -23,8 +23,11 @@ class ServiceStats:
             self.counts["ok"] += 1
 
     def failed(self, code: str) -> None:
+        self.count(code)
+
+    def count(self, name: str) -> None:
         with self._lock:
-            self.counts[code] += 1
+            self.counts[name] += 1
 
     def batch(self, size: int) -> None:
         with self._lock:

@@ -1,0 +1,135 @@
+"""Schema of the daemon config's ``[cloud]`` table and each model's ``escalation`` table.
+
+The API key is never a setting: the settings name where it lives (a file, a systemd credential,
+an environment variable); :func:`k2edge.cloud_bridge.resolve_api_key` reads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+__all__ = ["CloudSettings", "EscalationSettings", "MOONSHOT_BASE_URL", "K2_TEMPERATURE"]
+
+MOONSHOT_BASE_URL = "https://api.moonshot.ai/v1"
+K2_TEMPERATURE = 0.6  # Moonshot's recommendation for Kimi K2 Instruct
+
+
+class CloudSettings(BaseModel):
+    """One K2 endpoint and how the bridge talks to it.
+
+    Attributes:
+        base_url: the OpenAI-compatible base (``https://api.moonshot.ai/v1``, a vLLM/SGLang
+            ``http://host:8000/v1``), or the Anthropic-compatible one in ``mode = "anthropic"``
+            (``https://api.moonshot.ai/anthropic``).
+        model: the model id (read ``k2edge cloud check`` for what the server lists).
+        mode: ``openai`` (chat completions through the official SDK) or ``anthropic`` (messages API).
+        api_key_file / api_key_env / api_key_credential: where the key is (at most one; none
+            for a self-hosted server without auth). The credential is systemd's
+            ``$CREDENTIALS_DIRECTORY/<name>`` (``LoadCredential=`` in the unit).
+        timeout_s: per HTTP attempt (the request's deadline cuts it shorter).
+        max_retries: extra attempts on 429/5xx/connection errors, within the deadline.
+        concurrency: cloud calls in flight at once; more wait (within their deadline), then answer locally.
+        temperature: effective sampling temperature (0.6, K2's recommendation). In anthropic
+            mode the bridge sends ``temperature / 0.6`` because that endpoint multiplies by 0.6.
+        max_tokens: cap on the answer's length.
+        requests_per_minute: cloud request budget (sliding 60 s window); None = unlimited.
+        breaker_failures: consecutive failed calls that open the circuit breaker.
+        breaker_cooldown_s: how long it stays open before one probe is let through.
+        image_max_side: images are downscaled so their longer side is at most this (pixels cost tokens).
+        system_prompt: the system message sent with every request.
+        deadline_reserve_ms: time kept back from a request's deadline for the local fallback.
+        outbox_ttl_s: a deferred request older than this is delivered as an error instead.
+        outbox_path: the outbox database (default: ``outbox.sqlite3`` in the daemon's state directory).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = MOONSHOT_BASE_URL
+    model: str | None = None
+    mode: Literal["openai", "anthropic"] = "openai"
+    api_key_file: Path | None = None
+    api_key_env: str | None = None
+    api_key_credential: str | None = Field(None, validate_default=True)
+    timeout_s: float = Field(10.0, gt=0, le=600)
+    max_retries: int = Field(2, ge=0, le=10)
+    concurrency: int = Field(4, ge=1, le=256)
+    temperature: float = Field(K2_TEMPERATURE, ge=0, le=2)
+    max_tokens: int = Field(512, ge=1, le=65536)
+    requests_per_minute: int | None = Field(60, ge=1)
+    breaker_failures: int = Field(5, ge=1, le=1000)
+    breaker_cooldown_s: float = Field(30.0, gt=0, le=86400)
+    image_max_side: int = Field(768, ge=32, le=8192)
+    system_prompt: str = ("You are the cloud expert behind an on-device image classifier. Answer the user's question "
+                          "about the image briefly; the classifier's top guesses are context, not ground truth.")
+    deadline_reserve_ms: int = Field(50, ge=0, le=10_000)
+    outbox_ttl_s: float = Field(86400.0, gt=0)
+    outbox_path: Path | None = None
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("api_key_credential")
+    @classmethod
+    def _one_key_source(cls, v, info: ValidationInfo):
+        given = [n for n in ("api_key_file", "api_key_env") if info.data.get(n) is not None] + (["api_key_credential"] if v else [])
+        if len(given) > 1:
+            raise ValueError(f"give at most one of api_key_file, api_key_env, api_key_credential; got {', '.join(given)}")
+        if v is not None and ("/" in v or not v):
+            raise ValueError(f"a credential name, not a path, got {v!r}")
+        return v
+
+    def key_source(self) -> str:
+        """Where the key comes from, in words (never the key)."""
+        if self.api_key_file:
+            return f"file {self.api_key_file}"
+        if self.api_key_env:
+            return f"environment variable {self.api_key_env}"
+        if self.api_key_credential:
+            return f"systemd credential {self.api_key_credential}"
+        return "none (no API key configured)"
+
+
+class EscalationSettings(BaseModel):
+    """When one model's requests go to the cloud.
+
+    Confidence is in [0, 1], higher is surer, by ``measure``:
+    ``max_softmax`` = top-1 probability; ``margin`` = top-1 minus top-2 probability;
+    ``entropy`` = 1 - H(p) / ln(classes) (1: all mass on one class, 0: uniform).
+    A request escalates when its confidence is below ``threshold``; in the ``warm`` state below
+    ``warm_threshold`` (default: halfway from ``threshold`` to 1, so low confidence escalates sooner).
+
+    Attributes:
+        allow_cloud: the default for requests that do not say.
+        prompts: a request carrying a text prompt needs language understanding the edge has no
+            model for: ``cloud`` (default) sends it to K2 with the edge's top-k; ``local`` ignores
+            the prompt and answers with the classifier.
+        warm_profile: the model's DLA-heavier profile, used in the warm and hot states.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    measure: Literal["max_softmax", "margin", "entropy"] = "max_softmax"
+    threshold: float = Field(0.5, ge=0, le=1)
+    warm_threshold: float | None = Field(None, ge=0, le=1)
+    allow_cloud: bool = True
+    prompts: Literal["cloud", "local"] = "cloud"
+    warm_profile: str | None = None
+
+    @field_validator("warm_threshold")
+    @classmethod
+    def _warm_not_lower(cls, v, info: ValidationInfo):
+        t = info.data.get("threshold")
+        if v is not None and t is not None and v < t:
+            raise ValueError(f"must be >= threshold ({t}): warm escalates sooner, not later; got {v}")
+        return v
+
+    @property
+    def effective_warm_threshold(self) -> float:
+        return self.warm_threshold if self.warm_threshold is not None else self.threshold + (1.0 - self.threshold) / 2

@@ -1,0 +1,143 @@
+"""Cloud offload and thermal governance end to end: MQTT requests through the daemon to a local
+K2 stand-in (a real HTTP server), driven by confidence and by a recorded thermal trace."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+
+import pytest
+
+from k2_server import K2StandIn, answer, hang
+from mqtt_support import Client
+from test_service import DIGITS, SAMPLES, TOPIC, broker, run_daemon  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def k2():
+    with K2StandIn() as server:
+        yield server
+
+
+def _img(path, **extra):
+    body = {"id": uuid.uuid4().hex[:10], "image": base64.b64encode(path.read_bytes()).decode()}
+    body.update(extra)
+    return body
+
+
+def _cloud(k2, **extra):
+    return {"base_url": k2.url, "model": "kimi-k2.5", "api_key_env": "K2_TEST_KEY", "timeout_s": 2.0, "max_retries": 0,
+            "breaker_failures": 3, "breaker_cooldown_s": 60, **extra}
+
+
+def _daemon(run_daemon, cloud=None, thermal=None, escalation=None):
+    tables = {k: v for k, v in (("cloud", cloud), ("thermal", thermal)) if v}
+    model = {**DIGITS, **({"escalation": escalation} if escalation else {})}
+    return run_daemon(models=[model], env={"K2_TEST_KEY": "sk-test-secret-key-123"}, tables=tables)
+
+
+def test_low_confidence_is_escalated_to_k2(tmp_path, run_daemon, broker, k2):
+    """Below the model's threshold the request goes to K2 with the image and the edge's top-k."""
+    k2.fallback = answer("It is a handwritten three.")
+    d = _daemon(run_daemon, cloud=_cloud(k2), escalation={"threshold": 0.9999999})
+    client = Client(broker.port).connect()
+    client.publish(TOPIC, _img(SAMPLES[3], id="low-1"))
+    client.publish(TOPIC, _img(SAMPLES[4], id="stay-local", allow_cloud=False))
+    answers = {a["id"]: a for a in client.wait_answers(2, timeout=30)}
+    a = answers["low-1"]
+    assert a["status"] == "ok" and a["source"] == "cloud" and a["text"] == "It is a handwritten three."
+    assert "confidence" in a["escalation_reason"] and "< threshold" in a["escalation_reason"]
+    assert a["top_k"][0]["label"] == "3" and a["latency_ms"]["cloud"] > 0
+    local = answers["stay-local"]
+    assert local["source"] == "edge" and "allow_cloud false" in local["escalation_reason"]
+    req = k2.chat_requests[0]
+    assert req.body["model"] == "kimi-k2.5" and req.body["temperature"] == pytest.approx(0.6)
+    parts = req.body["messages"][-1]["content"]
+    assert isinstance(parts, list)
+    image_part = next(p for p in parts if p["type"] == "image_url")
+    assert image_part["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    text = " ".join(p["text"] for p in parts if p["type"] == "text")
+    assert "3" in text
+    assert req.headers.get("authorization") == "Bearer sk-test-secret-key-123"
+    assert "sk-test-secret-key-123" not in d.output()
+    client.close()
+
+
+def test_hot_trace_escalates_everything_offloadable(tmp_path, run_daemon, broker, k2):
+    trace = tmp_path / "hot.jsonl"
+    trace.write_text("".join(json.dumps({"t": i, "temperatures_c": {"tj": 90.0}, "rails_w": {}, "total_power_w": None}) + "\n"
+                             for i in range(3)))
+    k2.fallback = answer("cloud says 7")
+    _daemon(run_daemon, cloud=_cloud(k2), thermal={"source": "trace", "trace": trace, "sample_interval_ms": 50})
+    client = Client(broker.port).connect()
+    client.wait_for(lambda c: any(s.get("thermal") == "hot" for s in c.statuses), 30)
+    for i, p in enumerate(SAMPLES[:4]):
+        client.publish(TOPIC, _img(p, id=f"hot-{i}"))
+    client.publish(TOPIC, _img(SAMPLES[5], id="hot-forbidden", allow_cloud=False))
+    answers = {a["id"]: a for a in client.wait_answers(5, timeout=30)}
+    for i in range(4):
+        a = answers[f"hot-{i}"]
+        assert a["source"] == "cloud" and a["text"] == "cloud says 7" and a["thermal_state"] == "hot"
+        assert "thermal state hot" in a["escalation_reason"]
+    kept = answers["hot-forbidden"]
+    assert kept["source"] == "edge" and kept["top_k"][0]["label"] == "5"
+    assert len(k2.chat_requests) == 4
+    client.close()
+
+
+def test_dead_cloud_gives_degraded_local_answers_inside_the_deadline(tmp_path, run_daemon, broker, k2):
+    k2.fallback = hang(10.0)
+    _daemon(run_daemon, cloud=_cloud(k2, timeout_s=5.0), escalation={"threshold": 0.9999999})
+    client = Client(broker.port).connect()
+    t0 = time.monotonic()
+    for i, p in enumerate(SAMPLES[:3]):
+        client.publish(TOPIC, _img(p, id=f"dead-{i}", deadline_ms=600))
+    answers = {a["id"]: a for a in client.wait_answers(3, timeout=30)}
+    assert time.monotonic() - t0 < 5.0
+    for i in range(3):
+        a = answers[f"dead-{i}"]
+        assert a["status"] == "ok" and a["source"] == "edge" and a["degraded"] is True, a
+        assert a["top_k"][0]["label"] == str(i)
+        assert a["latency_ms"]["total"] <= 600, a["latency_ms"]
+        assert "cloud failed" in a["escalation_reason"]
+    client.close()
+
+
+def test_prompt_goes_to_the_cloud_and_no_cloud_means_degraded(tmp_path, run_daemon, broker):
+    """Without [cloud], a prompt the edge cannot answer comes back locally, degraded, with the reason."""
+    run_daemon()
+    client = Client(broker.port).connect()
+    client.publish(TOPIC, _img(SAMPLES[2], id="p1", prompt="Is this written neatly?"))
+    a = client.wait_answers(1)[0]
+    assert a["source"] == "edge" and a["degraded"] is True
+    assert "no [cloud] section" in a["escalation_reason"] and "prompt" in a["escalation_reason"]
+    client.close()
+
+
+def test_deferrable_request_is_delivered_after_a_restart_exactly_once(tmp_path, run_daemon, broker, k2):
+    """Cloud down: the local answer now (deferred); after a restart with the cloud back, K2's answer once."""
+    from k2_server import status
+
+    k2.fallback = status(503)
+    model = {**DIGITS, "escalation": {"threshold": 0.9999999}}
+    kw = dict(models=[model], env={"K2_TEST_KEY": "k"}, service={"state_dir": str(tmp_path / "state")},
+              tables={"cloud": _cloud(k2, breaker_failures=100)})
+    d = run_daemon(**kw)
+    client = Client(broker.port, client_id="outbox-client", persistent=True).connect()
+    corr = client.publish(TOPIC, _img(SAMPLES[6], id="later-1", deferrable=True))
+    first = client.wait_answers(1)[0]
+    assert first["source"] == "edge" and first["deferred"] is True and first["degraded"] is True
+    assert d.terminate() == 0
+    k2.fallback = answer("delivered from the outbox")
+    run_daemon(**kw)
+    client.wait_answers(2, timeout=60)
+    time.sleep(2.0)
+    late = [(a, c) for a, c in client.answers if a.get("source") == "cloud"]
+    assert len(late) == 1, client.answers
+    body, c = late[0]
+    assert c == corr and body["id"] == "later-1" and body["text"] == "delivered from the outbox" and body["deferred"] is True
+    client.close()
