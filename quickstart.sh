@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # k2edge quickstart: set up a virtual environment and run the demo or the whole test suite.
 #
-#   ./quickstart.sh demo          build, run and evaluate the bundled demo model
+#   ./quickstart.sh demo          the whole path on the demo model: broker, daemon, requests, answers
 #   ./quickstart.sh test [ARGS]   run the whole test suite (ARGS go to pytest, e.g. -m "not slow")
 #
 # Works on a fresh Debian/Ubuntu machine with Python 3.10+. The environment lives in .venv
@@ -31,27 +31,62 @@ setup() {
             fi
         fi
     fi
-    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install -q -e ".[dev]" > "$VENV/pip-install.log" 2>&1 \
+        || { tail -n 30 "$VENV/pip-install.log" >&2; die "pip install failed (full log: $VENV/pip-install.log)"; }
 }
 
+need_mosquitto() {
+    command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "quickstart: installing mosquitto (the MQTT broker the demo and the tests use)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null
+        # the tests and the demo start their own broker; Debian's starts one on 1883 that we do not need
+        return 0
+    fi
+    die "mosquitto not found; install it: sudo apt-get install mosquitto"
+}
+
+free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
 demo() {
-    local k2="$VENV/bin/k2edge" model=models/digits/model.onnx
-    echo "== plan: where each layer of the demo model runs under profile c1 (AGX Orin)"
-    "$k2" plan "$model" --profile c1
+    need_mosquitto
+    local k2="$VENV/bin/k2edge" model=models/digits/model.onnx port
+    tmp=$(mktemp -d)
+    port=$(free_port)
+    # TCP_NODELAY on the broker: without it every MQTT round trip waits ~40 ms for Nagle's algorithm
+    printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nuser %s\n' "$port" "$(id -un)" > "$tmp/mosquitto.conf"
+    echo "== plan: where each layer of the demo model runs under profile c2 (block-wise, INT8) on an AGX Orin"
+    "$k2" plan "$model" --profile c2
     echo
-    echo "== build: normalise, calibrate INT8, extract segments (cached under ~/.cache/k2edge)"
-    "$k2" build "$model" --profile c2
+    echo "== broker: mosquitto on 127.0.0.1:$port"
+    "$(command -v mosquitto || echo /usr/sbin/mosquitto)" -c "$tmp/mosquitto.conf" > "$tmp/mosquitto.log" 2>&1 &
+    broker=$!
+    echo "== daemon: k2edge serve --config config/k2edge.toml --broker 127.0.0.1:$port (log: $tmp/daemon.log)"
+    "$k2" serve --config config/k2edge.toml --broker "127.0.0.1:$port" > "$tmp/daemon.log" 2>&1 &
+    daemon=$!
+    trap 'kill $daemon $broker 2>/dev/null; rm -rf "$tmp"' EXIT
+    for _ in $(seq 240); do grep -q "serving digits" "$tmp/daemon.log" && break; kill -0 $daemon 2>/dev/null || break; sleep 0.5; done
+    grep -q "serving digits" "$tmp/daemon.log" || { cat "$tmp/daemon.log"; die "the daemon did not come up"; }
     echo
-    echo "== infer: the sample JPEGs through the c2 pipeline"
-    "$k2" infer "$model" --profile c2 --top-k 2 models/digits/samples/*.jpg
+    echo "== requests over MQTT 5 (request/response with correlation data)"
+    for f in models/digits/samples/digit-3-21.jpg models/digits/samples/digit-7-10.jpg; do
+        "$k2" request --broker "127.0.0.1:$port" --device demo --model digits "$f"
+    done
+    "$k2" request --broker "127.0.0.1:$port" --device demo --model digits --raw models/digits/samples/digit-5-2.jpg
+    echo "-- the full JSON answer of one request:"
+    "$k2" request --broker "127.0.0.1:$port" --device demo --model digits --json models/digits/samples/digit-9-4.jpg
+    echo "-- and a request for a model the daemon does not serve:"
+    "$k2" request --broker "127.0.0.1:$port" --device demo --model cats models/digits/samples/digit-9-4.jpg || true
     echo
-    echo "== eval: top-1 on the held-out set, FP32 reference vs FP16 vs INT8"
-    for p in cpu-dev c5 c2; do "$k2" eval "$model" --profile "$p" --dataset models/digits/eval.npz; done
+    echo "== SIGTERM: the daemon drains and goes offline"
+    kill -TERM $daemon
+    wait $daemon && echo "daemon exited 0"
+    tail -n 3 "$tmp/daemon.log"
 }
 
 case "${1:-}" in
     demo) setup; demo ;;
-    test) shift; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+    test) shift; need_mosquitto; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
     *) echo "usage: $0 demo | test [pytest args]" >&2; exit 2 ;;
 esac

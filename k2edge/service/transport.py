@@ -225,7 +225,7 @@ class MqttTransport:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
-        if not self._stop.is_set():
+        if not self._closing:
             log.warning("disconnected from the broker: %s", reason_code)
 
     def _on_message(self, client, userdata, msg) -> None:
