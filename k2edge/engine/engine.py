@@ -129,6 +129,7 @@ class Engine:
         input_shapes: dict[str, tuple[int, ...]] | None = None,
         labels: str | os.PathLike | None = None,
         threads_per_lane: int | None = None,
+        spinning: bool = True,
     ) -> "Engine":
         """Normalise, plan, calibrate and build ``model`` under ``profile``; every step is cached.
 
@@ -141,6 +142,8 @@ class Engine:
             board: ``orin-agx`` (default), ``orin-nx-16``, ``orin-nx-8`` or ``orin-nano``.
             backend: ``auto`` (TensorRT where it exists, else ONNX Runtime), ``onnxruntime`` or ``tensorrt``.
             cache_dir: engine cache directory (default ``~/.cache/k2edge``).
+            threads_per_lane / spinning: ONNX Runtime lanes' intra-op threads and whether idle ones
+                spin (lowest latency for one engine; off where many engines share the cores).
 
         Raises:
             K2EdgeError: any input problem, with one message naming it.
@@ -196,7 +199,8 @@ class Engine:
             from .onnxruntime_backend import OnnxRuntimeBackend, build_segments
 
             built = build_segments(normalised, plan, quant, cache)
-            runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane, prefetch=er.dma_prefetch)
+            runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane, prefetch=er.dma_prefetch,
+                                        spinning=spinning)
         hits["engine"] = runner.build.cached
         info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes))
         return cls(runner, plan, normalised, profile, preprocess, label_names, info)

@@ -104,6 +104,7 @@ class OnnxRuntimeBackend(Backend):
         plan: the plan.
         build: the built segment models.
         inputs / outputs: the model's input specs and output names.
+        spinning: let idle intra-op threads spin-wait (ONNX Runtime's default).
         threads_per_lane: intra-op threads of each session. Default: the cores left after one for the
             prefetch staging thread (when ``prefetch``), shared between the lanes, at least 1. On a
             Jetson the GPU and DLAs leave the CPU to staging; CPU lanes must leave it a core.
@@ -112,12 +113,14 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
     def __init__(self, plan: PartitionPlan, build: BuildResult, inputs: tuple[TensorSpec, ...],
-                 outputs: tuple[str, ...], threads_per_lane: int | None = None, prefetch: bool = False) -> None:
+                 outputs: tuple[str, ...], threads_per_lane: int | None = None, prefetch: bool = False,
+                 spinning: bool = True) -> None:
         super().__init__(inputs, outputs)
         self.plan = plan
         self.build = build
         cores = max(1, (os.cpu_count() or 1) - (1 if prefetch else 0))
         self.threads_per_lane = threads_per_lane or max(1, cores // len(plan.devices))
+        self.spinning = spinning
         self._sessions: list = []
         self._lanes: LaneSet | None = None
 
@@ -127,9 +130,10 @@ class OnnxRuntimeBackend(Backend):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 3
-        # Idle intra-op threads spin by default; with several lanes, staging threads and a network
-        # thread sharing a few cores, the spinning steals the cores the next hop needs.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if not self.spinning:
+            # idle intra-op threads spin by default: the lowest latency for one engine, but where many
+            # engines and threads share a few cores (the daemon) the spinning eats the cores
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._sessions = [self._session(a, opts) for a in self.build.segments]
         self._segment_outputs = [list(s.outputs) for s in self.plan.segments]
         self._segment_inputs = [list(s.inputs) for s in self.plan.segments]

@@ -61,8 +61,10 @@ class ModelRuntime:
         for b in batch_sizes(max_batch):
             er = profile.edge_runtime.model_copy(update={"batch_size": b})
             p = profile.model_copy(update={"edge_runtime": er})
+            # several engines per model plus staging, batching and network threads share the cores:
+            # idle ONNX Runtime threads must sleep, not spin
             engine = Engine.build(self.cfg.onnx, p, self.cfg.calib, board=board, backend=self.cfg.backend,
-                                  cache_dir=cache_dir, labels=self.cfg.labels)
+                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False)
             engines[b] = engine
             log.info("model %s: %s engine for batch %d ready (%s)", self.cfg.name, profile.name, b,
                      ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
