@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..errors import K2EdgeError
+from .._json import json_default
 
 BOARD_CHOICES = ("orin-agx", "orin-nx-16", "orin-nx-8", "orin-nano")
 
@@ -66,18 +66,23 @@ def build_engine(args):
 
 
 def print_json(data) -> None:
-    json.dump(data, sys.stdout, indent=2, sort_keys=False, default=_default)
+    json.dump(data, sys.stdout, indent=2, sort_keys=False, default=json_default)
     sys.stdout.write("\n")
 
 
-def _default(obj):
-    import numpy as np
+def open_labelled(path: str, engine, limit: int | None = None):
+    """A labelled dataset for ``engine`` (class names matched to its labels), cut to ``limit``.
 
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, (tuple, set)):
-        return list(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+    Raises:
+        DatasetError: missing, malformed, or without labels.
+    """
+    from ..errors import DatasetError
+    from ..model.datasets import open_dataset
+
+    dataset = open_dataset(path, engine.labels)
+    if not dataset.labelled:
+        raise DatasetError(f"{path}: has no labels (need class directories or 'y' in the .npz)")
+    return dataset.take(limit) if limit else dataset
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -105,7 +110,3 @@ class Progress:
     def close(self) -> None:
         if self.enabled:
             sys.stderr.write("\n")
-
-
-def fail(message: str) -> None:
-    raise K2EdgeError(message)

@@ -8,8 +8,7 @@ ORDER = 50
 
 import time
 
-from ..errors import DatasetError
-from .common import Progress, add_build, add_json, add_model, build_engine, print_json
+from .common import Progress, add_build, add_json, add_model, build_engine, open_labelled, print_json
 
 
 def register(p) -> None:
@@ -45,14 +44,8 @@ def evaluate(engine, dataset, progress: Progress | None = None) -> dict:
 
 
 def run(args) -> int:
-    from ..model.datasets import open_dataset
-
     engine = build_engine(args)
-    dataset = open_dataset(args.dataset, engine.labels)
-    if not dataset.labelled:
-        raise DatasetError(f"{args.dataset}: has no labels (need class directories or 'y' in the .npz)")
-    if args.limit:
-        dataset = dataset.take(args.limit)
+    dataset = open_labelled(args.dataset, engine, args.limit)
     progress = Progress(len(dataset), "eval")
     with engine:
         result = evaluate(engine, dataset, progress)

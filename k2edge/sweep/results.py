@@ -25,6 +25,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .._json import json_default
 from .errors import SweepError
 from .frontier import Point, Recommendation, pareto_front
 
@@ -110,22 +111,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, default=_json_default)
+            json.dump(data, f, indent=2, default=json_default)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _json_default(obj):
-    import numpy as np
-
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, (tuple, set)):
-        return list(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
 def load_previous(path: Path) -> dict | None:
