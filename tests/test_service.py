@@ -350,3 +350,56 @@ def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
         assert all(secret.encode() not in p for p in seen)
     finally:
         secured.stop()
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_tls_with_client_certificate(tmp_path, run_daemon):
+    """The daemon connects over TLS with a client certificate to a broker that requires one."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=k2edge-test-ca",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)
+    for name, cn in (("server", "localhost"), ("client", "k2edge-daemon")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=pki)
+        ext = pki / f"{name}.ext"
+        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n" if name == "server" else "extendedKeyUsage=clientAuth\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+                 "-extfile", ext.name, "-out", f"{name}.crt", cwd=pki)
+    tls = Broker(tmp_path / "tls")
+    tls.conf.write_text(tls.conf.read_text() + f"cafile {pki / 'ca.crt'}\ncertfile {pki / 'server.crt'}\n"
+                        f"keyfile {pki / 'server.key'}\nrequire_certificate true\n")
+    tls.start()
+    try:
+        cfg = write_config(tmp_path / "tls.toml", tls.port, [DIGITS], device="tls",
+                           mqtt_extra={"tls_ca_file": pki / "ca.crt", "tls_cert_file": pki / "client.crt",
+                                       "tls_key_file": pki / "client.key"})
+        d = DaemonProcess(cfg, tmp_path / "tls.log").start()
+        deadline = time.monotonic() + 120
+        while "serving digits" not in d.output() and time.monotonic() < deadline and d.proc.poll() is None:
+            time.sleep(0.2)
+        assert "serving digits" in d.output(), d.output()
+        assert d.terminate() == 0
+        # and a client without a certificate is refused by that broker, so TLS really was in use
+        import ssl
+
+        import paho.mqtt.client as mqtt
+
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        c.tls_set(ca_certs=str(pki / "ca.crt"), cert_reqs=ssl.CERT_REQUIRED)
+        connected = []
+        c.on_connect = lambda *a: connected.append(a[3])
+        refused = False
+        try:
+            c.connect("127.0.0.1", tls.port)
+            for _ in range(20):
+                if c.loop(0.1) != mqtt.MQTT_ERR_SUCCESS:
+                    refused = True
+                    break
+        except (ssl.SSLError, OSError):
+            refused = True
+        assert refused and not connected
+    finally:
+        tls.stop()
