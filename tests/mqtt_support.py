@@ -112,14 +112,16 @@ def write_config(path: Path, port: int, models: list[dict], device: str = "t1", 
 class DaemonProcess:
     """``k2edge serve`` in a subprocess, its log captured."""
 
-    def __init__(self, config: Path, log: Path, env: dict | None = None) -> None:
+    def __init__(self, config: Path, log: Path, env: dict | None = None, verbose: bool = False) -> None:
         self.config, self.log_path = config, log
+        self.verbose = verbose
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "DaemonProcess":
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "k2edge", "serve", "--config", str(self.config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "k2edge", *(["-v"] if self.verbose else []), "serve",
+                                      "--config", str(self.config)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         return self
 

@@ -32,7 +32,7 @@ def assert_one_line_error(proc, *fragments):
 
 def test_help_lists_every_command():
     out = k2edge("--help").stdout
-    for cmd in ("inspect", "plan", "build", "infer", "eval", "profiles", "doctor"):
+    for cmd in ("inspect", "plan", "build", "infer", "eval", "pareto-sweep", "cloud", "profiles", "doctor", "serve", "request"):
         assert cmd in out
 
 
@@ -109,6 +109,13 @@ def test_doctor_runs_here():
     (["build", MODEL, "-p", "c2", "--calib", "models/digits/labels.txt"], ["expected a directory of images or an .npz"]),
     (["plan", MODEL, "--offload-ratio", "x", "--partition", "layer-wise"], ["invalid float value"]),
     (["frobnicate"], ["invalid choice"]),
+    (["inspect", "models"], ["'models' is a directory; expected an ONNX model file"]),
+    (["infer", MODEL, "-p", "cpu-dev", "models"], ["input 'models' is a directory"]),
+    (["infer", MODEL, "-p", "cpu-dev", "models/digits/samples/digit-0-9.jpg", "--save-output", "/nonexistent/o.npy"],
+     ["its directory does not exist"]),
+    (["build", MODEL, "-p", "cpu-dev", "--cache", "/proc/k2edge-cache"], ["is not a writable directory"]),
+    (["inspect", MODEL, "--input-shape", "input=1x3x32x32"], ["gives 'input' 3 at axis 1, but the model fixes it at 1"]),
+    (["pareto-sweep", MODEL, "--dataset", "models/digits/eval.npz", "--out", "pyproject.toml"], ["is a file; give a directory"]),
 ])
 def test_bad_input_is_one_line_exit_1(args, fragments):
     assert_one_line_error(k2edge(*args, check=False), *fragments)
@@ -124,3 +131,14 @@ def test_bad_profile_file_is_one_line(tmp_path):
     p = tmp_path / "p.json"
     p.write_text('{"edge_runtime": {"offload_ratio": 0.5, "partition": "layer-wise"}}')
     assert_one_line_error(k2edge("plan", MODEL, "-p", str(p), check=False), "edge_runtime.partition: unknown key")
+
+
+def test_infer_with_a_batched_profile_saves_only_real_rows(tmp_path):
+    """With batch_size 3, two inputs give two rows (padding never leaks out), and a lone sample .npy fits."""
+    prof = tmp_path / "b3.json"
+    prof.write_text('{"edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["fp32"], "batch_size": 3}}')
+    samples = sorted((ROOT / "models/digits/samples").glob("*.jpg"))[:2]
+    np.save(tmp_path / "one.npy", np.zeros((1, 1, 32, 32), np.float32))
+    out = tmp_path / "o.npy"
+    k2edge("infer", MODEL, "-p", str(prof), *map(str, samples), str(tmp_path / "one.npy"), "--save-output", str(out))
+    assert np.load(out).shape == (3, 10)

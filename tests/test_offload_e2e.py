@@ -141,3 +141,23 @@ def test_deferrable_request_is_delivered_after_a_restart_exactly_once(tmp_path, 
     body, c = late[0]
     assert c == corr and body["id"] == "later-1" and body["text"] == "delivered from the outbox" and body["deferred"] is True
     client.close()
+
+
+def test_the_cloud_queue_is_bounded(tmp_path, run_daemon, broker, k2):
+    """With the cloud hanging and queue_size 2, the rest are answered locally at once, not queued for the cloud."""
+    k2.fallback = hang(10.0)
+    model = {**DIGITS, "escalation": {"threshold": 0.9999999}}
+    run_daemon(models=[model], env={"K2_TEST_KEY": "k"}, service={"queue_size": 2},
+               tables={"cloud": _cloud(k2, timeout_s=3.0, concurrency=1)})
+    client = Client(broker.port).connect()
+    t0 = time.monotonic()
+    for i in range(8):
+        client.publish(TOPIC, _img(SAMPLES[i], id=f"q{i}", deadline_ms=4000))
+    client.wait_for(lambda c: len(c.answers) >= 6, timeout=3.0)  # six of eight without waiting for the cloud
+    assert time.monotonic() - t0 < 3.0
+    quick = [a for a, _ in client.answers]
+    # the local queue (busy) and the cloud queue (degraded local answers) are both bounded by queue_size
+    assert all((a.get("source") == "edge" and a["degraded"]) or a["error"]["code"] == "busy" for a in quick), quick
+    assert any("already wait for the cloud" in a.get("escalation_reason", "") for a in quick)
+    client.wait_answers(8, timeout=30)
+    client.close()

@@ -187,6 +187,10 @@ MALFORMED = [
     (json.dumps({"id": "x10", "image": "AAAA", "deadline_ms": -5}).encode(), {}, "bad_request", "deadline_ms"),
     (b"\xff\xd8 not a real jpeg", {"content_type": "image/jpeg"}, "bad_request", "cannot decode image"),
     (b"<xml/>", {"content_type": "application/xml"}, "bad_request", "content type 'application/xml'"),
+    (json.dumps({"id": "x11", "tensor": {"dtype": "float32", "shape": [1, 32, 32],
+                                          "data": base64.b64encode(np.full((1, 32, 32), np.nan, np.float32).tobytes()).decode()}}).encode(),
+     {}, "bad_request", "NaN or infinite"),
+    (b"[" * 30000 + b"]" * 30000, {}, "bad_request", "nested too deeply"),
 ]
 
 
@@ -255,7 +259,7 @@ def test_sigterm_drains_in_flight_work_then_goes_offline(run_daemon, broker, slo
     x = np.zeros((3, 96, 96), np.float32)
     for i in range(6):
         client.publish("k2edge/t1/infer/slow", _tensor_request(x, rid=f"s{i}"))
-    time.sleep(0.3)
+    client.wait_answers(1)  # the daemon is working through them: all six have arrived
     assert d.terminate(timeout=60) == 0
     answers = client.wait_answers(6, timeout=30)
     assert sorted(a["id"] for a in answers) == [f"s{i}" for i in range(6)]
@@ -330,7 +334,7 @@ def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
         (tmp_path / "mqtt-password").write_text(secret + "\n")
         cfg = write_config(tmp_path / "auth.toml", secured.port, [DIGITS], device="auth",
                            mqtt_extra={"username": "k2edge", "password_file": str(tmp_path / "mqtt-password")})
-        d = DaemonProcess(cfg, tmp_path / "auth.log", env={"K2EDGE_DEBUG_MQTT": "1"}).start()
+        d = DaemonProcess(cfg, tmp_path / "auth.log", verbose=True).start()
         import paho.mqtt.client as mqtt
 
         seen = []
@@ -350,6 +354,48 @@ def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
         assert all(secret.encode() not in p for p in seen)
     finally:
         secured.stop()
+
+
+def test_an_id_that_got_an_error_can_be_retried_and_a_bad_response_topic_is_reported(run_daemon, broker):
+    run_daemon()
+    client = Client(broker.port).connect()
+    client.publish(TOPIC, {"id": "retry-1", "image": "%%%"})
+    client.wait_answers(1)
+    client.publish(TOPIC, _image_request(SAMPLES[1], rid="retry-1"))
+    answers = client.wait_answers(2)
+    assert [a["status"] for a in answers] == ["error", "ok"] and answers[1]["top_k"][0]["label"] == "1"
+    props_topic = "bad/+/reply"
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic = props_topic
+    client.c.publish(TOPIC, json.dumps(_image_request(SAMPLES[2], rid="wild")).encode(), qos=1, properties=props)
+    # the contract's fallback: {prefix}/result/{id}
+    client.wait_for(lambda c: any(t == "k2edge/t1/result/wild" for t, b in c.other))
+    err = next(b for t, b in client.other if t == "k2edge/t1/result/wild")
+    assert err["error"]["code"] == "bad_request" and "Response Topic" in err["error"]["message"]
+    client.close()
+
+
+def test_systemd_unit_verifies_and_the_installer_dry_runs(tmp_path):
+    unit = (ROOT / "systemd" / "k2edge.service").read_text()
+    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "User=k2edge", "StateDirectory=k2edge",
+                 "CacheDirectory=k2edge", "LoadCredential=", "ProtectSystem=strict", "NoNewPrivileges=yes", "PrivateTmp=yes"):
+        assert line in unit, line
+    import shutil
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    exe = Path(sys.executable).with_name("k2edge")
+    local = tmp_path / "k2edge.service"
+    local.write_text(unit.replace("/opt/k2edge/venv/bin/k2edge", str(exe)))
+    proc = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    dry = subprocess.run(["bash", str(ROOT / "tools" / "install-systemd.sh"), "--dry-run", "--prefix", str(tmp_path / "opt")],
+                         capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert "useradd --system" in dry.stdout or "id k2edge" in dry.stdout or "k2edge.service" in dry.stdout
 
 
 def _openssl(*args, cwd):

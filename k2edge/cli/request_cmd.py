@@ -30,6 +30,11 @@ def run(args) -> int:
     import json
 
     from ..service.client import RequestClient, build_payload
+    from ..service.topics import valid_level
+
+    for what, value in (("--model", args.model), ("--device", args.device)):
+        if not valid_level(value):
+            raise K2EdgeError(f"{what} {value!r} cannot be a topic level (no '+', '#' or '/')")
 
     host, _, port = args.broker.partition(":")
     try:
@@ -44,8 +49,13 @@ def run(args) -> int:
         print(json.dumps(answer))
     elif answer.get("status") == "ok":
         best = ", ".join(f"{t['label']} {t['score']:.3f}" for t in answer.get("top_k", []))
-        print(f"{args.input}: {best}  (source {answer.get('source')}, {elapsed_ms:.1f} ms round trip, "
+        print(f"{args.input}: {best or '(no local answer)'}  (source {answer.get('source')}, {elapsed_ms:.1f} ms round trip, "
               f"profile {answer.get('profile')}, device {answer.get('device')})")
+        if answer.get("text"):
+            print(f"  cloud: {answer['text']}")
+        if answer.get("escalation_reason"):
+            flags = " ".join(f for f in ("degraded", "deferred") if answer.get(f))
+            print(f"  {flags + ': ' if flags else ''}{answer['escalation_reason']}")
     else:
         err = answer.get("error", {})
         print(f"{args.input}: error {err.get('code')}: {err.get('message')}")

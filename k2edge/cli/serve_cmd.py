@@ -11,6 +11,8 @@ def register(p) -> None:
     p.add_argument("--config", "-c", metavar="PATH", default=None,
                    help="daemon config (TOML); default /etc/k2edge/k2edge.toml")
     p.add_argument("--broker", metavar="HOST[:PORT]", help="override the config's mqtt.host and mqtt.port")
+    p.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"),
+                   help="override every model's backend from the config (default: the config's, itself auto)")
 
 
 def run(args) -> int:
@@ -23,12 +25,19 @@ def run(args) -> int:
     if args.broker:
         from ..errors import K2EdgeError
 
+        from pydantic import ValidationError
+
+        from ..config.schema import MqttConfig
+
         host, _, port = args.broker.rpartition(":") if ":" in args.broker else (args.broker, "", "")
         try:
-            mqtt = cfg.mqtt.model_copy(update={"host": host or cfg.mqtt.host, "port": int(port) if port else cfg.mqtt.port})
-        except ValueError:
-            raise K2EdgeError(f"--broker {args.broker!r}: port must be a number") from None
+            fields = {**cfg.mqtt.model_dump(), "host": host or cfg.mqtt.host, "port": int(port) if port else cfg.mqtt.port}
+            mqtt = MqttConfig.model_validate(fields)
+        except (ValueError, ValidationError):
+            raise K2EdgeError(f"--broker {args.broker!r}: expected HOST[:PORT] with a port in 1..65535") from None
         cfg = cfg.model_copy(update={"mqtt": mqtt})
+    if args.backend:
+        cfg = cfg.model_copy(update={"models": tuple(m.model_copy(update={"backend": args.backend}) for m in cfg.models)})
     if not args.verbose:
         logging.getLogger("k2edge").setLevel(logging.INFO)
     return serve(cfg)

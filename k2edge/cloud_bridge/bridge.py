@@ -258,8 +258,10 @@ class CloudBridge:
             image, mime = prepared.base64, prepared.mime
         payload = {"request": {"model": req.model, "prompt": req.prompt, "image_b64": image, "mime": mime,
                                "top_k": list(computed.top_k) if computed is not None else None},
-                   "response": req.response or {}, "reason": d.reason}
-        self.outbox.put(req.id, req.response_topic, req.correlation_data, payload)
+                   "response": req.response or {}, "reason": d.reason, "request_id": req.id}
+        # two requesters may use the same id: the outbox keys on where the answer goes as well
+        if not self.outbox.put(outbox_key(req), req.response_topic, req.correlation_data, payload):
+            log.info("request %s is already in the outbox (a redelivery); not stored twice", req.id)
         return True
 
     def _typical_latency_ms(self, min_calls: int = 5) -> float | None:
@@ -354,10 +356,18 @@ class CloudBridge:
         self.outbox.close()
 
 
+def outbox_key(req: BridgeRequest) -> str:
+    """The outbox id of a deferred request: its id plus a digest of where its answer goes."""
+    import hashlib
+
+    where = hashlib.sha256((req.response_topic or "").encode() + b"\0" + (req.correlation_data or b"")).hexdigest()[:16]
+    return f"{req.id}@{where}"
+
+
 def default_render(item: OutboxItem, result: CloudAnswer | CloudError) -> dict:
     """The delivered payload: the stored response template completed with the cloud's answer or error."""
     resp = dict(item.payload.get("response") or {})
-    resp.update({"id": item.id, "source": "cloud", "deferred": True, "escalation_reason": item.payload.get("reason")})
+    resp.update({"id": item.payload.get("request_id", item.id), "source": "cloud", "deferred": True, "escalation_reason": item.payload.get("reason")})
     if isinstance(result, CloudAnswer):
         latency = dict(resp.get("latency_ms") or {}) if isinstance(resp.get("latency_ms"), dict) else {}
         latency["cloud"] = round(result.latency_ms, 1)

@@ -89,8 +89,14 @@ class EngineCache:
         if final.exists():
             log.warning("cache entry %s/%s failed verification (%s); rebuilding", kind, key[:12], problem)
             shutil.rmtree(final, ignore_errors=True)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=final.parent))
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=final.parent))
+        except OSError as exc:
+            from ..errors import BuildError
+
+            raise BuildError(f"engine cache {str(self.root)!r} is not a writable directory ({exc.strerror or exc}); "
+                             f"pass --cache DIR or set K2EDGE_CACHE_DIR") from None
         try:
             started = time.perf_counter()
             meta = build(tmp) or {}

@@ -79,7 +79,7 @@ def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: d
     key = digest("normalised", NORMALISER_VERSION, onnx.__version__, raw, str(batch_size), repr(shapes))
 
     def build(tmp: Path) -> dict:
-        nm = normalise(model, batch_size=batch_size, input_shapes=input_shapes)
+        nm = normalise(model, batch_size=batch_size, input_shapes=input_shapes, where=where)
         (tmp / "model.onnx").write_bytes(nm.serialized)
         return {"original_opset": nm.original_opset}
 

@@ -129,7 +129,7 @@ class OnnxRuntimeBackend(Backend):
         opts.intra_op_num_threads = self.threads_per_lane
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4  # fatal only: errors reach the caller as InferenceError, once
         if not self.spinning:
             # idle intra-op threads spin by default: the lowest latency for one engine, but where many
             # engines and threads share a few cores (the daemon) the spinning eats the cores

@@ -94,6 +94,8 @@ def load_onnx(source: str | os.PathLike | bytes | onnx.ModelProto) -> tuple[onnx
         except Exception as exc:  # protobuf raises DecodeError or RuntimeWarning subclasses
             raise ModelError(f"not an ONNX model: {exc}") from None
     path = Path(source)
+    if path.is_dir():
+        raise ModelError(f"{str(path)!r} is a directory; expected an ONNX model file")
     if not path.is_file():
         raise ModelError(f"model file {str(path)!r} does not exist")
     try:
@@ -110,18 +112,22 @@ def normalise(
     *,
     batch_size: int = 1,
     input_shapes: dict[str, tuple[int, ...]] | None = None,
+    where: str | None = None,
 ) -> NormalisedModel:
     """Normalise a model for planning and execution.
 
     Args:
         source: a path, serialized bytes or a ModelProto (not modified).
         batch_size: the static value given to a dynamic first dimension.
-        input_shapes: full static shapes for inputs whose other dimensions are dynamic.
+        input_shapes: full static shapes for inputs whose other dimensions are dynamic; a static
+            dimension of the model must not be contradicted (only the batch axis may differ).
+        where: how to name the model in messages (default: its path).
 
     Raises:
         ModelError: one message naming the node (or input) at fault and why.
     """
-    model, where = load_onnx(source)
+    model, loaded_from = load_onnx(source)
+    where = where or loaded_from
     model = copy.deepcopy(model)
     original_opset = _default_opset(model)
     _check_domains(model, where)
@@ -210,6 +216,10 @@ def _fix_input_shapes(model, batch_size, overrides, where) -> None:
             shape = tuple(int(d) for d in overrides[vi.name])
             if tt.HasField("shape") and len(dims) != len(shape):
                 raise ModelError(f"{where}: input {vi.name!r} has rank {len(dims)}, --input-shape gives {len(shape)} dims")
+            for axis, (d, want) in enumerate(zip(dims, shape)):
+                if axis > 0 and d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != want:
+                    raise ModelError(f"{where}: --input-shape gives {vi.name!r} {want} at axis {axis}, "
+                                     f"but the model fixes it at {d.dim_value}")
         else:
             if not tt.HasField("shape"):
                 raise ModelError(f"{where}: input {vi.name!r} has no shape; give one with --input-shape {vi.name}=1x3x224x224")
@@ -221,9 +231,11 @@ def _fix_input_shapes(model, batch_size, overrides, where) -> None:
                     shape.append(batch_size)
                 else:
                     label = d.dim_param or "?"
+                    example = "x".join(str(x.dim_value) if x.HasField("dim_value") and x.dim_value > 0
+                                       else ("1" if i == 0 else "N") for i, x in enumerate(dims))
                     raise ModelError(
                         f"{where}: input {vi.name!r} has a dynamic dimension {label!r} at axis {axis}; the DLA needs "
-                        f"static shapes: give one with --input-shape {vi.name}=1x3x224x224"
+                        f"static shapes: give one with --input-shape {vi.name}={example} (N: your size)"
                     )
         tt.ClearField("shape")
         for d in shape:

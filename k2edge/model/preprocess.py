@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import InputError, ModelError
 
 METADATA_KEY = "k2edge.preprocess"
+MAX_PIXELS = 64_000_000  # an input image larger than this is refused before it is decoded
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 
 
@@ -124,6 +125,8 @@ class Preprocess:
                     img = Image.open(io.BytesIO(bytes(source)))
                 else:
                     raise InputError(f"cannot stage an input of type {type(source).__name__}")
+                if img.size[0] * img.size[1] > MAX_PIXELS:
+                    raise InputError(f"image of {img.size[0]}x{img.size[1]} pixels exceeds the limit of {MAX_PIXELS:,}")
                 # JPEG: let the decoder scale down in the DCT domain (up to 8x) before we resize.
                 img.draft(self.color, self.size)
             if img.mode != self.color:
@@ -133,5 +136,7 @@ class Preprocess:
             return np.asarray(img)
         except InputError:
             raise
+        except Image.DecompressionBombError as exc:
+            raise InputError(f"image refused: {exc}") from None
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
             raise InputError(f"cannot decode image: {exc}") from None

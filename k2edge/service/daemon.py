@@ -8,6 +8,7 @@ for the next start), finish and publish everything accepted, status ``offline``,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -30,14 +31,25 @@ _PEEK_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 
 
 class _Seen:
-    """Request keys answered or in flight (bounded), so a redelivered request is answered once."""
+    """Requests answered or in flight (bounded), so a redelivered request is answered once.
+
+    Keys are digests: response topics and correlation data are the client's, of any size.
+    """
 
     def __init__(self, size: int = 65536) -> None:
         self._keys: OrderedDict = OrderedDict()
         self._size = size
         self._lock = threading.Lock()
 
-    def add(self, key) -> bool:
+    @staticmethod
+    def digest(*parts) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for p in parts:
+            data = p if isinstance(p, bytes) else str(p).encode()
+            h.update(len(data).to_bytes(4, "little") + data)
+        return h.digest()
+
+    def add(self, key: bytes) -> bool:
         """Record ``key``; False when it was already there."""
         with self._lock:
             if key in self._keys:
@@ -46,6 +58,11 @@ class _Seen:
             if len(self._keys) > self._size:
                 self._keys.popitem(last=False)
             return True
+
+    def discard(self, key: bytes) -> None:
+        """Forget ``key`` (its request was refused: a corrected resend deserves an answer)."""
+        with self._lock:
+            self._keys.pop(key, None)
 
 
 class Daemon:
@@ -101,7 +118,8 @@ class Daemon:
         counts = snap["counts"]
         answered = counts.get("ok", 0)
         snap.update({"device": self.cfg.device_id, "state": "draining" if self._draining.is_set() else "online",
-                     "queue_depth": self.scheduler.queue_depth() if self.scheduler else 0,
+                     "queue_depth": (self.scheduler.queue_depth() if self.scheduler else 0)
+                                    + (self.offload.cloud_waiting if self.offload else 0),
                      "thermal": offload["thermal"], "cloud": offload["cloud"],
                      "escalation_rate": counts.get("escalated", 0) / answered if answered else 0.0, "time": time.time()})
         return json.dumps(snap).encode()
@@ -118,6 +136,10 @@ class Daemon:
                     time.monotonic(), token)
         if self._draining.is_set():
             # not acknowledged: the broker keeps it in our session for the next start
+            return
+        if response_topic is not None and (not response_topic or any(c in response_topic for c in "+#")):
+            work.response_topic = None  # answer on the fallback topic instead
+            self._reply_now(work, "bad_request", f"Response Topic {response_topic[:80]!r} is not a topic one can publish to")
             return
         if len(msg.payload) > self.cfg.service.max_payload_bytes:
             self._reply_now(work, PAYLOAD_TOO_LARGE, f"payload of {len(msg.payload)} bytes exceeds the limit of "
@@ -141,8 +163,8 @@ class Daemon:
         req = work.request
         if req.id is None and work.correlation is None:
             return False
-        key = (req.id, work.response_topic, work.correlation, work.model)
-        return not self._seen.add(key)
+        work.dedupe_key = self._seen.digest(req.id or "", work.response_topic or "", work.correlation or b"", work.model)
+        return not self._seen.add(work.dedupe_key)
 
     def _reply_topic(self, work: Work, rid: str | None) -> str:
         if work.response_topic:
@@ -221,6 +243,12 @@ class Daemon:
                     self.stats.answered(total)
                     if decision.escalate:
                         self.stats.count("escalated")
+            if body["status"] == "ok" and req.deadline is not None and time.monotonic() > req.deadline:
+                body = error_response("deadline_exceeded", f"answer ready after the {req.deadline_ms:g} ms deadline",
+                                      rid, work.model, self.cfg.device_id)
+                self.stats.failed("deadline_exceeded")
+            if body["status"] == "error" and work.dedupe_key is not None:
+                self._seen.discard(work.dedupe_key)
             topic = work.reply_topic or self._reply_topic(work, rid)
             self.transport.publish(topic, encode(body), qos=self.cfg.mqtt.qos, correlation=work.correlation)
             return True
@@ -241,6 +269,12 @@ class Daemon:
             time.sleep(0.02)
         raise RuntimeError(f"the broker did not acknowledge the deferred answer on {topic}")
 
+    def _status_summary(self) -> tuple:
+        """What the retained status says that can change while serving."""
+        bridge = self.offload.bridge if self.offload else None
+        cloud = (bridge.breaker.state, bridge.outbox.depth()) if bridge else None
+        return (self.thermal_state, tuple(rt.profile_name for rt in self.models.values()), cloud)
+
     def _on_thermal(self, st) -> None:
         for rt in self.models.values():
             rt.prefer_warm(st.prefer_dla)
@@ -258,27 +292,30 @@ class Daemon:
 
     def run(self) -> int:
         cfg = self.cfg
-        self._build_models()
         from .offload import Offload
 
+        # secrets, TLS files and the cloud key are checked before the (possibly long) engine builds
         self.offload = Offload(cfg, answer=lambda w, outcome: self.scheduler.answer(w, outcome),
                                publish=self._publish_deferred, on_thermal=self._on_thermal)
-        self.scheduler = Scheduler(self.models, queue_size=cfg.service.queue_size, max_batch=cfg.service.max_batch,
-                                   batch_timeout_ms=cfg.service.batch_timeout_ms, staging_threads=cfg.service.staging_threads,
-                                   default_deadline_ms=cfg.service.default_deadline_ms, respond=self._respond,
-                                   is_duplicate=self._is_duplicate, route=self._route)
-        self.scheduler.start()
         subs = [topics.request_filter(cfg.prefix)]
         if cfg.fleet.group:
             subs.append(topics.shared_filter(cfg.fleet.group))
-        will = (topics.status_topic(cfg.prefix), self.status_payload("offline"))
+        will = (topics.status_topic(cfg.prefix), json.dumps({"state": "offline", "device": cfg.device_id}).encode())
         self.transport = MqttTransport(cfg, subs, self._on_message, self._on_connected, will)
+        self._build_models()
+        self.scheduler = Scheduler(self.models, queue_size=cfg.service.queue_size, max_batch=cfg.service.max_batch,
+                                   batch_timeout_ms=cfg.service.batch_timeout_ms, staging_threads=cfg.service.staging_threads,
+                                   default_deadline_ms=cfg.service.default_deadline_ms, respond=self._respond,
+                                   is_duplicate=self._is_duplicate, route=self._route, on_batch=self.stats.batch)
+        self.scheduler.start()
         self.transport.start()
         self.offload.start()
         ready = False
         watchdog = self.notify.watchdog_interval()
         last_dog = last_telemetry = 0.0
+        last_purge = time.monotonic()
         last_status = ""
+        last_summary = self._status_summary()
         while not self._draining.is_set():
             now = time.monotonic()
             connected = self.transport.connected.is_set()
@@ -299,6 +336,13 @@ class Daemon:
             if connected and now - last_telemetry >= cfg.service.telemetry_interval_s:
                 self.transport.publish(topics.telemetry_topic(cfg.prefix), self.telemetry_payload(), qos=0)
                 last_telemetry = now
+                summary = self._status_summary()
+                if summary != last_summary:  # keep the retained status true: breaker, outbox, thermal
+                    self.transport.publish(topics.status_topic(cfg.prefix), self.status_payload("online"), qos=1, retain=True)
+                    last_summary = summary
+                if self.offload.bridge is not None and now - last_purge > 3600:
+                    self.offload.bridge.outbox.purge_delivered()
+                    last_purge = now
             self._draining.wait(0.2)
         return self._drain()
 

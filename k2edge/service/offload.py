@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -50,6 +51,10 @@ class Offload:
         self.sampler = thermal_sampler(cfg.thermal, on_transition=self._transition)
         self.bridge: CloudBridge | None = None
         self.pool: ThreadPoolExecutor | None = None
+        # requests waiting for (or in) a cloud call count against the same bound as the local queue
+        self._cloud_slots = threading.BoundedSemaphore(cfg.service.queue_size)
+        self._cloud_waiting = 0
+        self._lock = threading.Lock()
         if cfg.cloud is not None:
             self.bridge = CloudBridge(cfg.cloud, state_dir(cfg), policy=self.policy, thermal_state=lambda: self.sampler.state)
             self.pool = ThreadPoolExecutor(max(2, 2 * cfg.cloud.concurrency), thread_name_prefix="k2edge-cloud")
@@ -64,10 +69,16 @@ class Offload:
                                                    name="k2edge-outbox", daemon=True)
             self._outbox_thread.start()
 
+    @property
+    def cloud_waiting(self) -> int:
+        with self._lock:
+            return self._cloud_waiting
+
     def stop(self) -> None:
-        """Finish cloud calls in flight (each is bounded by its deadline), then stop everything."""
+        """Finish the cloud calls already running (each bounded by its deadline), drop the queued ones
+        (their requests stay un-acknowledged with the broker for the next start), stop the rest."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=True, cancel_futures=True)
         self._stop.set()
         if self._outbox_thread is not None:
             self._outbox_thread.join(timeout=10)
@@ -98,10 +109,22 @@ class Offload:
         return EscalationRequest(r.model, r.prompt, r.allow_cloud, r.deferrable, has_local_model=True)
 
     def _deadline_s(self, work) -> float:
-        if work.request.deadline is not None:
-            return max(0.0, work.request.deadline - time.monotonic())
+        """Time the bridge may use: to the request's deadline (or the cloud's own budget, from arrival),
+        less a margin for the local fallback and the publish, so even a degraded answer is in time."""
         c = self.cfg.cloud
-        return c.timeout_s * (c.max_retries + 1) + 1.0
+        end = work.request.deadline if work.request.deadline is not None else \
+            work.received + c.timeout_s * (c.max_retries + 1) + 1.0
+        left = end - time.monotonic()
+        return max(0.0, left - max(0.05, 0.15 * left))
+
+    def _submit(self, work, local) -> bool:
+        """Queue a cloud call; False when ``queue_size`` requests already wait for the cloud."""
+        if not self._cloud_slots.acquire(blocking=False):
+            return False
+        with self._lock:
+            self._cloud_waiting += 1
+        self.pool.submit(self._handle, work, local)
+        return True
 
     # the request path ------------------------------------------------------------------------------
     def before_inference(self, work, run_local: Callable[[], LocalResult]):
@@ -116,14 +139,19 @@ class Offload:
             return None
         if self.bridge is None:
             return d if d.action == "refuse" else None
-        self.pool.submit(self._handle, work, run_local)
+        if not self._submit(work, run_local):
+            log.warning("request %s: %d requests already wait for the cloud; taking the local path", work.request.id,
+                        self.cfg.service.queue_size)
+            return d if d.action == "refuse" else None
         return True
 
     def after_inference(self, work, local: LocalResult):
         """The decision for a computed local result, or None when the request went to the cloud pool."""
-        d = self.policy.decide(self.escalation_request(work), local, self.thermal, self._health(), self._budget())
-        if self.bridge is not None and (d.action != "local" or d.defer):
-            self.pool.submit(self._handle, work, local)
+        health = self._health()
+        if self.bridge is not None and self.cloud_waiting >= self.cfg.service.queue_size:
+            health = CloudHealth(False, f"{self.cfg.service.queue_size} requests already wait for the cloud")
+        d = self.policy.decide(self.escalation_request(work), local, self.thermal, health, self._budget())
+        if self.bridge is not None and (d.action != "local" or d.defer) and self._submit(work, local):
             return None
         return d
 
@@ -131,7 +159,7 @@ class Offload:
         r = work.request
         try:
             outcome = self.bridge.handle(
-                BridgeRequest(id=r.id or f"anon-{id(work):x}", model=r.model, prompt=r.prompt, image=r.image,
+                BridgeRequest(id=r.id or f"anon-{uuid.uuid4().hex}", model=r.model, prompt=r.prompt, image=r.image,
                               mime=work.content_type if work.content_type and work.content_type.startswith("image/") else None,
                               allow_cloud=r.allow_cloud, deferrable=r.deferrable,
                               response_topic=work.reply_topic, correlation_data=work.correlation,
@@ -140,6 +168,10 @@ class Offload:
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours
             log.exception("request %s: cloud offload failed", r.id)
             outcome = exc
+        finally:
+            with self._lock:
+                self._cloud_waiting -= 1
+            self._cloud_slots.release()
         self._answer(work, outcome)
 
     def status(self) -> dict:

@@ -100,6 +100,8 @@ def parse_request(payload: bytes, model: str, content_type: str | None, user_pro
         fields = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(BAD_REQUEST, f"payload is not JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(BAD_REQUEST, "payload JSON is nested too deeply") from None
     if not isinstance(fields, dict):
         raise RequestError(BAD_REQUEST, "payload must be a JSON object")
     unknown = set(fields) - _FIELDS
@@ -181,7 +183,10 @@ def _tensor(spec, rid) -> np.ndarray:
     expected = math.prod(shape) * np.dtype(dtype).itemsize
     if len(raw) != expected:
         raise RequestError(BAD_REQUEST, f"tensor.data holds {len(raw)} bytes; {dtype} {tuple(shape)} needs {expected}", rid)
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise RequestError(BAD_REQUEST, "tensor.data holds NaN or infinite values", rid)
+    return arr
 
 
 def error_response(code: str, message: str, request_id: str | None, model: str | None, device: str) -> dict:
@@ -215,4 +220,18 @@ def ok_response(req: Request, device: str, profile: str, top_k: list[dict], late
 
 
 def encode(response: dict) -> bytes:
-    return json.dumps(response, separators=(",", ":")).encode()
+    """Strict JSON (no NaN/Infinity, which JSON does not have: such numbers become null)."""
+    try:
+        return json.dumps(response, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(response), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -40,6 +40,7 @@ class Work:
     ack_token: object = None
     reply_topic: str | None = None  # where the answer goes (Response Topic, or the fallback)
     template: dict | None = None  # the local answer, kept for a deferred cloud answer to complete
+    dedupe_key: bytes | None = None
     request: Request | None = None
     sample: np.ndarray | None = None
     staged: float = 0.0
@@ -60,13 +61,15 @@ class Scheduler:
 
     def __init__(self, models: dict[str, ModelRuntime], *, queue_size: int, max_batch: int, batch_timeout_ms: float,
                  staging_threads: int, default_deadline_ms: float | None, respond: Callable, is_duplicate: Callable,
-                 route: Callable | None = None) -> None:
+                 route: Callable | None = None, on_batch: Callable[[int], None] | None = None) -> None:
         self.models = models
         self.intake: queue.Queue[Work | None] = queue.Queue(maxsize=queue_size)
+        self._queue_size = queue_size
         self._batchers = {name: _Batcher(self, rt, max_batch, batch_timeout_ms / 1e3) for name, rt in models.items()}
         self._respond = respond
         self._is_duplicate = is_duplicate
         self._route = route
+        self.on_batch = on_batch
         self._default_deadline_ms = default_deadline_ms
         self._stagers = [threading.Thread(target=self._stage_loop, name=f"k2edge-stage-{i}", daemon=True)
                          for i in range(staging_threads)]
@@ -79,14 +82,20 @@ class Scheduler:
 
     # lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self._responder.start()
-        for t in self._stagers:
+        now = time.monotonic()
+        threads = [self._responder, *self._stagers, *(b.thread for b in self._batchers.values())]
+        # every key exists before any thread runs: alive() never sees the dict change size
+        self.heartbeats.update({t.name: now for t in threads})
+        for t in threads:
             t.start()
-        for b in self._batchers.values():
-            b.start()
 
     def offer(self, work: Work) -> bool:
-        """Queue a request (network thread). False when the queue is full."""
+        """Queue a request (network thread). False when ``queue_size`` requests already wait.
+
+        Waiting means not yet handed to an engine: in the intake queue or staged for a batcher.
+        """
+        if self.queue_depth() >= self._queue_size:
+            return False
         with self._idle:
             self._outstanding += 1
         try:
@@ -307,6 +316,8 @@ class _Batcher:
             for w in live:
                 self.s.answer(w, RequestError(INTERNAL, f"inference failed: {exc}", w.request.id))
             return
+        if self.s.on_batch is not None:
+            self.s.on_batch(len(live))
         for i, w in enumerate(live):
             w.timings["batch_wait"] = (started - w.staged) * 1e3
             w.timings["infer"] = (done - started) * 1e3

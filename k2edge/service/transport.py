@@ -113,10 +113,15 @@ class MqttTransport:
             password = read_secret(m.password_file, m.password_credential, "mqtt password")
             c.username_pw_set(m.username, password)
         if m.tls_ca_file or m.tls_cert_file:
-            c.tls_set(ca_certs=str(m.tls_ca_file) if m.tls_ca_file else None,
-                      certfile=str(m.tls_cert_file) if m.tls_cert_file else None,
-                      keyfile=str(m.tls_key_file) if m.tls_key_file else None,
-                      cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+            try:
+                c.tls_set(ca_certs=str(m.tls_ca_file) if m.tls_ca_file else None,
+                          certfile=str(m.tls_cert_file) if m.tls_cert_file else None,
+                          keyfile=str(m.tls_key_file) if m.tls_key_file else None,
+                          cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                from ..config.schema import ConfigError
+
+                raise ConfigError(f"mqtt TLS files (tls_ca_file, tls_cert_file, tls_key_file): {exc}") from None
         c.on_socket_open = self._on_socket_open
         # Publishing threads only queue packets; this network thread writes them (paho's hook for an
         # external event loop). Otherwise every publish is a send() on the publishing thread.

@@ -221,7 +221,8 @@ def plot_pareto(doc: dict, path: Path) -> list[dict]:
             ax.plot([p[1] for p in front], [p[2] for p in front], drawstyle="steps-post", color=FRONT_COLOUR, lw=1.5,
                     alpha=0.8, zorder=1)
         with_energy = any(r.get("energy_j_per_inference") is not None for r in ok)
-        _axes_limits(ax, xs, ys)
+        spans = [((r.get("spread") or {}).get("latency_p50_ms") or {}) for r in ok]
+        _axes_limits(ax, xs + [sp["min"] for sp in spans if sp] + [sp["max"] for sp in spans if sp], ys)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2f} %"))
         ax.ticklabel_format(axis="x", useOffset=False, style="plain")
         ax.set_xlabel("latency p50 (ms per request through Engine.infer); bars: min–max of the per-run p50")
@@ -256,6 +257,7 @@ def _short(text: str | None, n: int = 70) -> str:
 
 
 def _axes_limits(ax, xs: list[float], ys: list[float]) -> None:
+    """Limits that hold every point and spread bar (``xs`` includes the bars' ends)."""
     if not xs:
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 100)
