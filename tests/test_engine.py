@@ -213,3 +213,13 @@ def test_backend_failure_is_one_k2edge_error():
             engine.infer({"x": x})
         with pytest.raises(InferenceError):
             engine.submit({"x": x}).result(timeout=30)
+
+
+def test_model_wise_engine_routes_requests_by_share(demo_model, demo_batch):
+    """Through a real engine: 400 submitted requests land on the whole-model lanes 50/25/25."""
+    engine = Engine.build(demo_model, profile("model-wise", 0.5, ("fp16",)), precision="fp32")
+    with engine:
+        futures = [engine.submit({"input": demo_batch[i % len(demo_batch)]}) for i in range(400)]
+        for f in futures:
+            f.result(timeout=60)
+        assert {lane.device: lane.runs for lane in engine.lanes()} == {"gpu": 200, "dla0": 100, "dla1": 100}

@@ -32,6 +32,7 @@ class LaneInfo:
     segments: tuple[int, ...]
     precision: str
     request_share: float | None = None
+    runs: int = 0  # segments run on this lane through submit()/stream()
 
 
 class Backend(abc.ABC):

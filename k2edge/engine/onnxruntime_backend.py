@@ -181,11 +181,12 @@ class OnnxRuntimeBackend(Backend):
 
     def lanes(self) -> tuple[LaneInfo, ...]:
         out = []
+        runs = self._lanes.runs() if self._lanes is not None else {}
         for device in self.plan.devices:
             segs = tuple(s.index for s in self.plan.segments if s.device == device)
             precs = sorted({self.build.segments[i].executed_precision for i in segs})
             share = next((s.request_share for s in self.plan.segments if s.device == device), None)
-            out.append(LaneInfo(device, f"{device} (cpu lane)", segs, "+".join(precs), share))
+            out.append(LaneInfo(device, f"{device} (cpu lane)", segs, "+".join(precs), share, runs.get(device, 0)))
         return tuple(out)
 
     def describe(self) -> dict:

@@ -39,6 +39,7 @@ class Lane(threading.Thread):
         super().__init__(name=f"k2edge-lane-{device}", daemon=True)
         self.device = device
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.runs = 0  # segments this lane has run (reports, and the routing by share is checked on it)
         self._run = run
         self._lane_of = lane_of_segment
 
@@ -58,6 +59,7 @@ class Lane(threading.Thread):
                 job.tensors = job.stage()  # staging inline, on the engine's own lane
             seg = job.route[job.step]
             produced = self._run(seg, job.tensors)
+            self.runs += 1
             if job.step >= job.release_after:
                 _release(job)
             job.tensors.update(produced)
@@ -115,6 +117,10 @@ class LaneSet:
 
     def _lane_for_segment(self, seg: int) -> Lane:
         return self._lanes[self._segment_device[seg]]
+
+    def runs(self) -> dict[str, int]:
+        """Segments run per device lane so far."""
+        return {d: lane.runs for d, lane in self._lanes.items()}
 
     def route(self) -> tuple[int, ...]:
         return self._routes[self._chooser.pick()] if self._chooser else self._routes[0]
