@@ -161,3 +161,19 @@ def test_the_cloud_queue_is_bounded(tmp_path, run_daemon, broker, k2):
     assert any("already wait for the cloud" in a.get("escalation_reason", "") for a in quick)
     client.wait_answers(8, timeout=30)
     client.close()
+
+
+def test_warm_trace_switches_the_model_to_its_dla_heavier_profile(tmp_path, run_daemon, broker):
+    trace = tmp_path / "warm.jsonl"
+    trace.write_text("".join(json.dumps({"t": i, "temperatures_c": {"tj": 79.0}, "rails_w": {}, "total_power_w": None}) + "\n"
+                             for i in range(3)))
+    model = {**DIGITS, "escalation": {"warm_profile": "c4"}}
+    run_daemon(models=[model], tables={"thermal": {"source": "trace", "trace": trace, "sample_interval_ms": 50}})
+    client = Client(broker.port).connect()
+    client.wait_for(lambda c: any(s.get("thermal") == "warm" for s in c.statuses), 30)
+    status = next(s for s in reversed(client.statuses) if s.get("thermal") == "warm")
+    assert status["models"][0]["profile"] == "c4"
+    client.publish(TOPIC, _img(SAMPLES[8], id="warm-1"))
+    a = client.wait_answers(1)[0]
+    assert a["profile"] == "c4" and a["thermal_state"] == "warm" and a["top_k"][0]["label"] == "8"
+    client.close()
