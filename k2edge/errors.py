@@ -18,7 +18,15 @@ __all__ = [
     "BackendUnavailable",
     "EngineStateError",
     "InferenceError",
+    "first_line",
 ]
+
+
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first non-empty line of an exception's message (third-party messages run long), else
+    ``default`` (the exception's type name when None)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else (type(exc).__name__ if default is None else default)
 
 
 class K2EdgeError(Exception):

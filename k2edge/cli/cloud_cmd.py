@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..errors import K2EdgeError
-from .common import Progress, add_build, add_json, add_model, build_engine, open_labelled, print_json, table
+from .common import Progress, add_build, add_json, add_model, build_engine, print_json, table
 
 MEASURES = ("max_softmax", "margin", "entropy")
 CHECK_PROMPT = "Reply with the single word OK."
@@ -151,10 +151,12 @@ def _curve(args) -> int:
     import numpy as np
 
     from ..cloud_bridge.curve import escalation_curve
+    from ..model.datasets import open_labelled
+
     if not 1 <= args.step <= 100:
         raise K2EdgeError(f"--step must be within [1, 100], got {args.step}")
     engine = build_engine(args)
-    dataset = open_labelled(args.dataset, engine, args.limit)
+    dataset = open_labelled(args.dataset, engine.labels, args.limit)
     progress = Progress(len(dataset), "curve")
     rows = []
     with engine:

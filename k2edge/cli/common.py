@@ -70,21 +70,6 @@ def print_json(data) -> None:
     sys.stdout.write("\n")
 
 
-def open_labelled(path: str, engine, limit: int | None = None):
-    """A labelled dataset for ``engine`` (class names matched to its labels), cut to ``limit``.
-
-    Raises:
-        DatasetError: missing, malformed, or without labels.
-    """
-    from ..errors import DatasetError
-    from ..model.datasets import open_dataset
-
-    dataset = open_dataset(path, engine.labels)
-    if not dataset.labelled:
-        raise DatasetError(f"{path}: has no labels (need class directories or 'y' in the .npz)")
-    return dataset.take(limit) if limit else dataset
-
-
 def table(rows: list[list], header: list[str]) -> str:
     """A plain aligned text table (no dependency, pipes well)."""
     cells = [header] + [[str(c) for c in r] for r in rows]

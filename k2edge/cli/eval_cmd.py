@@ -8,7 +8,7 @@ ORDER = 50
 
 import time
 
-from .common import Progress, add_build, add_json, add_model, build_engine, open_labelled, print_json
+from .common import Progress, add_build, add_json, add_model, build_engine, print_json
 
 
 def register(p) -> None:
@@ -44,8 +44,10 @@ def evaluate(engine, dataset, progress: Progress | None = None) -> dict:
 
 
 def run(args) -> int:
+    from ..model.datasets import open_labelled
+
     engine = build_engine(args)
-    dataset = open_labelled(args.dataset, engine, args.limit)
+    dataset = open_labelled(args.dataset, engine.labels, args.limit)
     progress = Progress(len(dataset), "eval")
     with engine:
         result = evaluate(engine, dataset, progress)

@@ -93,12 +93,10 @@ class LocalResult:
         """From one sample's logits (any shape that flattens to the classes)."""
         import numpy as np
 
-        z = np.asarray(logits, dtype=np.float64).reshape(-1)
-        e = np.exp(z - z.max())
-        p = e / e.sum()
-        idx = np.argsort(-p, kind="stable")[: max(1, min(k, p.size))]
-        top = tuple({"index": int(i), "label": labels[i] if i < len(labels) else str(int(i)), "score": float(p[i])} for i in idx)
-        return cls(top, tuple(float(x) for x in p), int(p.size), latency_ms)
+        from ..model.scores import softmax, top_k
+
+        p = softmax(np.asarray(logits).reshape(-1))
+        return cls(tuple(top_k(p, labels, k)), tuple(float(x) for x in p), int(p.size), latency_ms)
 
     @property
     def answer(self) -> str | None:

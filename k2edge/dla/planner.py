@@ -381,7 +381,7 @@ def _closest_bit(bits: int, goal: int) -> int:
 
 
 def _reconstruct(history, weights, state, s) -> list[bool]:
-    G, D = 0, 1
+    D = 1  # device codes as in _choose_units (0 is the GPU)
     n = len(history)
     on_dla = [False] * n
     t, d = state

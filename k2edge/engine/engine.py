@@ -311,16 +311,10 @@ class Engine:
 
     def top_k(self, logits: np.ndarray, k: int = 5) -> list[list[dict]]:
         """Per sample: the k best classes as ``{"index", "label", "score"}`` (softmax scores)."""
-        logits = np.asarray(logits, dtype=np.float64).reshape(logits.shape[0], -1)
-        z = logits - logits.max(axis=1, keepdims=True)
-        probs = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
-        k = max(1, min(k, probs.shape[1]))
-        out = []
-        for row in probs:
-            idx = np.argsort(-row, kind="stable")[:k]
-            out.append([{"index": int(i), "label": self.labels[i] if i < len(self.labels) else str(int(i)),
-                         "score": float(row[i])} for i in idx])
-        return out
+        from ..model.scores import softmax, top_k
+
+        probs = softmax(np.asarray(logits).reshape(len(logits), -1))
+        return [top_k(row, self.labels, k) for row in probs]
 
     def describe(self) -> dict:
         """The engine as a report: plan summary, lanes, build info."""

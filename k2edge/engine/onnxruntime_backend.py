@@ -23,7 +23,7 @@ import onnx
 
 from .._lazy import LazyModule
 from ..dla.planner import PartitionPlan
-from ..errors import BuildError, InferenceError
+from ..errors import BuildError, InferenceError, first_line
 from ..model.extract import extract_submodel
 from ..model.ingest import NormalisedModel
 from .base import Backend, LaneInfo, TensorSpec
@@ -152,8 +152,8 @@ class OnnxRuntimeBackend(Backend):
         try:
             return ort.InferenceSession(str(artefact.path), sess_options=opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BuildError(f"onnxruntime cannot load segment {artefact.index} ({artefact.executed_precision}): {first}") from None
+            raise BuildError(f"onnxruntime cannot load segment {artefact.index} ({artefact.executed_precision}): "
+                             f"{first_line(exc)}") from None
 
     def deactivate_impl(self) -> None:
         if self._lanes is not None:
@@ -167,8 +167,8 @@ class OnnxRuntimeBackend(Backend):
         try:
             return dict(zip(names, self._sessions[index].run(names, feeds)))
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InferenceError(f"segment {index} on {self.plan.segments[index].device} (cpu lane) failed: {first}") from None
+            raise InferenceError(f"segment {index} on {self.plan.segments[index].device} (cpu lane) failed: "
+                                 f"{first_line(exc)}") from None
 
     def infer_impl(self, feeds):
         tensors = dict(feeds)

@@ -82,6 +82,19 @@ def open_dataset(path: str | os.PathLike, labels: Sequence[str] | None = None) -
     return _open_folder(p, labels)
 
 
+def open_labelled(path: str | os.PathLike, labels: Sequence[str] | None = None, limit: int | None = None) -> Dataset:
+    """:func:`open_dataset` for measuring accuracy: it must have labels; cut to ``limit`` samples.
+
+    Raises:
+        DatasetError: missing, malformed, or without labels.
+    """
+    dataset = open_dataset(path, labels)
+    if not dataset.labelled:
+        raise DatasetError(f"{os.fspath(path)}: has no labels (need class directories or 'y' in the .npz); "
+                           "accuracy cannot be measured")
+    return dataset.take(limit) if limit else dataset
+
+
 def _open_npz(p: Path) -> Dataset:
     try:
         with np.load(p, allow_pickle=False) as data:

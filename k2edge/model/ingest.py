@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference
 
-from ..errors import ModelError
+from ..errors import ModelError, first_line
 from .graph import Graph
 
 TARGET_OPSET = 17
@@ -151,7 +151,7 @@ def normalise(
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
-        raise ModelError(f"{where}: normalised model is invalid: {str(exc).splitlines()[0]}") from None
+        raise ModelError(f"{where}: normalised model is invalid: {first_line(exc)}") from None
     return NormalisedModel(model=model, source=where, original_opset=original_opset)
 
 
@@ -252,16 +252,14 @@ def _upgrade_opset(model, original, where) -> onnx.ModelProto:
     try:
         return version_converter.convert_version(model, TARGET_OPSET)
     except Exception as exc:  # the converter raises RuntimeError/ValidationError with the op name inside
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"{where}: cannot upgrade opset {original} -> {TARGET_OPSET}: {first}") from None
+        raise ModelError(f"{where}: cannot upgrade opset {original} -> {TARGET_OPSET}: {first_line(exc)}") from None
 
 
 def _infer(model, where, strict) -> onnx.ModelProto:
     try:
         return shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict, data_prop=True)
     except Exception as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"{where}: shape inference failed: {msg}") from None
+        raise ModelError(f"{where}: shape inference failed: {first_line(exc)}") from None
 
 
 def _static_shape(model) -> dict[str, tuple[int, ...]]:

@@ -128,6 +128,3 @@ class ModelRuntime:
         for i in range(size):
             batch[i] = samples[min(i, n - 1)]
         return engine.submit({self.input_name: batch})
-
-    def top_k(self, logits: np.ndarray, k: int) -> list[list[dict]]:
-        return self.engines[1].top_k(logits, k)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import DatasetError, K2EdgeError
+from ..errors import K2EdgeError, first_line
 from .configs import SweepConfig
 from .frontier import recommend
 from .measure import MeasureSettings, measure_run, summarise
@@ -73,20 +73,14 @@ class SweepOutcome:
 def _open_eval(spec: SweepSpec):
     from ..engine.cache import EngineCache
     from ..engine.engine import load_labels, load_normalised
-    from ..model.datasets import open_dataset
+    from ..model.datasets import open_labelled
 
     normalised = load_normalised(spec.model, EngineCache(spec.cache_dir), 1, spec.input_shapes)
-    dataset = open_dataset(spec.dataset, load_labels(Path(spec.model), normalised))
-    if not dataset.labelled:
-        raise DatasetError(f"{spec.dataset}: has no labels (need class directories or 'y' in the .npz); "
-                           "accuracy cannot be measured")
-    if spec.settings.limit:
-        dataset = dataset.take(spec.settings.limit)
-    return dataset
+    return open_labelled(spec.dataset, load_labels(Path(spec.model), normalised), spec.settings.limit)
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = first_line(exc, default="")
     if isinstance(exc, K2EdgeError):
         return text or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

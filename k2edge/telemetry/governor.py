@@ -141,7 +141,6 @@ class ThermalGovernor:
             sample: the reading; None when the source could not read at all.
             why_missing: the source's message when it could not read (shown in the unknown reason).
         """
-        s = self.settings
         t = sample.t if sample is not None else None
         self._window.append(self._watched(sample))
         power_avg = self._power_average(sample)
