@@ -144,45 +144,46 @@ class Scheduler:
         """Queue the answer (outputs, a RequestError, or None for a duplicate) for publishing."""
         self._answers.put((work, result))
 
-    def _respond_loop(self) -> None:
+    def _serve(self, q, handle) -> None:
+        """A worker's loop: heartbeat, take the next item (None ends it), handle it."""
         name = threading.current_thread().name
         while True:
             self.heartbeats[name] = time.monotonic()
             try:
-                item = self._answers.get(timeout=0.5)
+                item = q.get(timeout=0.5)
             except queue.Empty:
                 continue
             if item is None:
                 return
-            work, result = item
-            done = True
-            try:
-                done = self._respond(work, result) is not False
-            except Exception:
-                log.exception("publishing the answer to %s failed", work.topic)
-            finally:
-                if done:
-                    self._finished()
+            handle(item)
+
+    def _respond_loop(self) -> None:
+        self._serve(self._answers, self._respond_one)
+
+    def _respond_one(self, item) -> None:
+        work, result = item
+        done = True
+        try:
+            done = self._respond(work, result) is not False
+        except Exception:
+            log.exception("publishing the answer to %s failed", work.topic)
+        finally:
+            if done:
+                self._finished()
 
     def _stage_loop(self) -> None:
-        name = threading.current_thread().name
-        while True:
-            self.heartbeats[name] = time.monotonic()
-            try:
-                work = self.intake.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if work is None:
-                return
-            try:
-                self._stage(work)
-            except RequestError as err:
-                self.answer(work, err)
-            except InputError as err:
-                self.answer(work, RequestError(BAD_REQUEST, str(err), work.request.id if work.request else None))
-            except Exception as exc:
-                log.exception("staging a request on %s failed", work.topic)
-                self.answer(work, RequestError(INTERNAL, f"internal error while staging: {type(exc).__name__}"))
+        self._serve(self.intake, self._stage_one)
+
+    def _stage_one(self, work: Work) -> None:
+        try:
+            self._stage(work)
+        except RequestError as err:
+            self.answer(work, err)
+        except InputError as err:
+            self.answer(work, RequestError(BAD_REQUEST, str(err), work.request.id if work.request else None))
+        except Exception as exc:
+            log.exception("staging a request on %s failed", work.topic)
+            self.answer(work, RequestError(INTERNAL, f"internal error while staging: {type(exc).__name__}"))
 
     def _stage(self, work: Work) -> None:
         runtime = self.models.get(work.model)
