@@ -3,6 +3,7 @@ daemon as a subprocess, and an MQTT 5 test client that records every answer."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -21,6 +22,25 @@ from paho.mqtt.properties import Properties
 
 ROOT = Path(__file__).resolve().parents[1]
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+DEMO = ROOT / "models" / "digits"
+SAMPLES = sorted((DEMO / "samples").glob("*.jpg"))
+DIGITS = {"name": "digits", "onnx": DEMO / "model.onnx", "profile": "cpu-dev", "top_k": 3}
+TOPIC = "k2edge/t1/infer/digits"
+
+
+def image_request(path: Path, rid: str | None = None, **extra) -> dict:
+    """A JSON request carrying a base64 image file."""
+    body = {"id": rid or uuid.uuid4().hex[:12], "image": base64.b64encode(path.read_bytes()).decode()}
+    body.update(extra)
+    return body
+
+
+def tensor_request(arr, rid: str | None = None, **extra) -> dict:
+    """A JSON request carrying a tensor."""
+    body = {"id": rid or uuid.uuid4().hex[:12],
+            "tensor": {"dtype": str(arr.dtype), "shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}}
+    body.update(extra)
+    return body
 
 
 def free_port() -> int:
@@ -91,8 +111,10 @@ def write_config(path: Path, port: int, models: list[dict], device: str = "t1", 
              "reconnect_max_s = 1.0"]
     for k, v in (mqtt_extra or {}).items():
         lines.append(f"{k} = {val(v)}")
+    service = dict(service or {})
+    service.setdefault("state_dir", str(path.parent / f"state-{device}"))  # answers and outbox: per device, never ~/.local
     lines += ["[service]", "telemetry_interval_s = 1"]
-    for k, v in (service or {}).items():
+    for k, v in service.items():
         lines.append(f"{k} = {val(v)}")
     if fleet:
         lines += ["[fleet]", f'group = "{fleet}"']
@@ -148,6 +170,7 @@ class Client:
         self.statuses: list[dict] = []
         self.other: list[tuple[str, dict]] = []
         self.dups: list[bool] = []  # MQTT DUP flag of each answer: a broker retransmission, not a second answer
+        self.raw: list[tuple[bytes, float]] = []  # each answer's exact bytes and when it arrived (time.monotonic)
         self._cond = threading.Condition()
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"test-{uuid.uuid4().hex[:8]}",
                              protocol=mqtt.MQTTv5)
@@ -187,13 +210,16 @@ class Client:
             elif msg.topic == self.reply_topic:
                 self.answers.append((body, getattr(msg.properties, "CorrelationData", None)))
                 self.dups.append(bool(msg.dup))
+                self.raw.append((msg.payload, time.monotonic()))
             else:
                 self.other.append((msg.topic, body))
             self._cond.notify_all()
 
     def publish(self, topic: str, payload, *, content_type: str = "application/json", user_properties: dict | None = None,
-                reply: bool = True, correlation: bytes | None = None):
+                reply: bool = True, correlation: bytes | None = None, expiry_s: int | None = None):
         props = Properties(PacketTypes.PUBLISH)
+        if expiry_s is not None:
+            props.MessageExpiryInterval = expiry_s
         if reply:
             props.ResponseTopic = self.reply_topic
             props.CorrelationData = correlation or uuid.uuid4().bytes

@@ -2,6 +2,7 @@
 
 import base64
 import json
+import threading
 import time
 
 import numpy as np
@@ -12,7 +13,6 @@ from k2edge.config.schema import ConfigError, read_secret
 from k2edge.service import topics
 from k2edge.service.protocol import RequestError, parse_request
 from k2edge.service.runtime import batch_sizes
-from k2edge.service.scheduler import Scheduler
 from k2edge.service.transport import AckSequencer, backoff
 
 
@@ -23,9 +23,9 @@ def _parse(obj, ctype=None, props=None):
 
 def test_parse_json_image_and_tensor():
     r = _parse({"id": "a", "image": base64.b64encode(b"\xff\xd8jpeg").decode(), "top_k": 3, "deadline_ms": 250,
-                "prompt": "what is it?", "allow_cloud": False, "deferrable": True})
-    assert (r.id, r.image, r.top_k, r.deadline, r.prompt, r.allow_cloud, r.deferrable) == (
-        "a", b"\xff\xd8jpeg", 3, 100.25, "what is it?", False, True)
+                "prompt": "what is it?", "allow_cloud": False, "deferrable": True, "attempt": 2})
+    assert (r.id, r.image, r.top_k, r.deadline.at, r.prompt, r.allow_cloud, r.deferrable, r.attempt) == (
+        "a", b"\xff\xd8jpeg", 3, 100.25, "what is it?", False, True, 2)
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     t = _parse({"tensor": {"dtype": "float32", "shape": [2, 3], "data": base64.b64encode(arr.tobytes()).decode()}})
     np.testing.assert_array_equal(t.tensor, arr)
@@ -37,18 +37,19 @@ def test_parse_raw_image_with_user_properties():
     assert (r.id, r.image, r.top_k, r.deadline_ms, r.allow_cloud) == ("p1", b"\x89PNG...", 2, 50.0, False)
     with pytest.raises(RequestError, match="user property top_k must be a number"):
         _parse(b"x", "image/png", {"top_k": "lots"})
+    assert _parse(b"x", "image/png", {"id": "p2", "attempt": "3"}).attempt == 3
     with pytest.raises(RequestError, match=r"unknown user properties \['colour'\]"):
         _parse(b"x", "image/jpeg", {"colour": "red"})
 
 
 @pytest.mark.parametrize("bad, fragment", [
-    ({"id": 5, "image": "AA=="}, "id must be a string"),
+    ({"id": 5, "image": "AA=="}, "id: expected a string"),
     ({"id": "a/b", "image": "AA=="}, "cannot be a topic level"),
     ({"id": "a#", "image": "AA=="}, "cannot be a topic level"),
-    ({"image": "AA==", "allow_cloud": "yes"}, "allow_cloud must be true or false"),
+    ({"image": "AA==", "allow_cloud": "yes"}, "allow_cloud: expected true or false"),
     ({"tensor": {"dtype": "complex64", "shape": [1], "data": ""}}, "tensor.dtype"),
-    ({"tensor": {"dtype": "float32", "shape": [0], "data": ""}}, "positive integers"),
-    ({"tensor": {"dtype": "float32", "shape": [1]}}, "exactly dtype, shape and data"),
+    ({"tensor": {"dtype": "float32", "shape": [0], "data": ""}}, "tensor.shape[0]: expected an integer >= 1"),
+    ({"tensor": {"dtype": "float32", "shape": [1]}}, "tensor: missing field 'data'"),
 ])
 def test_parse_errors_are_bad_request(bad, fragment):
     with pytest.raises(RequestError) as err:
@@ -90,37 +91,53 @@ def test_batch_sizes():
     assert batch_sizes(6) == [1, 2, 4, 6]
 
 
-def test_a_wedged_worker_fails_the_health_check():
-    """WATCHDOG=1 is only sent while every serving thread loops: a wedged one stops it."""
-    import threading
+def _until(predicate, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
 
-    from k2edge.service.scheduler import Work
 
-    release = threading.Event()
+def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch):
+    """WATCHDOG=1 is only sent while every serving thread loops: a wedged line stops it, a free one resumes it."""
+    from k2edge.config.schema import DaemonConfig, ModelConfig
+    from k2edge.service.answers import AnswerBook
+    from k2edge.service.escalation import Escalation
+    from k2edge.service.request_path import RequestPath
+    from k2edge.service.runtime import ModelRuntime
+    from k2edge.service.stats import ServiceStats
 
-    class WedgedModel:  # a model whose staging never returns, as a hung decoder would
-        name = "m"
+    cfg = DaemonConfig(models=(ModelConfig(name="m", onnx=demo_model),), service={"state_dir": tmp_path})
+    rt = ModelRuntime(cfg.models[0], 1, None, None)
+    rt.activate()
+    release, entered = threading.Event(), threading.Event()
+    real_stage = rt.stage
 
-        def stage(self, image, tensor):
-            release.wait(10)
-            raise RuntimeError("released")
+    def hung_decoder(*args):  # a decoder that hangs, as a corrupt image could make it
+        entered.set()
+        release.wait(30)
+        return real_stage(*args)
 
-    answered = []
-    s = Scheduler({"m": WedgedModel()}, queue_size=4, max_batch=1, batch_timeout_ms=1, staging_threads=1,
-                  default_deadline_ms=None, respond=lambda w, r: answered.append(r), is_duplicate=lambda w: False)
-    s._batchers.clear()
-    s.start()
-    time.sleep(0.1)
-    assert s.alive(max_age=0.4)
-    payload = json.dumps({"id": "w", "image": "AAAA"}).encode()
-    assert s.offer(Work("t/infer/m", "m", payload, None, {}, None, None, time.monotonic()))
-    time.sleep(1.0)
-    assert not s.alive(max_age=0.4)
+    monkeypatch.setattr(rt, "stage", hung_decoder)
+    published = []
+    book = AnswerBook(tmp_path, lambda topic, payload, corr, done: (published.append(payload), done()), lambda token: None, 60)
+    path = RequestPath(cfg, {"m": rt}, book, Escalation(cfg, on_thermal=lambda st: None), ServiceStats())
+    path.start()
+    _until(lambda: path.alive(max_age=1.0))
+
+    class Msg:
+        topic, payload, qos, mid, properties = "k2edge/x/infer/m", json.dumps({"id": "w", "tensor": {
+            "dtype": "float32", "shape": [1, 32, 32], "data": base64.b64encode(bytes(4096)).decode()}}).encode(), 1, 1, None
+
+    path.admit(Msg, token=None)
+    assert entered.wait(10)
+    _until(lambda: not path.alive(max_age=1.0))
     release.set()
-    time.sleep(0.7)
-    assert s.alive(max_age=0.6)
-    assert answered and answered[0].code == "internal"
-    s.stop()
+    _until(lambda: path.alive(max_age=1.0))
+    _until(lambda: published)
+    assert json.loads(published[0])["status"] == "ok"
+    path.stop()
+    rt.deactivate()
 
 
 def _write(tmp_path, text):

@@ -19,7 +19,10 @@ def register(p) -> None:
                    help="daemon's device id (default: this host's name)")
     p.add_argument("--prompt", metavar="TEXT", help="prompt for the cloud model")
     p.add_argument("--top-k", type=int, metavar="K")
-    p.add_argument("--deadline-ms", type=float, metavar="MS")
+    p.add_argument("--deadline-ms", type=float, metavar="MS",
+                   help="answer within MS or not at all; the message also expires at the broker (whole seconds)")
+    p.add_argument("--retries", type=int, default=0, metavar="N",
+                   help="retry up to N times after busy, deadline_exceeded or cloud_unavailable (each a new attempt)")
     p.add_argument("--no-cloud", action="store_true", help="forbid escalation to the cloud")
     p.add_argument("--raw", action="store_true", help="send the image as a raw payload with its content type")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for the answer (default 10)")
@@ -28,8 +31,11 @@ def register(p) -> None:
 
 def run(args) -> int:
     import json
+    import time
+    import uuid
 
     from ..service.client import RequestClient, build_payload
+    from ..service.protocol import RETRYABLE
     from ..service.topics import valid_level
 
     for what, value in (("--model", args.model), ("--device", args.device)):
@@ -41,10 +47,21 @@ def run(args) -> int:
         port_n = int(port) if port else 1883
     except ValueError:
         raise K2EdgeError(f"--broker {args.broker!r}: port must be a number") from None
-    payload, ctype, props = build_payload(args.input, prompt=args.prompt, top_k=args.top_k,
-                                          deadline_ms=args.deadline_ms, allow_cloud=not args.no_cloud, raw=args.raw)
+    if args.retries < 0:
+        raise K2EdgeError(f"--retries must be >= 0, got {args.retries}")
+    request_id = uuid.uuid4().hex[:16]
     with RequestClient(host or "127.0.0.1", port_n) as client:
-        answer, elapsed_ms = client.request(f"k2edge/{args.device}/infer/{args.model}", payload, ctype, props, args.timeout)
+        for attempt in range(args.retries + 1):
+            # a retry is a new attempt: the same (id, attempt) again would be taken for a redelivery
+            payload, ctype, props = build_payload(args.input, prompt=args.prompt, top_k=args.top_k,
+                                                  deadline_ms=args.deadline_ms, allow_cloud=not args.no_cloud,
+                                                  raw=args.raw, request_id=request_id, attempt=attempt)
+            answer, elapsed_ms = client.request(f"k2edge/{args.device}/infer/{args.model}", payload, ctype, props,
+                                                args.timeout, deadline_ms=args.deadline_ms)
+            code = (answer.get("error") or {}).get("code")
+            if answer.get("status") == "ok" or code not in RETRYABLE or attempt == args.retries:
+                break
+            time.sleep(min(2.0, 0.1 * 2 ** attempt))
     if args.json:
         print(json.dumps(answer))
     elif answer.get("status") == "ok":

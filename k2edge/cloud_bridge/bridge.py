@@ -175,6 +175,24 @@ class CloudBridge:
                 self._count(name)
         return outcome
 
+    def carry_out(self, req: BridgeRequest, decision: Decision, local: LocalSource, deadline_s: float) -> Outcome:
+        """Carry out a decision made by the caller's own call of the policy (the daemon decides once,
+        in its request path). Blocks up to ``deadline_s`` when the decision asks the cloud.
+
+        ``local``: the edge's result, a callable computing it (run only for a local fallback), or None.
+        """
+        start = self._clock()
+        self._count("requests")
+        if decision.escalate:
+            self._count("escalated")
+        lazy = local is not None and not isinstance(local, LocalResult)
+        outcome = self._carry_out(req, decision, None if lazy else local, local if lazy else None, start,
+                                  start + max(0.0, deadline_s))
+        for flag, name in ((outcome.degraded, "degraded"), (outcome.deferred, "deferred"), (outcome.error_code, "refused")):
+            if flag:
+                self._count(name)
+        return outcome
+
     def _carry_out(self, req: BridgeRequest, d: Decision, computed: LocalResult | None,
                    thunk: Callable[[], LocalResult] | None, start: float, end: float) -> Outcome:
         elapsed = lambda: (self._clock() - start) * 1e3  # noqa: E731
@@ -192,7 +210,9 @@ class CloudBridge:
                 return Outcome("cloud", None, elapsed(), d.reason, True, deferred=True, escalated=True, decision=d)
             return Outcome("edge", None, elapsed(), d.reason, True, self._no_local_code(d, None), escalated=True, decision=d)
 
-        reserve = self.settings.deadline_reserve_ms / 1000.0
+        # the one margin between a request's deadline and its cloud call: room for the local fallback
+        # and the publish, at least deadline_reserve_ms and a tenth of the time there is
+        reserve = max(self.settings.deadline_reserve_ms / 1000.0, 0.1 * (end - start))
         failure: CloudError | None = None
         left_ms = (end - reserve - self._clock()) * 1e3
         typical = self._typical_latency_ms()
@@ -297,6 +317,11 @@ class CloudBridge:
             except Exception:
                 log.exception("outbox delivery pass failed")
             stop.wait(poll_s)
+
+    def deliver_item(self, item: OutboxItem, publish: Publish, render: Render | None = None) -> None:
+        """Deliver one claimed outbox row: ask the cloud (unless its answer is stored), store the
+        rendered answer, publish it. Raises (and the row stays pending) when it could not be published."""
+        self._deliver(item, publish, render or default_render)
 
     def _deliver(self, item: OutboxItem, publish: Publish, render: Render) -> None:
         result = item.result

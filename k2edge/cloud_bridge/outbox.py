@@ -109,13 +109,20 @@ class Outbox:
                 raise OutboxError(f"outbox {str(self.path)!r}: {exc}") from None
 
     # writing -----------------------------------------------------------------------------------
-    def put(self, request_id: str, response_topic: str, correlation_data: bytes | None, payload: dict) -> bool:
-        """Store a deferred request; True when new, False when the id is already there (nothing changes)."""
+    def put(self, request_id: str, response_topic: str, correlation_data: bytes | None, payload: dict,
+            claim_s: float | None = None) -> bool:
+        """Store a deferred request; True when new, False when the id is already there (nothing changes).
+
+        ``claim_s``: store it already claimed by this process for that long (work it is about to do
+        itself; should the process die, the row is taken up again once the lease has run out).
+        """
         now = self._clock()
         text = json.dumps(payload, sort_keys=True)
+        owner, until, attempts = (self.owner, now + claim_s, 1) if claim_s is not None else (None, None, 0)
         cur = self._run(lambda db: db.execute(
-            "INSERT OR IGNORE INTO outbox (id, response_topic, correlation_data, payload, created_at, next_attempt_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)", (request_id, response_topic, correlation_data, text, now, now)))
+            "INSERT OR IGNORE INTO outbox (id, response_topic, correlation_data, payload, created_at, next_attempt_at, "
+            "lease_owner, lease_until, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (request_id, response_topic, correlation_data, text, now, now, owner, until, attempts)))
         return cur.rowcount == 1
 
     def claim(self, limit: int = 1, lease_s: float | None = None) -> list[OutboxItem]:

@@ -40,7 +40,8 @@ class CloudSettings(BaseModel):
         breaker_cooldown_s: how long it stays open before one probe is let through.
         image_max_side: images are downscaled so their longer side is at most this (pixels cost tokens).
         system_prompt: the system message sent with every request.
-        deadline_reserve_ms: time kept back from a request's deadline for the local fallback.
+        deadline_reserve_ms: time kept back from a request's deadline for the local fallback and the publish
+            (at least this, and at least a tenth of the time left when the cloud is asked).
         outbox_ttl_s: a deferred request older than this is delivered as an error instead.
         outbox_path: the outbox database (default: ``outbox.sqlite3`` in the daemon's state directory).
     """

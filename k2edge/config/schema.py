@@ -46,7 +46,7 @@ class MqttConfig(_Strict):
     topic_prefix: str | None = Field(None, description="default k2edge/{device_id}")
     keepalive_s: int = Field(30, ge=5, le=3600)
     session_expiry_s: int = Field(86400, ge=1, description="how long the broker keeps queued requests while we are down")
-    qos: int = Field(1, ge=0, le=2)
+    qos: int = Field(1, ge=0, le=1, description="QoS of the request subscriptions (1: nothing lost while the daemon is down)")
     tls_ca_file: Path | None = None
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
@@ -91,18 +91,23 @@ class ModelConfig(_Strict):
 class ServiceConfig(_Strict):
     """Scheduling and limits."""
 
-    queue_size: int = Field(64, ge=1, le=100000, description="requests waiting; a full queue answers busy")
+    queue_size: int = Field(
+        64, ge=1, le=65535,
+        description="requests held waiting in the daemon; beyond it the daemon stops reading and the broker keeps the "
+                    "rest (also the MQTT Receive Maximum asked of the broker); busy only past twice this plus 64")
     max_batch: int = Field(8, ge=1, le=256)
     batch_timeout_ms: float = Field(
         0.0, ge=0, le=10000,
-        description="0: a batch goes as soon as the engine has a free slot (adaptive); >0: hold it this long for companions")
+        description="0: a batch goes as soon as the engine has room (adaptive); >0: hold it this long for companions")
     max_payload_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    staging_threads: int = Field(2, ge=1, le=64)
+    max_image_pixels: int = Field(16_777_216, ge=1, description="images with more pixels are refused from their header, "
+                                                                "before decoding (default 4096 x 4096)")
+    staging_threads: int = Field(1, ge=1, le=64, description="threads decoding a batch's images; 1: the model's line decodes them")
     telemetry_interval_s: float = Field(5.0, gt=0)
-    default_deadline_ms: float | None = Field(None, gt=0, description="deadline for requests that give none")
+    default_deadline_ms: float | None = Field(None, ge=1, le=3_600_000, description="deadline for requests that give none")
     drain_timeout_s: float = Field(30.0, gt=0)
     cache_dir: Path | None = Field(None, description="engine cache; default $CACHE_DIRECTORY or ~/.cache/k2edge")
-    state_dir: Path | None = Field(None, description="outbox and state; default $STATE_DIRECTORY or ~/.local/state/k2edge")
+    state_dir: Path | None = Field(None, description="answers, outbox and state; default $STATE_DIRECTORY or ~/.local/state/k2edge")
 
 
 class FleetConfig(_Strict):

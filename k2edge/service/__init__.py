@@ -1,4 +1,5 @@
-"""The daemon: MQTT 5 transport, request schema, scheduler/batcher, health and sd_notify.
+"""The daemon: the request path (one module), the answer book, the MQTT 5 transport, cloud
+escalation, health and sd_notify.
 
-Pure pieces (topics, request parsing, responses, statistics) live apart from the network client.
+Pure pieces (topics, request parsing, answer bodies, statistics) live apart from the network client.
 """

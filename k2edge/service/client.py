@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import socket
 import threading
 import time
@@ -19,13 +20,16 @@ from ..errors import InputError, K2EdgeError
 _CTYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png"}
 
 
-def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cloud=True, raw=False, request_id=None):
+def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cloud=True, raw=False, request_id=None,
+                  attempt: int = 0):
     """(payload bytes, content type, user properties) for one input file."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"input file {path!r} does not exist")
     request_id = request_id or uuid.uuid4().hex[:16]
     fields = {"id": request_id}
+    if attempt:
+        fields["attempt"] = attempt
     if prompt:
         fields["prompt"] = prompt
     if top_k:
@@ -91,13 +95,19 @@ class RequestClient:
             self._cond.notify_all()
 
     def send(self, topic: str, payload: bytes, content_type: str = "application/json", user_properties: dict | None = None,
-             correlation: bytes | None = None) -> tuple[bytes, float]:
-        """Publish a request; returns (correlation data, send time)."""
+             correlation: bytes | None = None, deadline_ms: float | None = None) -> tuple[bytes, float]:
+        """Publish a request; returns (correlation data, send time).
+
+        With ``deadline_ms`` the message also expires at the broker (MQTT 5 Message Expiry, whole
+        seconds rounded up), so a request that waited there past its deadline is never run.
+        """
         corr = correlation or uuid.uuid4().bytes
         props = Properties(PacketTypes.PUBLISH)
         props.ResponseTopic = self.reply_topic
         props.CorrelationData = corr
         props.ContentType = content_type
+        if deadline_ms:
+            props.MessageExpiryInterval = expiry_seconds(deadline_ms)
         if user_properties:
             props.UserProperty = list(user_properties.items())
         t0 = time.perf_counter()
@@ -115,7 +125,13 @@ class RequestClient:
                 self._cond.wait(left)
             return self._answers.pop(corr)
 
-    def request(self, topic, payload, content_type="application/json", user_properties=None, timeout=10.0):
-        corr, t0 = self.send(topic, payload, content_type, user_properties)
+    def request(self, topic, payload, content_type="application/json", user_properties=None, timeout=10.0,
+                deadline_ms: float | None = None):
+        corr, t0 = self.send(topic, payload, content_type, user_properties, deadline_ms=deadline_ms)
         body, t1 = self.wait(corr, timeout)
         return body, (t1 - t0) * 1e3
+
+
+def expiry_seconds(deadline_ms: float) -> int:
+    """The MQTT 5 Message Expiry Interval for a deadline: whole seconds, rounded up, never 0 (0 = never)."""
+    return max(1, math.ceil(deadline_ms / 1000.0))

@@ -1,24 +1,28 @@
-"""Request parsing and response building for the MQTT contract (pure: no network, no engine).
+"""Request parsing and answer building for the MQTT contract (pure: no network, no engine).
 
 A request is JSON::
 
-    {"id": "r1", "image": "<base64 JPEG/PNG>" | "tensor": {"dtype": "float32", "shape": [...], "data": "<base64>"},
+    {"id": "r1", "attempt": 0,
+     "image": "<base64 JPEG/PNG>" | "tensor": {"dtype": "float32", "shape": [...], "data": "<base64>"},
      "prompt": "...", "top_k": 5, "deadline_ms": 500, "allow_cloud": true, "deferrable": false}
 
 or a raw JPEG/PNG payload with MQTT 5 content type ``image/jpeg``/``image/png`` and the same
-fields as user properties. Every failure is a :class:`RequestError` with a contract error code.
+fields as user properties. Parsing is one typed msgspec decode (JSON, base64 and bounds in C);
+every failure is a :class:`RequestError` with a contract error code and a message of at most
+about 1 kB.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
+from ..deadline import Deadline
 from .topics import valid_level
 
 BAD_REQUEST = "bad_request"
@@ -29,28 +33,62 @@ DEADLINE_EXCEEDED = "deadline_exceeded"
 CLOUD_UNAVAILABLE = "cloud_unavailable"
 INTERNAL = "internal"
 ERROR_CODES = (BAD_REQUEST, PAYLOAD_TOO_LARGE, UNKNOWN_MODEL, BUSY, DEADLINE_EXCEEDED, CLOUD_UNAVAILABLE, INTERNAL)
+RETRYABLE = (BUSY, DEADLINE_EXCEEDED, CLOUD_UNAVAILABLE)  # a retry with attempt + 1 may get another answer
 
 IMAGE_TYPES = ("image/jpeg", "image/png")
-_DTYPES = {"float32", "float16", "uint8", "int8", "int32", "int64", "float64"}
-_FIELDS = {"id", "image", "tensor", "prompt", "top_k", "deadline_ms", "allow_cloud", "deferrable"}
+MAX_MESSAGE_CHARS = 1000  # error messages are capped: an error must not be a megabyte of echoed input
+MAX_ATTEMPT = 1000
+MAX_DEADLINE_MS = 3_600_000
+_DTYPES = ("float32", "float16", "uint8", "int8", "int32", "int64", "float64")
+
+_Dim = Annotated[int, msgspec.Meta(ge=1, le=2**31)]
+
+
+class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: Annotated[list[_Dim], msgspec.Meta(min_length=1, max_length=8)]
+    data: bytes  # base64 in JSON, decoded by msgspec
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    id: str | None = None
+    attempt: Annotated[int, msgspec.Meta(ge=0, le=MAX_ATTEMPT)] = 0
+    image: bytes | None = None
+    tensor: _Tensor | None = None
+    prompt: str | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    deadline_ms: Annotated[float, msgspec.Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    allow_cloud: bool | None = None
+    deferrable: bool = False
+
+
+FIELDS = tuple(_Body.__struct_fields__)
+_JSON = msgspec.json.Decoder(_Body)
+_ANY_JSON = msgspec.json.Decoder()
+_ENCODER = msgspec.json.Encoder()
+_PEEK_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+_PEEK_ATTEMPT = re.compile(rb'"attempt"\s*:\s*(\d{1,4})\b')
 
 
 class RequestError(Exception):
     """A request that cannot be served; ``code`` is one of the contract's error codes."""
 
-    def __init__(self, code: str, message: str, request_id: str | None = None):
+    def __init__(self, code: str, message: str, request_id: str | None = None, attempt: int = 0):
+        message = cap(message)
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.attempt = attempt
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
-    """A parsed request. ``image`` holds encoded bytes, ``tensor`` a numpy array (one of them)."""
+    """A parsed, validated request. ``image`` holds encoded bytes, ``tensor`` a numpy array (one of them)."""
 
     id: str | None
     model: str
+    attempt: int = 0
     image: bytes | None = None
     tensor: np.ndarray | None = None
     prompt: str | None = None
@@ -58,147 +96,179 @@ class Request:
     deadline_ms: float | None = None
     allow_cloud: bool | None = None  # None: the model's default
     deferrable: bool = False
-    received: float = 0.0  # monotonic seconds
-    extra: dict = field(default_factory=dict)
+    deadline: Deadline = Deadline()
 
-    @property
-    def deadline(self) -> float | None:
-        """Monotonic time after which no answer may be sent."""
-        return None if self.deadline_ms is None else self.received + self.deadline_ms / 1e3
+
+def cap(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` cut to about ``limit`` characters."""
+    return message if len(message) <= limit else message[: limit - 15] + " ... (cut)"
 
 
 def parse_request(payload: bytes, model: str, content_type: str | None, user_properties: dict[str, str],
-                  received: float) -> Request:
-    """Parse one request payload.
+                  received: float, expiry_s: int | None = None, default_deadline_ms: float | None = None) -> Request:
+    """Parse and validate one request.
+
+    Args:
+        payload: the MQTT payload.
+        model: the model named by the topic.
+        content_type / user_properties: the MQTT 5 properties.
+        received: ``clock()`` time of arrival.
+        expiry_s: the Message Expiry Interval left on arrival, if the message had one.
+        default_deadline_ms: the daemon's deadline for requests that name none.
 
     Raises:
-        RequestError: ``bad_request`` naming the field and what is wrong.
+        RequestError: ``bad_request`` naming the field and what is wrong (with the request's id and
+            attempt where they could be read, so the error is answered under its key).
     """
     ctype = (content_type or "").split(";")[0].strip().lower()
     if ctype in IMAGE_TYPES:
-        fields: dict = dict(user_properties)
-        for key in ("top_k", "deadline_ms"):
-            if key in fields:
-                try:
-                    fields[key] = float(fields[key]) if key == "deadline_ms" else int(fields[key])
-                except ValueError:
-                    raise RequestError(BAD_REQUEST, f"user property {key} must be a number, got {fields[key]!r}",
-                                       fields.get("id")) from None
-        for key in ("allow_cloud", "deferrable"):
-            if key in fields:
-                if fields[key].lower() not in ("true", "false"):
-                    raise RequestError(BAD_REQUEST, f"user property {key} must be true or false, got {fields[key]!r}", fields.get("id"))
-                fields[key] = fields[key].lower() == "true"
-        unknown = set(fields) - _FIELDS
-        if unknown:
-            raise RequestError(BAD_REQUEST, f"unknown user properties {sorted(unknown)}", fields.get("id"))
-        fields["image"] = payload
-        return _build(fields, model, received, image_is_raw=True)
-    if ctype and ctype not in ("application/json", "text/json"):
-        raise RequestError(BAD_REQUEST, f"content type {ctype!r} is not served; send JSON or image/jpeg or image/png")
-    try:
-        fields = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(BAD_REQUEST, f"payload is not JSON: {exc}") from None
-    except RecursionError:
-        raise RequestError(BAD_REQUEST, "payload JSON is nested too deeply") from None
-    if not isinstance(fields, dict):
-        raise RequestError(BAD_REQUEST, "payload must be a JSON object")
-    unknown = set(fields) - _FIELDS
-    if unknown:
-        raise RequestError(BAD_REQUEST, f"unknown fields {sorted(unknown)}; known: {sorted(_FIELDS)}", _id_or_none(fields))
-    return _build(fields, model, received, image_is_raw=False)
-
-
-def _id_or_none(fields: dict) -> str | None:
-    rid = fields.get("id")
-    return rid if isinstance(rid, str) and valid_level(rid) else None
-
-
-def _build(fields: dict, model: str, received: float, image_is_raw: bool) -> Request:
-    rid = fields.get("id")
-    if rid is not None:
-        if not isinstance(rid, str):
-            raise RequestError(BAD_REQUEST, f"id must be a string, got {type(rid).__name__}")
-        if not valid_level(rid):
-            raise RequestError(BAD_REQUEST, f"id {rid!r} cannot be a topic level: no '+', '#', '/' or NUL, 1..256 bytes")
-    req = Request(id=rid, model=model, received=received)
-
-    def bad(msg):
-        return RequestError(BAD_REQUEST, msg, rid)
-
-    if ("image" in fields) == ("tensor" in fields):
-        raise bad("give exactly one of 'image' (base64 JPEG/PNG) or 'tensor'")
-    if "image" in fields:
-        if image_is_raw:
-            req.image = fields["image"]
-        else:
-            if not isinstance(fields["image"], str):
-                raise bad("image must be a base64 string")
-            req.image = _b64(fields["image"], "image", rid)
-        if not req.image:
-            raise bad("image is empty")
+        body = _from_user_properties(user_properties)
+        body.image = payload
+    elif ctype and ctype not in ("application/json", "text/json"):
+        rid, attempt = peek_key(payload, user_properties)
+        raise RequestError(BAD_REQUEST, f"content type {ctype!r} is not served; send JSON or image/jpeg or image/png", rid, attempt)
     else:
-        req.tensor = _tensor(fields["tensor"], rid)
-    if "prompt" in fields and fields["prompt"] is not None:
-        if not isinstance(fields["prompt"], str):
-            raise bad("prompt must be a string")
-        req.prompt = fields["prompt"]
-    if "top_k" in fields:
-        k = fields["top_k"]
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 1000:
-            raise bad(f"top_k must be an integer in [1, 1000], got {k!r}")
-        req.top_k = k
-    if "deadline_ms" in fields:
-        d = fields["deadline_ms"]
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 86_400_000:
-            raise bad(f"deadline_ms must be a positive number of milliseconds, got {d!r}")
-        req.deadline_ms = float(d)
-    for key in ("allow_cloud", "deferrable"):
-        if key in fields:
-            if not isinstance(fields[key], bool):
-                raise bad(f"{key} must be true or false, got {fields[key]!r}")
-            setattr(req, key, fields[key])
-    return req
+        try:
+            body = _JSON.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            rid, attempt = peek_key(payload)
+            raise RequestError(BAD_REQUEST, _describe(exc), rid, attempt) from None
+    return _finish(body, model, received, expiry_s, default_deadline_ms)
 
 
-def _b64(text: str, what: str, rid) -> bytes:
+def _from_user_properties(props: dict[str, str]) -> _Body:
+    unknown = sorted(set(props) - set(FIELDS) - {"image", "tensor"})
+    rid, attempt = peek_key(b"", props)
+    if unknown:
+        raise RequestError(BAD_REQUEST, f"unknown user properties {unknown}; known: {sorted(set(FIELDS) - {'image', 'tensor'})}",
+                           rid, attempt)
+    fields: dict = {}
+    for key, value in props.items():
+        if key in ("image", "tensor"):
+            raise RequestError(BAD_REQUEST, f"user property {key} is not allowed: the payload is the image", rid, attempt)
+        if key in ("top_k", "attempt", "deadline_ms"):
+            try:
+                number = float(value) if key == "deadline_ms" else int(value)
+            except ValueError:
+                raise RequestError(BAD_REQUEST, f"user property {key} must be a number, got {value[:40]!r}", rid, attempt) from None
+            fields[key] = number
+        elif key in ("allow_cloud", "deferrable"):
+            if value.lower() not in ("true", "false"):
+                raise RequestError(BAD_REQUEST, f"user property {key} must be true or false, got {value[:40]!r}", rid, attempt)
+            fields[key] = value.lower() == "true"
+        else:
+            fields[key] = value
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RequestError(BAD_REQUEST, f"{what} is not valid base64: {exc}", rid) from None
+        return msgspec.convert(fields, _Body)
+    except msgspec.ValidationError as exc:
+        raise RequestError(BAD_REQUEST, "user property " + _describe(exc), rid, attempt) from None
 
 
-def _tensor(spec, rid) -> np.ndarray:
-    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data"}:
-        raise RequestError(BAD_REQUEST, "tensor must be an object with exactly dtype, shape and data", rid)
-    dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
-    if dtype not in _DTYPES:
-        raise RequestError(BAD_REQUEST, f"tensor.dtype {dtype!r} is not one of {sorted(_DTYPES)}", rid)
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-        raise RequestError(BAD_REQUEST, f"tensor.shape must be a list of positive integers, got {shape!r}", rid)
-    if not isinstance(data, str):
-        raise RequestError(BAD_REQUEST, "tensor.data must be a base64 string", rid)
-    raw = _b64(data, "tensor.data", rid)
-    expected = math.prod(shape) * np.dtype(dtype).itemsize
-    if len(raw) != expected:
-        raise RequestError(BAD_REQUEST, f"tensor.data holds {len(raw)} bytes; {dtype} {tuple(shape)} needs {expected}", rid)
-    arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
+def _finish(body: _Body, model: str, received: float, expiry_s: int | None, default_deadline_ms: float | None) -> Request:
+    rid = body.id
+    if rid is not None and not valid_level(rid):
+        raise RequestError(BAD_REQUEST, f"id {rid[:80]!r} cannot be a topic level: no '+', '#', '/' or NUL, 1..256 bytes")
+
+    def bad(message: str) -> RequestError:
+        return RequestError(BAD_REQUEST, message, rid, body.attempt)
+
+    if (body.image is None) == (body.tensor is None):
+        raise bad("give exactly one of 'image' (base64 JPEG/PNG) or 'tensor'")
+    if body.image is not None and not body.image:
+        raise bad("image is empty")
+    tensor = _tensor(body.tensor, bad) if body.tensor is not None else None
+    deadline_ms = body.deadline_ms if body.deadline_ms is not None else default_deadline_ms
+    return Request(id=rid, model=model, attempt=body.attempt, image=body.image, tensor=tensor, prompt=body.prompt,
+                   top_k=body.top_k, deadline_ms=deadline_ms, allow_cloud=body.allow_cloud, deferrable=body.deferrable,
+                   deadline=Deadline.of(received, deadline_ms, expiry_s))
+
+
+def _tensor(spec: _Tensor, bad) -> np.ndarray:
+    if spec.dtype not in _DTYPES:
+        raise bad(f"tensor.dtype {spec.dtype[:40]!r} is not one of {sorted(_DTYPES)}")
+    itemsize = np.dtype(spec.dtype).itemsize
+    expected = math.prod(spec.shape) * itemsize
+    if len(spec.data) != expected:
+        raise bad(f"tensor.data holds {len(spec.data)} bytes; {spec.dtype} {tuple(spec.shape)} needs {expected}")
+    arr = np.frombuffer(spec.data, dtype=spec.dtype).reshape(spec.shape)
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise RequestError(BAD_REQUEST, "tensor.data holds NaN or infinite values", rid)
+        raise bad("tensor.data holds NaN or infinite values")
     return arr
 
 
-def error_response(code: str, message: str, request_id: str | None, model: str | None, device: str) -> dict:
-    return {"id": request_id, "status": "error", "model": model, "device": device,
+def peek_key(payload: bytes, user_properties: dict[str, str] | None = None) -> tuple[str | None, int]:
+    """The id and attempt of a request that failed to parse, where they can still be read.
+
+    Used to answer an error under the request's key (so its redelivery is recognised). Reads the
+    user properties, else a lenient JSON decode, else a scan of the raw bytes.
+    """
+    props = user_properties or {}
+    if "id" in props:
+        rid = props["id"] if valid_level(props["id"]) else None
+        attempt = props.get("attempt", "0")
+        return rid, int(attempt) if attempt.isdigit() and len(attempt) <= 4 and int(attempt) <= MAX_ATTEMPT else 0
+    try:
+        fields = _ANY_JSON.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        fields = None
+    if isinstance(fields, dict):
+        rid = fields.get("id")
+        attempt = fields.get("attempt", 0)
+        rid = rid if isinstance(rid, str) and valid_level(rid) else None
+        ok = isinstance(attempt, int) and not isinstance(attempt, bool) and 0 <= attempt <= MAX_ATTEMPT
+        return rid, attempt if ok else 0
+    m = _PEEK_ID.search(payload)
+    rid = m.group(1).decode(errors="replace") if m else None
+    a = _PEEK_ATTEMPT.search(payload)
+    attempt = int(a.group(1)) if a and int(a.group(1)) <= MAX_ATTEMPT else 0
+    return (rid if rid is not None and valid_level(rid) else None), attempt
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bytes": "a base64 string", "str": "a string", "bool": "true or false",
+               "object": "a JSON object", "array": "an array", "null": "null"}
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
+
+
+def _describe(exc: BaseException) -> str:
+    """msgspec's error in the contract's words: the field path first, then what is wrong."""
+    if isinstance(exc, RecursionError):
+        return "payload JSON is nested too deeply"
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):  # (a ValidationError is a DecodeError too)
+        return f"payload is not valid JSON: {text}"
+    m = _AT.match(text)
+    what, path = m.group("what"), m.group("path")
+    what = what.replace(" | null", "")
+    for name, words in _TYPE_WORDS.items():
+        what = what.replace(f"`{name}`", words)
+    what = what.replace("`", "'")
+    if what.startswith("Object contains unknown field"):
+        return f"unknown field {what.rsplit(' ', 1)[-1]}; known: {list(FIELDS)}"
+    if what.startswith("Object missing required field"):
+        return f"{path + ': ' if path else ''}missing field {what.rsplit(' ', 1)[-1]}"
+    if "out of range" in what and what.startswith(("Integer", "Number")):
+        what = f"{what} (a number too large to parse)"
+    if not path:
+        return f"payload: {what[:1].lower() + what[1:]}"
+    return f"{path}: {what[:1].lower() + what[1:]}"
+
+
+# answers ----------------------------------------------------------------------------------------
+def error_body(code: str, message: str, request_id: str | None, attempt: int, model: str | None, device: str) -> dict:
+    """An error answer; a retryable one says how to retry (the same id and attempt is a redelivery)."""
+    message = cap(message)
+    if code in RETRYABLE and request_id is not None:
+        message += f'; to retry, send it again with "attempt": {attempt + 1}'
+    return {"id": request_id, "attempt": attempt, "status": "error", "model": model, "device": device,
             "error": {"code": code, "message": message}}
 
 
-def ok_response(req: Request, device: str, profile: str, top_k: list[dict], latency: dict, thermal_state: str,
-                confidence: float | None = None, source: str = "edge", text: str | None = None,
-                escalation_reason: str | None = None, degraded: bool = False, deferred: bool = False) -> dict:
+def ok_body(req: Request, device: str, profile: str, top_k: list[dict], latency: dict, thermal_state: str,
+            confidence: float | None = None, source: str = "edge", text: str | None = None,
+            escalation_reason: str | None = None, degraded: bool = False, deferred: bool = False) -> dict:
     body = {
         "id": req.id,
+        "attempt": req.attempt,
         "status": "ok",
         "source": source,
         "model": req.model,
@@ -219,19 +289,6 @@ def ok_response(req: Request, device: str, profile: str, top_k: list[dict], late
     return body
 
 
-def encode(response: dict) -> bytes:
-    """Strict JSON (no NaN/Infinity, which JSON does not have: such numbers become null)."""
-    try:
-        return json.dumps(response, separators=(",", ":"), allow_nan=False).encode()
-    except ValueError:
-        return json.dumps(_finite(response), separators=(",", ":"), allow_nan=False).encode()
-
-
-def _finite(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+def encode(body: dict) -> bytes:
+    """Strict JSON (JSON has no NaN or Infinity: such numbers become null)."""
+    return _ENCODER.encode(body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import io
 import logging
 from concurrent.futures import Future
 
@@ -90,24 +92,32 @@ class ModelRuntime:
             log.warning("model %s: switching to profile %s", self.name, name)
             self.engines, self.profile_name = engines, name
 
-    def run_one(self, image: bytes | None, tensor, k: int):
-        """Stage and run one request synchronously (a cloud worker's local fallback)."""
-        from ..cloud_bridge import LocalResult
-
-        out = self.submit([self.stage(image, tensor)]).result()[self.output_name]
-        return LocalResult.from_logits(out[0], self.labels, k)
+    @property
+    def single_lane(self) -> bool:
+        """True when the engine runs on one lane: a batch is then run inline by the thread that formed it."""
+        return len(self.engines[1].lanes()) == 1
 
     def lanes(self) -> list[str]:
         return [f"{lane.label} [{lane.precision}]" for lane in self.engines[1].lanes()]
 
-    def stage(self, image: bytes | None, tensor: np.ndarray | None) -> np.ndarray:
+    def stage(self, image: bytes | None, tensor: np.ndarray | None, max_pixels: int) -> np.ndarray:
         """One sample (C, H, W) from an encoded image or a tensor.
 
+        An image's size is read from its header and checked against ``max_pixels`` before anything
+        is decoded; memory a large decode took is handed back to the system afterwards.
+
         Raises:
-            InputError: undecodable image, wrong tensor shape or dtype.
+            InputError: too many pixels, undecodable image, wrong tensor shape or dtype.
         """
         if image is not None:
-            return self.preprocess.stage(image)
+            width, height = image_size(image)
+            if width * height > max_pixels:
+                raise InputError(f"image of {width}x{height} = {width * height:,} pixels exceeds max_image_pixels "
+                                 f"({max_pixels:,}); send it downscaled")
+            sample = self.preprocess.stage(image)
+            if width * height >= _TRIM_AFTER_PIXELS:
+                release_memory()
+            return sample
         arr = tensor
         if arr.shape == (1, *self.sample_shape):
             arr = arr[0]
@@ -118,13 +128,55 @@ class ModelRuntime:
             raise InputError(f"tensor dtype {arr.dtype} does not fit model {self.name!r}: expected {self.input_dtype}")
         return arr
 
-    def submit(self, samples: list[np.ndarray]) -> Future:
-        """Run a batch of samples; pads to the next engine batch size. Resolves to (n, ...) outputs."""
+    def _batch(self, samples: list[np.ndarray]):
         n = len(samples)
         engines = self.engines  # one read: a thermal switch between lines must not mix profiles
         size = next(b for b in sorted(engines) if b >= n)
-        engine = engines[size]
         batch = np.empty((size, *self.sample_shape), dtype=self.input_dtype)
         for i in range(size):
             batch[i] = samples[min(i, n - 1)]
-        return engine.submit({self.input_name: batch})
+        return engines[size], {self.input_name: batch}
+
+    def infer(self, samples: list[np.ndarray]) -> np.ndarray:
+        """Run a batch in the calling thread (padded to the next engine batch size); (n, ...) outputs."""
+        engine, feeds = self._batch(samples)
+        return engine.infer(feeds)[self.output_name][: len(samples)]
+
+    def submit(self, samples: list[np.ndarray]) -> Future:
+        """Queue a batch on the lanes; the future resolves to the outputs dict (padded rows included)."""
+        engine, feeds = self._batch(samples)
+        return engine.submit(feeds)
+
+    def run_one(self, image: bytes | None, tensor, k: int, max_pixels: int):
+        """Stage and run one request synchronously (a cloud worker's local fallback)."""
+        from ..cloud_bridge import LocalResult
+
+        out = self.infer([self.stage(image, tensor, max_pixels)])
+        return LocalResult.from_logits(out[0], self.labels, k)
+
+
+_TRIM_AFTER_PIXELS = 4_000_000
+_libc = None
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from an encoded image's header, without decoding it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"image refused: {exc}") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise InputError(f"cannot decode image: {exc}") from None
+
+
+def release_memory() -> None:
+    """Return freed heap to the system (glibc keeps large freed blocks for reuse otherwise)."""
+    global _libc
+    try:
+        _libc = _libc or ctypes.CDLL("libc.so.6")
+        _libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

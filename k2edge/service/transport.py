@@ -1,11 +1,19 @@
-"""The MQTT 5 client: persistent session, jittered reconnect, in-order manual acks, TCP_NODELAY.
+"""The MQTT 5 client: persistent session, jittered reconnect, in-order manual acks, broker backpressure.
 
 * ``clean_start=False`` + a session expiry + a stable client id, so requests queued at the broker
   while the daemon is down are delivered when it returns (paho's default wipes the session at a
   process's first connect).
-* Manual acknowledgement: a request is PUBACKed only once its answer has been handed to the
-  client, so a crash mid-request leaves it with the broker for redelivery. Acks go out in the
-  order the requests arrived (MQTT 5, 4.6), and never across a reconnect (packet ids restart).
+* Manual acknowledgement: a request is PUBACKed only once its answer is delivered (or its cloud
+  work is in the outbox), so a crash mid-request leaves it with the broker for redelivery. Acks go
+  out in the order the requests arrived (MQTT 5, 4.6), and never across a reconnect (packet ids
+  restart).
+* Backpressure: CONNECT asks for a Receive Maximum of the daemon's queue size, and while the
+  request path says it is saturated the network thread stops reading the socket, so a backlog
+  waits at the broker (mosquitto 2.0.11 honours Receive Maximum only for its first burst). Writes
+  (answers, acks) go on; reading resumes within half the keepalive at the latest.
+* Every publish may carry an ``on_delivered`` callback, called when the broker acknowledges it
+  (``on_publish``, keyed by packet id) — including answers queued while disconnected and sent on
+  reconnect, which paho's ``MessageInfo.is_published()`` never reports.
 * A network thread of our own reconnects with jittered exponential backoff, reset only after the
   connection has been stable for a while (avoids reconnect storms, mosquitto#1035).
 * TCP_NODELAY on the client socket: without it (and ``set_tcp_nodelay true`` on the broker), each
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import random
+import select
 import socket
 import ssl
 import threading
@@ -68,14 +77,6 @@ class AckSequencer:
             self._send(m)
 
 
-def _settled(info) -> bool:
-    """True once the broker acknowledged a publish, or once paho gave up on it."""
-    try:
-        return info.is_published()
-    except (RuntimeError, ValueError):  # paho raises for a publish that failed (e.g. queued while offline)
-        return info.rc != mqtt.MQTT_ERR_NO_CONN
-
-
 def backoff(attempt: int, lo: float, hi: float, rng=random.random) -> float:
     """Full-jitter exponential backoff: uniform in [lo, min(hi, lo * 2**attempt)]."""
     cap = min(hi, lo * (2 ** min(attempt, 30)))
@@ -92,22 +93,32 @@ class MqttTransport:
             token to pass to :meth:`done` once it is answered; must not block.
         on_connected: called in the network thread after each successful connect.
         will: (topic, payload) published retained by the broker if we vanish.
+        saturated: ``saturated()`` — True while the daemon holds all the requests it should; the
+            network thread then stops reading (the broker keeps the rest).
     """
 
-    def __init__(self, cfg: DaemonConfig, subscriptions: list[str], on_message, on_connected, will: tuple[str, bytes]) -> None:
+    def __init__(self, cfg: DaemonConfig, subscriptions: list[str], on_message, on_connected, will: tuple[str, bytes],
+                 saturated: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
         self.subscriptions = subscriptions
         self._on_message_cb = on_message
         self._on_connected_cb = on_connected
+        self._saturated = saturated
         self.connected = threading.Event()
         self._stop = threading.Event()
         self._closing = False
         self.heartbeat = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._paused_since: float | None = None
+        self.pauses = 0  # times reading was paused for backpressure (status, tests)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         m = cfg.mqtt
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True)
         c.max_queued_messages_set(0)
-        c.max_inflight_messages_set(100)
+        c.max_inflight_messages_set(20)  # mosquitto's default, until a broker's CONNACK says how many it takes
+        self._broker_receive_max: int | None = None
         c.will_set(will[0], will[1], qos=1, retain=True)
         if m.username:
             password = read_secret(m.password_file, m.password_credential, "mqtt password")
@@ -123,16 +134,19 @@ class MqttTransport:
 
                 raise ConfigError(f"mqtt TLS files (tls_ca_file, tls_cert_file, tls_key_file): {exc}") from None
         c.on_socket_open = self._on_socket_open
-        # Publishing threads only queue packets; this network thread writes them (paho's hook for an
-        # external event loop). Otherwise every publish is a send() on the publishing thread.
-        c.on_socket_register_write = lambda client, userdata, sock: None
+        # Publishing threads only queue packets and wake this network thread, which writes them
+        # (paho's hook for an external event loop); otherwise every publish is a send() on the caller.
+        c.on_socket_register_write = lambda client, userdata, sock: self.wake()
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
+        c.on_publish = self._on_publish
         self.client = c
         self.acks = AckSequencer(lambda mid: c.ack(mid, 1))
-        self._unconfirmed: list = []  # MessageInfo of QoS>0 publishes not yet acknowledged by the broker
-        self._unconfirmed_lock = threading.Lock()
+        # delivery callbacks by packet id; ``_early`` holds acknowledgements that beat their registration
+        self._delivery_lock = threading.Lock()
+        self._on_delivered: dict[int, Callable[[], None] | None] = {}
+        self._early: set[int] = set()
 
     # lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,18 +160,30 @@ class MqttTransport:
             self.client.disconnect()  # queued; the network thread writes DISCONNECT, then the loop ends
         except Exception:  # already gone
             pass
+        self.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._stop.set()
+        self._wake_r.close()
+        self._wake_w.close()
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def wake(self) -> None:
+        """Interrupt the network thread's wait (a packet to write, or room to read again)."""
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):  # already awake, or closed
+            pass
+
     def _connect_properties(self) -> Properties:
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.cfg.mqtt.session_expiry_s
-        props.ReceiveMaximum = 65535  # our bounded queue, not the broker, decides when we are busy
+        # ask the broker to hold what we would not hold ourselves (honoured by mosquitto 2.0.11 for
+        # the first burst only; the read pause below is the bound that holds)
+        props.ReceiveMaximum = min(65535, self.cfg.service.queue_size)
         return props
 
     def _run(self) -> None:
@@ -175,6 +201,7 @@ class MqttTransport:
                                             properties=self._connect_properties())
                         first = False
                     else:
+                        self._apply_receive_max()
                         self.client.reconnect()
                 except (OSError, ssl.SSLError, mqtt.WebsocketConnectionError) as exc:
                     delay = backoff(attempt, m.reconnect_min_s, m.reconnect_max_s)
@@ -183,12 +210,12 @@ class MqttTransport:
                     self._stop.wait(delay)
                     continue
             try:
-                rc = self.client.loop(timeout=0.2)
+                rc = self._loop_once(0.2)
             except Exception:  # a bug in a callback must not end the network thread
                 log.exception("MQTT network loop failed; reconnecting")
                 self.client.disconnect()
                 rc = mqtt.MQTT_ERR_UNKNOWN
-            if rc != mqtt.MQTT_ERR_SUCCESS:
+            if rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_AGAIN):
                 self.connected.clear()
                 if self._closing:
                     return
@@ -202,6 +229,54 @@ class MqttTransport:
                 up_since = up_since or time.monotonic()
                 if attempt and time.monotonic() - up_since > STABLE_AFTER_S:
                     attempt = 0
+
+    def _apply_receive_max(self) -> None:
+        if self._broker_receive_max and self.client.max_inflight_messages != self._broker_receive_max:
+            try:
+                self.client.max_inflight_messages_set(self._broker_receive_max)
+            except RuntimeError:  # paho still counts the old connection as open
+                pass
+
+    def _reading_paused(self) -> bool:
+        if self._closing or not self._saturated():
+            self._paused_since = None
+            return False
+        now = time.monotonic()
+        if self._paused_since is None:
+            self._paused_since = now
+            self.pauses += 1
+        # never so long that the broker's keepalive gives up on us
+        return now - self._paused_since < self.cfg.mqtt.keepalive_s / 2
+
+    def _loop_once(self, timeout: float) -> int:
+        """One turn of the network loop (paho's ``loop()``, with reading paused under backpressure)."""
+        c = self.client
+        sock = c.socket()
+        if sock is None:
+            return mqtt.MQTT_ERR_NO_CONN
+        paused = self._reading_paused()
+        pending = sock.pending() if hasattr(sock, "pending") else 0  # TLS: bytes already decrypted
+        rlist = [self._wake_r] if paused else [sock, self._wake_r]
+        wlist = [sock] if c.want_write() else []
+        wait = min(timeout, 0.05) if paused else (0.0 if pending else timeout)
+        try:
+            readable, _, _ = select.select(rlist, wlist, [], wait)
+        except (ValueError, TypeError, OSError):  # the socket was closed under us
+            return mqtt.MQTT_ERR_CONN_LOST
+        if self._wake_r in readable:
+            try:
+                self._wake_r.recv(4096)
+            except (BlockingIOError, OSError):
+                pass
+        if not paused and (sock in readable or pending):
+            rc = c.loop_read()
+            if rc or c.socket() is None:
+                return rc or mqtt.MQTT_ERR_CONN_LOST
+        if c.want_write():
+            rc = c.loop_write()
+            if rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_AGAIN):
+                return rc
+        return c.loop_misc()
 
     def _socket_open(self) -> bool:
         return self.client.socket() is not None
@@ -218,6 +293,9 @@ class MqttTransport:
         if reason_code.is_failure:
             log.error("broker refused the connection: %s", reason_code)
             return
+        # send no more unacknowledged QoS 1 messages than the broker said it takes (MQTT 5, 3.2.2.3.3);
+        # paho applies a new limit only to a new connection
+        self._broker_receive_max = getattr(properties, "ReceiveMaximum", None) or 65535
         self.acks.new_connection()
         for topic in self.subscriptions:
             client.subscribe(topic, qos=self.cfg.mqtt.qos)
@@ -241,33 +319,38 @@ class MqttTransport:
             log.exception("request handler failed for a message on %s", msg.topic)
             self.done(token)
 
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        with self._delivery_lock:
+            if mid in self._on_delivered:
+                callback = self._on_delivered.pop(mid)
+            else:  # acknowledged before publish() returned its packet id to us
+                self._early.add(mid)
+                return
+        if callback is not None:
+            callback()
+
     # use from any thread ------------------------------------------------------------------------
     def done(self, token) -> None:
-        """Acknowledge a message once its answer has been handed to the client."""
+        """Acknowledge a request (sent once every earlier request of this connection is done too)."""
         self.acks.done(token)
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                correlation: bytes | None = None, content_type: str = "application/json"):
+                correlation: bytes | None = None, content_type: str = "application/json",
+                on_delivered: Callable[[], None] | None = None):
+        """Queue a publish; ``on_delivered()`` runs once the broker acknowledged it (QoS 1/2), or
+        once it was written (QoS 0). Queued while disconnected, it goes out on reconnect."""
         props = Properties(PacketTypes.PUBLISH)
         props.ContentType = content_type
         if correlation is not None:
             props.CorrelationData = correlation
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=props)
-        if qos > 0:
-            with self._unconfirmed_lock:
-                self._unconfirmed = [i for i in self._unconfirmed if not _settled(i)]
-                self._unconfirmed.append(info)
+        with self._delivery_lock:
+            if info.mid in self._early:
+                self._early.discard(info.mid)
+                early = True
+            else:
+                self._on_delivered[info.mid] = on_delivered
+                early = False
+        if early and on_delivered is not None:
+            on_delivered()
         return info
-
-    def wait_published(self, timeout: float) -> bool:
-        """Wait until the broker has acknowledged every QoS>0 publish so far (used when draining)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._unconfirmed_lock:
-                self._unconfirmed = [i for i in self._unconfirmed if not _settled(i)]
-                if not self._unconfirmed:
-                    return True
-            if not self.connected.is_set():
-                return False
-            time.sleep(0.02)
-        return False
