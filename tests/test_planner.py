@@ -48,7 +48,10 @@ def test_offload_ratio_honoured_or_explained(zoo_models, digits, partition):
             assert plan.notes[0] == f"requested GPU share {r:.3f}, achieved {plan.gpu_flop_share:.3f}"
 
 
-@pytest.mark.parametrize("name", ["resnet18", "googlenet", "mobilenet_v2", "squeezenet1_1", "densenet121"])
+# densenet121 is not here: torchvision's first dense layer of each block concatenates a single tensor, and a
+# one-input Concatenation does not run on the DLA (docs table: "at least 2 inputs"), so block-wise plans keep
+# those blocks on the GPU (test_offload_ratio_honoured_or_explained covers it).
+@pytest.mark.parametrize("name", ["resnet18", "googlenet", "mobilenet_v2", "squeezenet1_1"])
 def test_within_005_where_the_rules_allow(zoo_models, name):
     """For classifiers whose unsupported layers sit only in the head, every ratio lands within 0.05."""
     nm = zoo_models[name]
