@@ -61,7 +61,7 @@ def _rank4(graph: Graph, node: Node) -> str | None:
     # The docs table says "2D only" for every layer class: NCHW tensors, two spatial dimensions.
     shape = graph.shape(node.inputs[0])
     if len(shape) != 4:
-        return f"input has rank {len(shape)}; DLA layers take 4-D NCHW tensors (2 spatial dims)"
+        return f"input has rank {len(shape)}, DLA layers take 4-D NCHW tensors (2 spatial dims)"
     return None
 
 
@@ -73,7 +73,7 @@ def _conv(graph: Graph, node: Node) -> str | None:
     if node.inputs[1] not in graph.initializers:
         return "weights are not a build-time constant"
     if len(w) != 4:
-        return f"{len(w) - 2}-D convolution; DLA supports 2-D only"
+        return f"{len(w) - 2}-D convolution, DLA supports 2-D only"
     kernel = list(w[2:])
     pads = _pair(a, "pads", [0, 0, 0, 0])
     strides = _pair(a, "strides", [1, 1])
@@ -169,11 +169,11 @@ def _reduce_max(graph: Graph, node: Node) -> str | None:
             return "axes are not a build-time constant"
         axes = value.reshape(-1).tolist()
     if not axes:
-        return "reduces the batch axis too (no axes given); the DLA reduces C, H, W only"
+        return "reduces the batch axis too (no axes given), the DLA reduces C, H, W only"
     if any(int(x) % 4 == 0 for x in axes):
-        return "reduces the batch axis; the DLA reduces C, H, W only"
+        return "reduces the batch axis, the DLA reduces C, H, W only"
     if node.attrs.get("keepdims", 1) != 1:
-        return "keepdims=0 changes the rank; DLA tensors stay 4-D"
+        return "keepdims=0 changes the rank, DLA tensors stay 4-D"
     return None
 
 
@@ -227,7 +227,7 @@ def _eltwise(graph: Graph, node: Node) -> str | None:
     # IElementWiseLayer [HEADER]: "DLA supports only kSUM, kPROD, kMAX, kMIN, and kSUB"; "2D only" [DOCS].
     out = graph.shape(node.outputs[0])
     if len(out) != 4:
-        return f"output has rank {len(out)}; DLA elementwise needs 4-D tensors"
+        return f"output has rank {len(out)}, DLA elementwise needs 4-D tensors"
     if len(node.inputs) != 2:
         return "only two-input elementwise layers"
     a, b = (graph.shape(i) for i in node.inputs)
@@ -242,9 +242,9 @@ def _concat(graph: Graph, node: Node) -> str | None:
     rank = len(graph.shape(node.outputs[0]))
     axis = node.attrs.get("axis", 1)
     if rank != 4 or axis % rank != 1:
-        return f"concat on axis {axis} of a rank-{rank} tensor; DLA concatenates on the channel axis only"
+        return f"concat on axis {axis} of a rank-{rank} tensor, DLA concatenates on the channel axis only"
     if len([i for i in node.inputs if i]) < 2:
-        return "concat of a single input; the DLA needs at least two"
+        return "concat of a single input, the DLA needs at least two"
     return None
 
 
@@ -257,7 +257,7 @@ def _split(graph: Graph, node: Node) -> str | None:
         return reason
     axis = node.attrs.get("axis", 0) % 4
     if axis == 0:
-        return "splits the batch axis; DLA slices may not slice the first dimension"
+        return "splits the batch axis, DLA slices may not slice the first dimension"
     if len(node.inputs) > 1 and node.inputs[1] and graph.constant(node.inputs[1]) is None:
         return "split sizes are not a build-time constant"
     return None
@@ -308,7 +308,7 @@ def _resize(graph: Graph, node: Node) -> str | None:
         return None
     if mode == "linear":
         if coord not in _LINEAR_OK:
-            return f"linear resize with {coord} coordinates; the DLA needs half_pixel"
+            return f"linear resize with {coord} coordinates, the DLA needs half_pixel"
         if not all(1 <= s <= 4 for s in scales):
             return f"linear resize with scales {scales} outside [1, 4]"
         return None
@@ -354,7 +354,7 @@ RULES: tuple[Rule, ...] = (
          _split),
     Rule(("LRN",), "4-D, window 3, 5, 7 or 9", f"{HEADER}, ILRNLayer", _lrn),
     Rule(("Resize", "Upsample"), "4-D, constant scales; nearest (asymmetric, floor) or (half_pixel, round_prefer_*) "
-         "with integer scales [1,32]; linear half_pixel with integer scales [1,4]; no `sizes` input",
+         "with integer scales [1,32], linear half_pixel with integer scales [1,4], no `sizes` input",
          f"{HEADER}, IResizeLayer; {PARSER}, Resize", _resize),
     Rule(("Softmax",), "4-D, channel or spatial axis, axis <= 1024 (8192 when the other dims are 1)",
          f"{HEADER}, ISoftMaxLayer", _softmax),
@@ -379,12 +379,12 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
                     f"{HEADER}, IActivationLayer"),
     # Where the 10.3 header and later docs disagree the stricter one wins. The header lists SUM, PROD, MAX, MIN
     # and SUB only; later docs tables add DIV (at most one constant input) and POW (exactly one constant input).
-    "Div": ("DIV is not among the DLA's elementwise operations in TensorRT 10.3 (kSUM, kPROD, kMAX, kMIN, kSUB; "
+    "Div": ("DIV is not among the DLA's elementwise operations in TensorRT 10.3 (kSUM, kPROD, kMAX, kMIN, kSUB, "
             "later docs add it)", f"{HEADER}, IElementWiseLayer"),
-    "Pow": ("POW is not among the DLA's elementwise operations in TensorRT 10.3 (kSUM, kPROD, kMAX, kMIN, kSUB; "
+    "Pow": ("POW is not among the DLA's elementwise operations in TensorRT 10.3 (kSUM, kPROD, kMAX, kMIN, kSUB, "
             "later docs add it)", f"{HEADER}, IElementWiseLayer"),
     # The header names kABS only; the docs' Unary row also lists SIN, COS and ATAN: the header wins.
-    **{op: (f"{op} is a unary operation the DLA does not run in TensorRT 10.3 (only ABS; later docs add SIN, COS, "
+    **{op: (f"{op} is a unary operation the DLA does not run in TensorRT 10.3 (only ABS, later docs add SIN, COS, "
             f"ATAN)", f"{HEADER}, IUnaryLayer") for op in ("Sin", "Cos", "Atan")},
     "Sqrt": ("SQRT is a unary operation the DLA does not run (only ABS)", f"{HEADER}, IUnaryLayer"),
 }
