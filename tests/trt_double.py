@@ -589,8 +589,7 @@ def _make_tensorrt(d: "TrtDouble"):
             rec("tensor.allowed_formats", self.name, TensorFormat(int(mask).bit_length() - 1).name)
             self._formats = int(mask)
 
-        @property
-        def format(self):
+        def _format(self):  # the double's bookkeeping: the one format allowed
             return TensorFormat(self._formats.bit_length() - 1)
 
     class ILayer:
@@ -764,7 +763,7 @@ def _make_tensorrt(d: "TrtDouble"):
                 "dla_core": config.DLA_core if dla else None, "flags": sorted(config.flags), "pools": dict(config.pools),
                 "gpu_layers": sorted(n for n, dt in config.device_types.items() if dt.name == "GPU"),
                 "layer_precision": {l.name: l.precision.name for l in network.layers if l.precision is not None},
-                "io": {t.name: {"shape": list(t.shape), "dtype": t.dtype.name, "format": t.format.name,
+                "io": {t.name: {"shape": list(t.shape), "dtype": t.dtype.name, "format": t._format().name,
                                 "mode": "INPUT" if t in network.inputs else "OUTPUT"}
                        for t in network.inputs + network.outputs},
                 "calibration_cache": cache.decode() if cache is not None else None, "effective_pools": effective,
@@ -800,14 +799,14 @@ def _make_tensorrt(d: "TrtDouble"):
                 if device.get(layer.name) != "DLA":
                     continue
                 dtype, formats = _native_for(layer, config)
-                if t.dtype.name == dtype and t.format.name in formats:
+                if t.dtype.name == dtype and t._format().name in formats:
                     continue
                 self._reformats.append(t.name)
                 if "DIRECT_IO" in config.flags and t.allowed_formats != 1 << TensorFormat.LINEAR:
-                    return (f"I/O reformatting for region {t.name}, formats [{t.dtype.name}:{t.format.name}] -> "
+                    return (f"I/O reformatting for region {t.name}, formats [{t.dtype.name}:{t._format().name}] -> "
                             f"[{dtype}:DLA native]; BuilderFlag::kDIRECT_IO specified but no conformant implementation exists")
                 if "GPU_FALLBACK" not in config.flags:
-                    return (f"{t.name} ({t.dtype.name}:{t.format.name}) is not a DLA-native format: its reformat runs on the "
+                    return (f"{t.name} ({t.dtype.name}:{t._format().name}) is not a DLA-native format: its reformat runs on the "
                             f"GPU and GPU fallback is off")
         return None
 
@@ -957,6 +956,7 @@ def _make_tensorrt(d: "TrtDouble"):
     trt.Builder, trt.OnnxParser, trt.Runtime = Builder, OnnxParser, Runtime
     trt.INetworkDefinition, trt.IBuilderConfig, trt.ICudaEngine = INetworkDefinition, IBuilderConfig, ICudaEngine
     trt.IExecutionContext, trt.EngineInspector = IExecutionContext, EngineInspector
+    trt.ITensor, trt.ILayer = ITensor, ILayer
     return trt
 
 
