@@ -54,12 +54,16 @@ import onnx
 MAGIC = b"K2EDGE-FAKE-TRT-ENGINE\n"
 
 
-class LaunchError(RuntimeError):
+class CudaError(RuntimeError):
+    """pycuda.driver.Error stand-in: the base of the driver's errors."""
+
+
+class LaunchError(CudaError):
     """pycuda.driver.LaunchError stand-in."""
 
 
-class LogicError(RuntimeError):
-    """pycuda.driver.LogicError stand-in (raised for calls without a current context)."""
+class LogicError(CudaError):
+    """pycuda.driver.LogicError stand-in (calls without a current context, invalid handles)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +242,12 @@ def _make_pycuda(d: "TrtDouble"):
         def query(self):
             return self.done_gen >= self.pending_gen
 
+        def time_since(self, event):
+            need_context("cuEventElapsedTime")
+            if (self.flags | event.flags) & event_flags.DISABLE_TIMING:  # CUDA_ERROR_INVALID_HANDLE
+                raise LogicError("cuEventElapsedTime failed: invalid resource handle")
+            return 0.0
+
     class DeviceAllocation:
         def __init__(self, nbytes):
             self.nbytes = nbytes
@@ -359,7 +369,7 @@ def _make_pycuda(d: "TrtDouble"):
     drv.host_alloc_flags, drv.pagelocked_empty, drv.mem_alloc = host_alloc_flags, pagelocked_empty, mem_alloc
     drv.memcpy_htod_async, drv.memcpy_dtoh_async = memcpy_htod_async, memcpy_dtoh_async
     drv.event_flags = event_flags
-    drv.LaunchError, drv.LogicError, drv.Error = LaunchError, LogicError, LaunchError
+    drv.LaunchError, drv.LogicError, drv.Error = LaunchError, LogicError, CudaError
     drv.init = lambda flags=0: rec("cuda.init")
     drv.get_version = lambda: (12, 6, 0)
     drv.get_driver_version = lambda: 12060
