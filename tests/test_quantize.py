@@ -74,3 +74,31 @@ def test_imagefolder_and_npz_calibration_agree(demo_model, cache_dir):
     b = calibrate_int8(nm, open_dataset(demo_model.parent / "calib.npz"), pre, cache)
     for name in a.dynamic_ranges:
         assert a.dynamic_ranges[name] == pytest.approx(b.dynamic_ranges[name], rel=1e-5)
+
+
+def test_ranges_the_dla_ties_are_equal_in_the_cache_and_the_qdq_model(demo_model, tmp_path):
+    """Pooling in/out and elementwise inputs share one INT8 range (the largest), in TensorRT's calibration cache
+    and in the Q/DQ model's scales, so the CPU measures what the DLA will run."""
+    import onnx
+
+    from k2edge.engine.cache import EngineCache
+    from k2edge.engine.quantize import tied_tensors
+    from k2edge.model.datasets import open_dataset
+    from k2edge.model.ingest import normalise
+    from k2edge.model.preprocess import Preprocess
+
+    nm = normalise(demo_model)
+    pre = Preprocess.for_model(nm.metadata(), nm.graph.shape("input"))
+    quant = calibrate_int8(nm, open_dataset(demo_model.parent / "calib.npz"), pre, EngineCache(tmp_path))
+    groups = tied_tensors(nm.graph)
+    adds = [n for n in nm.graph.nodes if n.op_type == "Add"]
+    assert adds and all(any(set(n.inputs) <= g for g in groups) for n in adds)
+    cache = read_trt_calibration_cache(quant.trt_calibration_cache)
+    qdq = onnx.load(str(quant.qdq_model))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in qdq.graph.initializer}
+    scale = {n.input[0]: float(inits[n.input[1]]) for n in qdq.graph.node if n.op_type == "QuantizeLinear"}
+    for group in groups:
+        amax = {round(cache[t], 4) for t in group}
+        assert len(amax) == 1, group
+        assert len({round(scale[t], 7) for t in group if t in scale}) == 1, group
+        assert max(quant.dynamic_ranges[t] for t in group) == pytest.approx(cache[next(iter(group))], rel=1e-5)

@@ -40,9 +40,12 @@ def demo():
 @pytest.fixture
 def trt(monkeypatch):
     """The TensorRT/pycuda test double, installed in sys.modules for one test."""
+    from k2edge.engine.trt_cuda import release_primary_contexts
+
     double = TrtDouble().install(monkeypatch)
     yield double
     double.gpu.resume()
+    release_primary_contexts()  # what atexit does at the end of a process
     double.shutdown()
 
 
@@ -75,21 +78,21 @@ def test_spec_dla_core_fallback_and_pools_follow_plan_and_profile(demo):
     """dla0 -> DLA_core 0, dla1 -> 1, GPU fallback and the profile's pool limits on DLA engines only."""
     pools = {"managed_sram": 1 << 19, "local_dram": 1 << 28, "global_dram": 1 << 27}
     prof = profile(dla_memory_pools=pools)
-    specs = segment_specs(plan_partition(demo, prof), prof, demo.graph, have_quant=False)
+    specs = segment_specs(plan_partition(demo, prof), demo.graph, have_quant=False)
     assert [s.device for s in specs] == ["gpu", "dla0", "dla1", "gpu"]
     assert [(s.default_device, s.dla_core, s.gpu_fallback) for s in specs] == [
         ("GPU", None, False), ("DLA", 0, True), ("DLA", 1, True), ("GPU", None, False)]
     assert dict(specs[1].memory_pools) == {"DLA_MANAGED_SRAM": 1 << 19, "DLA_LOCAL_DRAM": 1 << 28, "DLA_GLOBAL_DRAM": 1 << 27}
     assert specs[0].memory_pools == () and specs[0].gpu_layers == ()
     off = profile(gpu_fallback=False)
-    assert not any(s.gpu_fallback for s in segment_specs(plan_partition(demo, off), off, demo.graph, False))
+    assert not any(s.gpu_fallback for s in segment_specs(plan_partition(demo, off), demo.graph, False))
 
 
 def test_spec_model_wise_dla_engines_keep_planned_gpu_nodes_on_the_gpu(demo):
     """Model-wise DLA engines set the plan's gpu_fallback_nodes to the GPU, layer by layer."""
     prof = load_profile("c6")
     plan = plan_partition(demo, prof)
-    specs = segment_specs(plan, prof, demo.graph, False)
+    specs = segment_specs(plan, demo.graph, False)
     assert specs[0].gpu_layers == ()
     for seg, spec in zip(plan.segments[1:], specs[1:]):
         assert spec.gpu_layers == seg.gpu_fallback_nodes and spec.gpu_layers
@@ -98,26 +101,31 @@ def test_spec_model_wise_dla_engines_keep_planned_gpu_nodes_on_the_gpu(demo):
 
 
 def test_spec_precision_flags_and_int8_source(demo):
-    """FP16/INT8 flags from the chain; INT8 from Q/DQ on the GPU, from the calibration cache on the DLA."""
+    """FP16/INT8 flags from the chain; INT8 from the calibration cache on the DLA and on a GPU engine that shares
+    an INT8 cut with it (an INT8 I/O tensor needs the same scale on both sides), from Q/DQ on a GPU-only plan."""
     c2 = load_profile("c2")
-    specs = segment_specs(plan_partition(demo, c2), c2, demo.graph, have_quant=True)
+    specs = segment_specs(plan_partition(demo, c2), demo.graph, have_quant=True)
     by_device = {s.device: s for s in specs}
     assert (by_device["dla0"].int8, by_device["dla0"].fp16, by_device["dla0"].int8_source) == (True, True, "calibration-cache")
-    assert (by_device["gpu"].int8, by_device["gpu"].fp16, by_device["gpu"].int8_source) == (True, False, "qdq")
+    assert (by_device["gpu"].int8, by_device["gpu"].fp16, by_device["gpu"].int8_source) == (True, False, "calibration-cache")
+    assert any(dtype == "int8" for _, dtype, _ in by_device["gpu"].io_formats)
+    gpu_only = profile("layer-wise", 1.0, ("int8",))
+    (alone,) = segment_specs(plan_partition(demo, gpu_only), demo.graph, have_quant=True)
+    assert (alone.int8, alone.int8_source, alone.io_formats) == (True, "qdq", ())
     c5 = load_profile("c5")
-    (gpu,) = segment_specs(plan_partition(demo, c5), c5, demo.graph, False)
+    (gpu,) = segment_specs(plan_partition(demo, c5), demo.graph, False)
     assert (gpu.fp16, gpu.int8, gpu.int8_source, gpu.layer_precision) == (True, False, None, ())
     ref = plan_partition(demo, c5, precision="fp32")
-    assert segment_specs(ref, c5, demo.graph, False)[0].precision_label == "fp32"
+    assert segment_specs(ref, demo.graph, False)[0].precision_label == "fp32"
     with pytest.raises(BuildError, match="no calibration"):
-        segment_specs(plan_partition(demo, c2), c2, demo.graph, have_quant=False)
+        segment_specs(plan_partition(demo, c2), demo.graph, have_quant=False)
 
 
 def test_spec_refuses_fp32_reference_mode_on_a_dla(demo):
     """precision fp32 with DLA segments: a clear BuildError, a real DLA cannot run FP32."""
     prof = load_profile("c1")
     with pytest.raises(BuildError, match=r"runs FP16 and INT8 only.*reference mode of --backend onnxruntime"):
-        segment_specs(plan_partition(demo, prof, precision="fp32"), prof, demo.graph, False)
+        segment_specs(plan_partition(demo, prof, precision="fp32"), demo.graph, False)
 
 
 def test_spec_per_layer_precision_only_where_a_segment_mixes(demo):
@@ -128,20 +136,29 @@ def test_spec_per_layer_precision_only_where_a_segment_mixes(demo):
     for i, seg in enumerate(segs):
         first = seg.nodes[-1]
         segs[i] = dataclasses.replace(seg, layer_precision={**seg.layer_precision, first: "fp16"})
-    specs = segment_specs(dataclasses.replace(plan, segments=tuple(segs)), c2, demo.graph, True)
+    specs = segment_specs(dataclasses.replace(plan, segments=tuple(segs)), demo.graph, True)
     gpu = next(s for s in specs if s.device == "gpu")
     dla = next(s for s in specs if s.device == "dla0")
     assert gpu.layer_precision == ((segs[gpu.index].nodes[-1], "fp16"),) and gpu.precision_constraints and gpu.fp16
     assert len(dla.layer_precision) == len(segs[dla.index].nodes) and ("int8" in dict(dla.layer_precision).values())
 
 
-def test_boundary_formats_are_dla_native_fp16_at_cuts_only(demo):
-    """Tensors crossing a GPU<->DLA or DLA<->DLA cut travel as FP16 kCHW16; model I/O stays FP32 linear."""
+def test_boundary_formats_are_dla_native_at_cuts_only(demo):
+    """Cut tensors next to a DLA travel as FP16 kCHW16, or INT8 kCHW32 where every adjacent layer runs INT8
+    (NvInferRuntimeBase.h: the DLA's native FP16 / INT8 formats); model I/O stays FP32 linear."""
     c1 = load_profile("c1")
     plan = plan_partition(demo, c1)
     formats = boundary_formats(plan, demo.graph)
     cuts = {t for s in plan.segments for t in s.inputs} - {"input"}
     assert set(formats) == cuts and set(formats.values()) == {("fp16", "CHW16")}
+    c2 = plan_partition(demo, load_profile("c2"))
+    assert set(boundary_formats(c2, demo.graph).values()) == {("int8", "CHW32")}
+    # an adjacent layer that is not INT8 (here forced to FP16) keeps its cut FP16
+    seg, t = next((s, t) for s in c2.segments if s.kind == "dla" for t in s.inputs if t != "input")
+    reader = next(n for n in seg.nodes if t in demo.graph.by_name[n].inputs)
+    mixed = dataclasses.replace(seg, layer_precision={**seg.layer_precision, reader: "fp16"})
+    mixed_plan = dataclasses.replace(c2, segments=tuple(mixed if s.index == seg.index else s for s in c2.segments))
+    assert boundary_formats(mixed_plan, demo.graph)[t] == ("fp16", "CHW16")
     assert boundary_formats(plan_partition(demo, load_profile("c3")), demo.graph) == {}
     assert boundary_formats(plan_partition(demo, load_profile("c5")), demo.graph) == {}
 
@@ -149,7 +166,7 @@ def test_boundary_formats_are_dla_native_fp16_at_cuts_only(demo):
 def test_engine_key_covers_model_plan_precision_tensorrt_l4t_and_device(demo):
     """The cache key changes with the TensorRT version, L4T release, compute capability, DLA core and precision."""
     prof = load_profile("c1")
-    specs = segment_specs(plan_partition(demo, prof), prof, demo.graph, False)
+    specs = segment_specs(plan_partition(demo, prof), demo.graph, False)
     facts = TargetFacts("10.3.0.30", "R36.4.3", "8.7")
     base = engine_key("a" * 64, specs[1], "{}", facts)
     assert base == engine_key("a" * 64, specs[1], "{}", TargetFacts("10.3.0.30", "R36.4.3", "8.7"))
@@ -245,22 +262,29 @@ def test_model_wise_dla_engines_set_gpu_layers(trt, cache_dir):
 
 
 def test_int8_dla_takes_the_calibration_cache_gpu_takes_qdq(trt, cache_dir):
-    """c2: DLA INT8 engines get a calibrator reading this TensorRT's cache of the segment's tensors; the GPU the Q/DQ model."""
+    """c2: DLA INT8 engines get a calibrator reading this TensorRT's cache of the segment's tensors, and so does the
+    GPU engine that shares an INT8 CHW32 cut with them; a GPU-only INT8 plan takes the Q/DQ model."""
     engine = build("c2", cache_dir)
     got = builds_by_segment(trt)
-    for name in ("segment0_dla0", "segment1_dla1"):
+    for name in ("segment0_dla0", "segment1_dla1", "segment2_gpu"):
         b = got[name]
-        assert {"INT8", "FP16"} <= set(b["flags"])
+        assert "INT8" in b["flags"]
         lines = b["calibration_cache"].splitlines()
         assert lines[0] == "TRT-100300-EntropyCalibration2"
         seg = engine.plan.segments[int(name[7])]
         tensors = {line.rpartition(": ")[0] for line in lines[1:]}
         assert set(seg.inputs) <= tensors and set(seg.outputs) <= tensors
-        assert not any(dev == "GPU" for _, _, dev in b["placement"])
-    gpu = got["segment2_gpu"]
-    assert "INT8" in gpu["flags"] and gpu["calibration_cache"] is None
-    assert any(kind == "QuantizeLinear" for _, kind, _ in gpu["placement"])
-    assert [c[1] for c in trt.find("config.int8_calibrator")] == ["IInt8EntropyCalibrator2"] * 2
+    for name in ("segment0_dla0", "segment1_dla1"):
+        assert "FP16" in got[name]["flags"] and not any(dev == "GPU" for _, _, dev in got[name]["placement"])
+    cut = engine.plan.segments[2].inputs[0]
+    for name in ("segment1_dla1", "segment2_gpu"):
+        assert (got[name]["io"][cut]["dtype"], got[name]["io"][cut]["format"]) == ("INT8", "CHW32")
+    assert [c[1] for c in trt.find("config.int8_calibrator")] == ["IInt8EntropyCalibrator2"] * 3
+    trt.builds.clear()
+    build(profile("layer-wise", 1.0, ("int8",)), cache_dir)
+    (alone,) = trt.builds
+    assert "INT8" in alone["flags"] and alone["calibration_cache"] is None
+    assert any(kind == "QuantizeLinear" for _, kind, _ in alone["placement"])
 
 
 def test_fp32_reference_mode_with_dla_segments_is_refused(trt, cache_dir):
@@ -537,6 +561,8 @@ def test_selftest_against_the_double(trt, cache_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "gpu:fp16 dla0:fp16 dla1:fp16" in out and "as planned" in out and "p50 ms" in out
+    for check in ("direct-io", "chw32-cuts", "event-flags"):
+        assert f"check {check}: ok" in out, out
     rc = _selftest().main(["--profiles", "c2", "--samples", "6", "--cache", str(cache_dir), "--tolerance", "0"])
     assert rc == 1 and "MISMATCH" in capsys.readouterr().out
 
@@ -582,10 +608,14 @@ def test_real_prefetch_ring_keeps_requests_apart(zero_copy):
 
     shape = (64, 1024)
     nbytes = int(np.prod(shape)) * 4
-    ctx = cuda.Device(0).retain_primary_context()
+    from k2edge.dla.planner import Routing
+    from k2edge.engine.trt_cuda import primary_context
+
+    ctx = primary_context(cuda)
     identity = _IdentityContext(cuda, nbytes)
     tensors = {n: BoundTensor(n, shape, np.dtype(np.float32), nbytes) for n in ("x", "y")}
-    pipe = StreamPipeline(cuda, ctx, [LoadedSegment(0, "gpu", None, identity, ("x",), ("y",))], [(0,)], None, tensors,
+    routing = Routing(((0,),), None, (0,), ("gpu",))
+    pipe = StreamPipeline(cuda, ctx, [LoadedSegment(0, "gpu", None, identity, ("x",), ("y",))], routing, tensors,
                           ("x",), ("y",), depth=2, slots=3, zero_copy=zero_copy).start()
     identity.streams = {s.handle: s for s in pipe._streams.values()}
     try:
@@ -594,7 +624,6 @@ def test_real_prefetch_ring_keeps_requests_apart(zero_copy):
             assert (f.result(timeout=30)["y"] == i).all()
     finally:
         pipe.stop()
-        ctx.detach()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -612,3 +641,152 @@ def test_doctor_reports_cuda_jetpack_and_tensorrt_dla_cores(tmp_path):
     report = doctor_report(tmp_path)
     assert (report["cuda"], report["l4t"], report["jetpack"]) == ("12.6.68", "R36.4.3", "6.2")
     assert "dla_cores" in report["backends"]["tensorrt"]
+
+
+# ------------------------------------------------------------------------------------------------
+# what the stricter double refuses, and that the backend does not trip over it
+
+def test_cuda_calls_need_the_context_pushed_in_their_thread(trt, cache_dir, monkeypatch):
+    """Every pycuda call runs with the primary context current in its thread; without the push the double
+    refuses the call as pycuda does (LogicError: invalid device context)."""
+    with build("c1", cache_dir) as e:
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("out", e.infer({"input": batch()})))
+        t.start()
+        t.join(timeout=30)
+        assert box["out"]["logits"].shape == (1, 10)
+    assert trt.context_errors == []
+    assert trt.find("cuda.Event")
+    with pytest.raises(trt.driver.LogicError, match="invalid device context"):
+        trt.driver.Event()
+    with pytest.raises(trt.driver.LogicError, match="cannot pop"):
+        trt.driver.Context.pop()
+
+    import contextlib
+
+    from k2edge.engine.trt_runtime import StreamPipeline
+
+    monkeypatch.setattr(StreamPipeline, "current", lambda self: contextlib.nullcontext())
+    with pytest.raises(trt.driver.LogicError, match="invalid device context"):
+        build("c5", cache_dir).activate()  # a pipeline that forgot to push fails
+
+
+def test_primary_context_is_retained_once_and_released_once(trt, cache_dir):
+    """Activate and deactivate engines from different threads: one retain for the process, one release at exit
+    (pycuda's detach() from a thread where the context is not current releases nothing)."""
+    from k2edge.engine.trt_cuda import release_primary_contexts
+
+    engines = [build(p, cache_dir) for p in ("c5", "c1")]
+    for e in engines:
+        e.activate()
+    stoppers = [threading.Thread(target=e.deactivate) for e in engines]
+    for s in stoppers:
+        s.start()
+    for s in stoppers:
+        s.join(timeout=30)
+    assert trt.primary_retains == 1 and len(trt.find("cuda.Device.retain_primary_context")) == 1
+    assert release_primary_contexts() == 1
+    assert trt.primary_retains == 0 and trt.find("cuda.primary_release") == [("cuda.primary_release",)]
+    assert not trt.find("cuda.Context.detach.noop")
+
+
+def test_events_do_not_time_and_waited_ones_block(trt, cache_dir):
+    """DISABLE_TIMING on every event; BLOCKING_SYNC on those a host thread synchronises, so it does not spin."""
+    flags = trt.driver.event_flags
+    with build("c1", cache_dir) as e:
+        for s in range(3):
+            e.infer({"input": batch(s)})
+    made = {c[1]: c[2] for c in trt.find("cuda.Event")}
+    assert made and all(f & flags.DISABLE_TIMING for f in made.values())
+    waited = {c[1] for c in trt.find("event.synchronize")}
+    assert waited and all(made[i] & flags.BLOCKING_SYNC for i in waited)
+    assert any(not f & flags.BLOCKING_SYNC for f in made.values())  # stream-ordering events stay light
+
+
+def test_one_logger_for_every_builder_and_runtime(trt, cache_dir):
+    """The same process-wide logger for each builder and runtime: TensorRT keeps the first and warns on others."""
+    with build("c1", cache_dir) as e:
+        e.infer({"input": batch()})
+    build("c2", cache_dir)
+    assert trt.other_loggers == 0 and trt.logger is not None
+    trt.tensorrt.Builder(trt.tensorrt.ILogger())  # the double's own check: a second logger is noticed
+    assert trt.other_loggers == 1
+
+
+def test_direct_io_builds_with_native_cut_formats(trt, cache_dir):
+    """direct_io: engines with cut tensors get BuilderFlag.DIRECT_IO and build, their cuts being DLA-native."""
+    prof = profile("layer-wise", 0.35, ("fp16",), direct_io=True)
+    engine = build(prof, cache_dir)
+    for b in trt.builds:
+        assert ("DIRECT_IO" in b["flags"]) is any(io["format"] != "LINEAR" for io in b["io"].values())
+        assert not [t for t in b["reformats"] if b["io"][t]["format"] != "LINEAR"]
+    assert any("DIRECT_IO" in b["flags"] for b in trt.builds) and engine.plan.direct_io
+
+
+def test_direct_io_fails_the_build_on_a_reformat_at_a_cut(trt, cache_dir, monkeypatch):
+    """An INT8 DLA layer next to an FP16 CHW16 cut needs a reformat: with DIRECT_IO the build fails, clearly.
+    Here the dla0 -> dla1 cut turns FP16 because its reader on dla1 is forced to FP16; its INT8 writer on dla0
+    would need a reformat."""
+    from k2edge.engine import engine as engine_module
+
+    real = engine_module.plan_partition
+    prof = profile("layer-wise", 0.35, ("int8", "fp16"), direct_io=True)
+
+    def mixed(*args, **kw):
+        plan = real(*args, **kw)
+        seg = next(s for s in plan.segments if s.device == "dla1")
+        t = next(t for t in seg.inputs if t in plan.segments[seg.index - 1].outputs)
+        assert plan.segments[seg.index - 1].device == "dla0"
+        reader = next(n for n in seg.nodes if t in normalise(MODEL).graph.by_name[n].inputs)
+        forced = dataclasses.replace(seg, layer_precision={**seg.layer_precision, reader: "fp16"})
+        return dataclasses.replace(plan, segments=tuple(forced if s.index == seg.index else s for s in plan.segments))
+
+    monkeypatch.setattr(engine_module, "plan_partition", mixed)
+    with pytest.raises(BuildError, match="kDIRECT_IO specified but no conformant implementation"):
+        build(prof, cache_dir)
+
+
+def test_dla_engine_without_fallback_needs_dla_native_io(trt, cache_dir, monkeypatch):
+    """The double refuses a DLA build without GPU_FALLBACK whose I/O is FP32 linear (#3438); the planner never
+    makes one: without gpu_fallback the model's input and output stay on the GPU and the build succeeds."""
+    from k2edge.engine import engine as engine_module
+
+    off = profile("layer-wise", 0.35, gpu_fallback=False)
+    engine = build(off, cache_dir)
+    assert all("GPU_FALLBACK" not in b["flags"] for b in trt.builds) and engine.plan.segments[0].kind == "gpu"
+    real = engine_module.plan_partition
+    monkeypatch.setattr(engine_module, "plan_partition", lambda *a, **k: dataclasses.replace(real(*a, **k), gpu_fallback=False))
+    with pytest.raises(BuildError, match="not a DLA-native format.*GPU fallback is off"):
+        build(profile("layer-wise", 0.0), cache_dir)  # segment 0 on dla0 reads the FP32 model input
+
+
+def test_managed_sram_above_one_mib_is_an_upper_bound(trt, cache_dir, caplog):
+    """A 4 MiB managed SRAM pool is passed as asked; TensorRT uses at most the 1 MiB a core has and warns."""
+    prof = profile(dla_memory_pools={"managed_sram": 1 << 22})
+    with caplog.at_level(logging.WARNING):
+        engine = build(prof, cache_dir)
+    dla = [b for b in trt.builds if b["default_device"] == "DLA"]
+    assert dla and all(b["pools"]["DLA_MANAGED_SRAM"] == 1 << 22 for b in dla)
+    assert all(b["effective_pools"]["DLA_MANAGED_SRAM"] == 1 << 20 for b in dla)
+    assert "exceeds the 1048576 bytes of SRAM" in caplog.text
+    assert any("1 MiB of SRAM per DLA core" in n for n in engine.plan.notes)
+
+
+def test_nothing_the_rules_accept_is_refused_by_the_dla_table():
+    """k2edge's rules and the double's table (written separately from the 10.3 header) agree wherever k2edge
+    puts a node on the DLA, on every zoo model and the demo model."""
+    import zoo
+    from k2edge.dla.rules import support_table
+    from trt_double import _NodeView, dla_capable
+
+    for name, model in [(n, zoo.load(n)) for n in zoo.NAMES] + [("digits", MODEL)]:
+        nm = normalise(model)
+        g = nm.model.graph
+        shapes = {v.name: tuple(x.dim_value for x in v.type.tensor_type.shape.dim)
+                  for v in list(g.input) + list(g.value_info) + list(g.output)}
+        import onnx
+
+        consts = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
+        for node, support in zip(g.node, support_table(nm.graph)):
+            if support.ok:
+                assert dla_capable(_NodeView(node, shapes, consts)), (name, node.name, node.op_type)

@@ -17,6 +17,20 @@ tests:
   for explicitly quantised GPU segments, the float model otherwise) with ONNX Runtime on the CPU,
   reading and writing fake device memory, rounding through FP16 for tensors whose I/O dtype was set
   to HALF. FP16/INT8 arithmetic of the GPU and the DLA is not emulated;
+* ``can_run_on_DLA`` decides from its own table of TensorRT layers (``DLA_LAYERS``, written from the DLA
+  notes of TensorRT 10.3's ``NvInfer.h`` and the docs' DLA table, independently of k2edge's rules): the
+  parser maps each ONNX node to the layer the ONNX parser would make;
+* a DLA build without ``GPU_FALLBACK`` fails when a network I/O tensor is not in a DLA-native format
+  (FP16 ``CHW16``/``CHW4``, INT8 ``CHW32``/``CHW4``; FP32 linear needs a GPU reformat, NVIDIA/TensorRT#3438),
+  and with ``DIRECT_IO`` any I/O tensor whose format the adjacent layer does not take natively fails the
+  build; INT8 I/O without a calibrator fails as TensorRT does;
+* DLA memory pools: not a power of two of at least 4 KiB fails the loadable compilation; a managed SRAM
+  pool above Orin's 1 MiB per core is accepted as an upper bound and only 1 MiB is used (``effective_pools``);
+* one logger: a builder or runtime made with a different logger than the first gets TensorRT's warning;
+* pycuda's context stack is per thread: a CUDA call in a thread where no context was pushed raises
+  ``LogicError: ... invalid device context``, ``Context.pop()`` with nothing pushed raises, and
+  ``Context.detach()`` releases the primary context only from a thread where it is current or that
+  retained it (pycuda ``cuda.hpp``); events record their flags;
 * streams run on one executor thread, FIFO within a stream, honouring event waits, and — to expose
   missing waits — always run the most recently enqueued runnable operation first across streams.
   Copies read their source when they execute, not when enqueued, as DMA does. :meth:`FakeGpu.pause`
@@ -40,8 +54,16 @@ import onnx
 MAGIC = b"K2EDGE-FAKE-TRT-ENGINE\n"
 
 
-class LaunchError(RuntimeError):
+class CudaError(RuntimeError):
+    """pycuda.driver.Error stand-in: the base of the driver's errors."""
+
+
+class LaunchError(CudaError):
     """pycuda.driver.LaunchError stand-in."""
+
+
+class LogicError(CudaError):
+    """pycuda.driver.LogicError stand-in (calls without a current context, invalid handles)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,9 +166,28 @@ def _make_pycuda(d: "TrtDouble"):
     drv = types.ModuleType("pycuda.driver")
     drv.__spec__ = importlib.machinery.ModuleSpec("pycuda.driver", None)
     ids = itertools.count(1)
+    tls = threading.local()
+
+    def stack() -> list:
+        if not hasattr(tls, "stack"):
+            tls.stack = []
+        return tls.stack
+
+    def need_context(call: str) -> None:
+        # pycuda: every driver call needs a context current in the calling thread
+        if not any(c.valid for c in stack()):
+            d.context_errors.append((call, threading.current_thread().name))
+            raise LogicError(f"{call} failed: invalid device context")
+
+    class event_flags(IntEnum):  # CUevent_flags values
+        DEFAULT = 0
+        BLOCKING_SYNC = 1
+        DISABLE_TIMING = 2
+        INTERPROCESS = 4
 
     class Stream:
         def __init__(self, flags=0):
+            need_context("cuStreamCreate")
             self.handle = next(ids)
             self.queue: list = []
             with gpu.cv:
@@ -154,6 +195,7 @@ def _make_pycuda(d: "TrtDouble"):
             rec("cuda.Stream", self.handle)
 
         def synchronize(self):
+            need_context("cuStreamSynchronize")
             rec("stream.synchronize", self.handle)
             gpu.wait_until(lambda: not self.queue and gpu._busy is not self, f"stream {self.handle}")
 
@@ -161,18 +203,29 @@ def _make_pycuda(d: "TrtDouble"):
             return not self.queue
 
         def wait_for_event(self, evt):
+            need_context("cuStreamWaitEvent")
             rec("stream.wait_for_event", self.handle, evt.id)
             gpu.enqueue(self, "wait", event=evt, gen=evt.pending_gen, label=(self.handle, evt.id))
 
-    default_stream = Stream()
+    class _DefaultStream(Stream):
+        def __init__(self):  # the legacy default stream exists without a context
+            self.handle, self.queue = 0, []
+            with gpu.cv:
+                gpu.streams[0] = self
+
+    default_stream = _DefaultStream()
 
     class Event:
         def __init__(self, flags=0):
+            need_context("cuEventCreate")
             self.id = next(ids)
+            self.flags = int(flags)
             self.pending_gen = 0
             self.done_gen = 0
+            rec("cuda.Event", self.id, self.flags)
 
         def record(self, stream=None):
+            need_context("cuEventRecord")
             stream = stream or default_stream
             self.pending_gen += 1
             rec("event.record", self.id, stream.handle)
@@ -180,6 +233,7 @@ def _make_pycuda(d: "TrtDouble"):
             return self
 
         def synchronize(self):
+            need_context("cuEventSynchronize")
             rec("event.synchronize", self.id)
             gen = self.pending_gen
             gpu.wait_until(lambda: self.done_gen >= gen, f"event {self.id}")
@@ -187,6 +241,12 @@ def _make_pycuda(d: "TrtDouble"):
 
         def query(self):
             return self.done_gen >= self.pending_gen
+
+        def time_since(self, event):
+            need_context("cuEventElapsedTime")
+            if (self.flags | event.flags) & event_flags.DISABLE_TIMING:  # CUDA_ERROR_INVALID_HANDLE
+                raise LogicError("cuEventElapsedTime failed: invalid resource handle")
+            return 0.0
 
     class DeviceAllocation:
         def __init__(self, nbytes):
@@ -197,6 +257,7 @@ def _make_pycuda(d: "TrtDouble"):
             return self.addr
 
         def free(self):
+            need_context("cuMemFree")
             rec("cuda.free", self.addr)
 
     class PagelockedHostAllocation:
@@ -220,17 +281,20 @@ def _make_pycuda(d: "TrtDouble"):
         PORTABLE, DEVICEMAP, WRITECOMBINED = 1, 2, 4
 
     def pagelocked_empty(shape, dtype, order="C", mem_flags=0):
+        need_context("cuMemHostAlloc")
         alloc = PagelockedHostAllocation(tuple(shape), dtype, mem_flags)
         arr = np.asarray(alloc)
         rec("cuda.pagelocked_empty", id(arr.base), tuple(shape), np.dtype(dtype).name, mem_flags)
         return arr
 
     def mem_alloc(nbytes):
+        need_context("cuMemAlloc")
         alloc = DeviceAllocation(int(nbytes))
         rec("cuda.mem_alloc", alloc.addr, int(nbytes))
         return alloc
 
     def memcpy_htod_async(dest, src, stream=None):
+        need_context("cuMemcpyHtoDAsync")
         stream = stream or default_stream
         addr, host = int(dest), src  # read when the copy runs, as DMA does
 
@@ -242,6 +306,7 @@ def _make_pycuda(d: "TrtDouble"):
         gpu.enqueue(stream, "htod", run, label=(addr, id(src.base), stream.handle))
 
     def memcpy_dtoh_async(dest, src, stream=None):
+        need_context("cuMemcpyDtoHAsync")
         stream = stream or default_stream
         addr = int(src)
 
@@ -253,18 +318,34 @@ def _make_pycuda(d: "TrtDouble"):
         gpu.enqueue(stream, "dtoh", run, label=(addr, stream.handle))
 
     class Context:
+        """A retained primary context: per-thread stack semantics as pycuda's cuda.hpp has them."""
+
         def __init__(self):
-            self.pushed = 0
+            self.valid = True
+            self.thread = threading.get_ident()
+            d.primary_retains += 1
 
         def push(self):
-            self.pushed += 1
+            stack().append(self)
 
         @staticmethod
         def pop():
-            return None
+            if not stack():
+                raise LogicError("context::pop failed: invalid device context - cannot pop non-current context")
+            stack().pop()
 
         def detach(self):
-            rec("cuda.Context.detach")
+            if not self.valid:
+                raise LogicError("context::detach failed: invalid device context - cannot detach from invalid context")
+            current = bool(stack()) and stack()[-1] is self
+            if current or self.thread == threading.get_ident():
+                d.primary_retains -= 1
+                rec("cuda.primary_release")
+            else:  # pycuda: "this context's managing thread has exited": nothing is released
+                rec("cuda.Context.detach.noop")
+            self.valid = False
+            if current:
+                stack().pop()
 
     class Device:
         def __init__(self, number):
@@ -287,7 +368,8 @@ def _make_pycuda(d: "TrtDouble"):
     drv.Stream, drv.Event, drv.Device, drv.Context = Stream, Event, Device, Context
     drv.host_alloc_flags, drv.pagelocked_empty, drv.mem_alloc = host_alloc_flags, pagelocked_empty, mem_alloc
     drv.memcpy_htod_async, drv.memcpy_dtoh_async = memcpy_htod_async, memcpy_dtoh_async
-    drv.LaunchError, drv.Error = LaunchError, LaunchError
+    drv.event_flags = event_flags
+    drv.LaunchError, drv.LogicError, drv.Error = LaunchError, LogicError, CudaError
     drv.init = lambda flags=0: rec("cuda.init")
     drv.get_version = lambda: (12, 6, 0)
     drv.get_driver_version = lambda: 12060
@@ -297,6 +379,140 @@ def _make_pycuda(d: "TrtDouble"):
     pkg.driver = drv
     pkg.VERSION_TEXT = pkg.__version__ = "2024.1 (test double)"
     return pkg, drv
+
+
+# ---------------------------------------------------------------------------------------------
+# what the DLA runs, as TensorRT 10.3 decides it for the layers the ONNX parser makes. Written from the
+# DLA notes of NvInfer.h 10.3 and the docs' DLA table, independently of k2edge/dla/rules.py.
+
+ORIN_SRAM = 1 << 20
+_ATTR_DEFAULTS = {"pads": [0, 0, 0, 0], "strides": [1, 1], "dilations": [1, 1], "group": 1}
+
+
+class _NodeView:
+    """An ONNX node with shapes and constants, as the fake parser hands it to the DLA table."""
+
+    def __init__(self, node, shapes, consts):
+        self.op = node.op_type
+        self.attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        self.inputs, self.outputs = list(node.input), list(node.output)
+        self.shapes, self.consts = shapes, consts
+
+    def attr(self, key, default=None):
+        value = self.attrs.get(key, _ATTR_DEFAULTS.get(key, default))
+        return value.decode() if isinstance(value, bytes) else value
+
+    def shape(self, i=0):
+        return self.shapes.get(self.inputs[i], ())
+
+    def const(self, i):
+        return self.consts.get(self.inputs[i]) if i < len(self.inputs) and self.inputs[i] else None
+
+
+def _in(values, lo, hi):
+    return all(lo <= int(v) <= hi for v in values)
+
+
+def _dla_conv(n):  # IConvolutionLayer
+    w = n.const(1)
+    return (w is not None and w.ndim == 4 and _in(w.shape[2:], 1, 32) and _in(n.attr("strides"), 1, 8)
+            and _in(n.attr("pads"), 0, 31) and all(p < w.shape[2 + i % 2] for i, p in enumerate(n.attr("pads")))
+            and _in(n.attr("dilations"), 1, 32) and 1 <= w.shape[0] <= 8192 and n.attr("group") <= 8192)
+
+
+def _dla_deconv(n):  # IDeconvolutionLayer
+    w = n.const(1)
+    ok = lambda v: _in(v, 1, 32) or sorted(int(x) for x in v) in ([1, 64], [1, 96], [1, 128])  # noqa: E731
+    return (w is not None and w.ndim == 4 and ok(w.shape[2:]) and ok(n.attr("strides")) and not any(n.attr("pads"))
+            and n.attr("group") == 1 and _in(n.attr("dilations"), 1, 1))
+
+
+def _dla_pool(n):  # IPoolingLayer: kMAX / kAVERAGE
+    k = n.attr("kernel_shape", [])
+    return len(k) == 2 and _in(k, 1, 8) and _in(n.attr("strides"), 1, 16) and _in(n.attr("pads"), 0, 7)
+
+
+def _dla_clip(n):  # IActivationLayer kCLIP as the clipped ReLU of the docs: alpha 0, beta [1, 127]
+    lo, hi = n.const(1), n.const(2)
+    return lo is not None and hi is not None and float(lo) == 0.0 and 1 <= float(hi) <= 127
+
+
+def _dla_eltwise(n):  # IElementWiseLayer: kSUM, kPROD, kMAX, kMIN, kSUB
+    return len(n.inputs) == 2
+
+
+def _dla_reduce_max(n):  # IReduceLayer: MAX over any of C, H, W
+    axes = n.attr("axes", [2, 3] if n.op == "GlobalMaxPool" else None)
+    return axes is not None and all(int(a) % 4 != 0 for a in axes)
+
+
+def _dla_resize(n):  # IResizeLayer: the parser's settings must be one of the DLA combinations, no output dims
+    if len(n.inputs) > 3 and n.inputs[3]:
+        return False  # setOutputDimensions()
+    scales = n.const(2)
+    if scales is None or len(scales) != 4 or list(scales[:2]) != [1, 1] or any(v != int(v) for v in scales[2:]):
+        return False
+    mode, coord = n.attr("mode", "nearest"), n.attr("coordinate_transformation_mode", "half_pixel")
+    rounding = n.attr("nearest_mode", "round_prefer_floor")
+    if mode == "nearest":
+        return (coord, rounding) in {("asymmetric", "floor"), ("half_pixel", "round_prefer_floor"),
+                                     ("half_pixel", "round_prefer_ceil")} and _in(scales[2:], 1, 32)
+    return mode == "linear" and coord in ("half_pixel", "pytorch_half_pixel") and _in(scales[2:], 1, 4)
+
+
+def _dla_slice(n):  # ISliceLayer (Split): not the first dimension, stride 1
+    return int(n.attr("axis", 0)) % 4 != 0
+
+
+DLA_LAYERS = {  # ONNX op -> (TensorRT layer, check)
+    "Conv": ("CONVOLUTION", _dla_conv),
+    "ConvTranspose": ("DECONVOLUTION", _dla_deconv),
+    "MaxPool": ("POOLING", _dla_pool),
+    "AveragePool": ("POOLING", _dla_pool),
+    "Relu": ("ACTIVATION", None),
+    "Sigmoid": ("ACTIVATION", None),
+    "Tanh": ("ACTIVATION", None),
+    "LeakyRelu": ("ACTIVATION", None),
+    "Clip": ("ACTIVATION", _dla_clip),
+    "BatchNormalization": ("SCALE", None),
+    "Add": ("ELEMENTWISE", _dla_eltwise),
+    "Sub": ("ELEMENTWISE", _dla_eltwise),
+    "Mul": ("ELEMENTWISE", _dla_eltwise),
+    "Max": ("ELEMENTWISE", _dla_eltwise),
+    "Min": ("ELEMENTWISE", _dla_eltwise),
+    "Concat": ("CONCATENATION", lambda n: int(n.attr("axis", 1)) % 4 == 1 and len([i for i in n.inputs if i]) >= 2),
+    "Split": ("SLICE", _dla_slice),
+    "Resize": ("RESIZE", _dla_resize),
+    "Softmax": ("SOFTMAX", lambda n: int(n.attr("axis", -1)) % 4 != 0),
+    "Abs": ("UNARY", None),
+    "GlobalMaxPool": ("REDUCE", _dla_reduce_max),
+    "ReduceMax": ("REDUCE", _dla_reduce_max),
+    "PRelu": ("PARAMETRIC_RELU", lambda n: n.const(1) is not None),
+    "LRN": ("LRN", lambda n: n.attr("size") in (3, 5, 7, 9)),
+}
+
+
+def dla_capable(n: _NodeView) -> bool:
+    """can_run_on_DLA for the layer the ONNX parser makes from ``n``: listed, 4-D ("2D only"), within limits."""
+    entry = DLA_LAYERS.get(n.op)
+    if entry is None:
+        return False
+    tensors = [t for t in n.inputs + n.outputs if t and t not in n.consts]
+    if any(len(n.shapes.get(t, ())) != 4 for t in tensors):
+        return False
+    if any(n.shapes[t][0] > 4096 or max(n.shapes[t][1:]) > 8192 for t in tensors):
+        return False
+    check = entry[1]
+    return check is None or bool(check(n))
+
+
+# DLA-native I/O formats per data type ("For DLA usage, this format maps to the native feature format for
+# FP16 / INT8", NvInferRuntimeBase.h 10.3; kCHW4 deprecated but accepted).
+_DLA_NATIVE = {"HALF": {"CHW16", "CHW4", "DLA_LINEAR", "DLA_HWC4"}, "INT8": {"CHW32", "CHW4", "DLA_LINEAR", "DLA_HWC4"}}
+
+
+def _pool_ok(size: int) -> bool:
+    return size >= 4096 and size & (size - 1) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,13 +599,13 @@ def _make_tensorrt(d: "TrtDouble"):
             rec("tensor.allowed_formats", self.name, TensorFormat(int(mask).bit_length() - 1).name)
             self._formats = int(mask)
 
-        @property
-        def format(self):
+        def _format(self):  # the double's bookkeeping: the one format allowed
             return TensorFormat(self._formats.bit_length() - 1)
 
     class ILayer:
-        def __init__(self, node):
+        def __init__(self, node, view):
             self.name, self.type, self.metadata = node.name, node.op_type, f"[ONNX Layer: {node.name}]"
+            self.view = view
             self._precision = None
 
         @property
@@ -432,7 +648,10 @@ def _make_tensorrt(d: "TrtDouble"):
             net.model, net.name = model, g.name
             net.inputs = [ITensor(v.name, shapes[v.name]) for v in g.input if v.name not in inits]
             net.outputs = [ITensor(v.name, shapes[v.name]) for v in g.output]
-            net.layers = [ILayer(n) for n in g.node]
+            shapes = {v.name: tuple(x.dim_value for x in v.type.tensor_type.shape.dim)
+                      for v in list(g.input) + list(g.value_info) + list(g.output)}
+            consts = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
+            net.layers = [ILayer(n, _NodeView(n, shapes, consts)) for n in g.node]
             return True
 
         num_errors = property(lambda self: len(self.errors))
@@ -480,7 +699,7 @@ def _make_tensorrt(d: "TrtDouble"):
 
         def can_run_on_DLA(self, layer):  # noqa: N802
             rec("config.can_run_on_DLA", layer.name)
-            return layer.name not in d.dla_refuses
+            return dla_capable(layer.view) and layer.name not in d.dla_refuses
 
         def set_memory_pool_limit(self, pool, size):
             rec("config.set_memory_pool_limit", pool.name, int(size))
@@ -495,9 +714,20 @@ def _make_tensorrt(d: "TrtDouble"):
             rec("config.int8_calibrator", type(calibrator).__mro__[1].__name__)
             self._calibrator = calibrator
 
+    def check_logger(logger, what):
+        # TensorRT keeps the first logger for the process; another one only gets a warning
+        if d.logger is None:
+            d.logger = logger
+        elif logger is not d.logger:
+            d.other_loggers += 1
+            d.logger.log(ILogger.Severity.WARNING, f"The logger passed into {what} differs from one already provided for an "
+                       "existing builder, runtime, or refitter. Uses of the global logger, returned by "
+                       "nvinfer1::getLogger(), will return the existing value.")
+
     class Builder:
         def __init__(self, logger):
             self.logger = logger
+            check_logger(logger, "createInferBuilder")
 
         num_DLA_cores = property(lambda self: d.dla_cores)
 
@@ -522,6 +752,16 @@ def _make_tensorrt(d: "TrtDouble"):
             if any(dev == "DLA" for _, _, dev in placement) and not config.flags & {"FP16", "INT8"}:
                 self.logger.log(ILogger.Severity.ERROR, "DLA requires FP16 or INT8 precision")
                 return None
+            fail = self._check_io_and_pools(network, config, placement)
+            if fail:
+                self.logger.log(ILogger.Severity.ERROR, fail)
+                return None
+            effective = dict(config.pools)
+            if dla and effective.get("DLA_MANAGED_SRAM", ORIN_SRAM) > ORIN_SRAM:
+                # "the pool size serves only as an upper bound"; Orin has 1 MiB of SRAM per DLA core
+                self.logger.log(ILogger.Severity.WARNING, f"DLA_MANAGED_SRAM of {effective['DLA_MANAGED_SRAM']} bytes exceeds "
+                                f"the {ORIN_SRAM} bytes of SRAM a DLA core has; using at most {ORIN_SRAM}")
+                effective["DLA_MANAGED_SRAM"] = ORIN_SRAM
             cache = None
             if config.int8_calibrator is not None:
                 cache = config.int8_calibrator.read_calibration_cache()
@@ -533,10 +773,11 @@ def _make_tensorrt(d: "TrtDouble"):
                 "dla_core": config.DLA_core if dla else None, "flags": sorted(config.flags), "pools": dict(config.pools),
                 "gpu_layers": sorted(n for n, dt in config.device_types.items() if dt.name == "GPU"),
                 "layer_precision": {l.name: l.precision.name for l in network.layers if l.precision is not None},
-                "io": {t.name: {"shape": list(t.shape), "dtype": t.dtype.name, "format": t.format.name,
+                "io": {t.name: {"shape": list(t.shape), "dtype": t.dtype.name, "format": t._format().name,
                                 "mode": "INPUT" if t in network.inputs else "OUTPUT"}
                        for t in network.inputs + network.outputs},
-                "calibration_cache": cache.decode() if cache is not None else None,
+                "calibration_cache": cache.decode() if cache is not None else None, "effective_pools": effective,
+                "reformats": self._reformats,
                 "placement": placement, "serialization_version": d.serialization_version,
                 "verbosity": config.profiling_verbosity.name,
             }
@@ -544,9 +785,47 @@ def _make_tensorrt(d: "TrtDouble"):
             header = json.dumps(build, sort_keys=True).encode()
             return MAGIC + struct.pack("<I", len(header)) + header + network.model.SerializeToString()
 
+    def _native_for(layer, config):
+        """The (dtype, formats) a DLA layer reads and writes without a reformat."""
+        int8 = "INT8" in config.flags and layer.precision in (None, DataType.INT8)
+        return ("INT8", _DLA_NATIVE["INT8"]) if int8 else ("HALF", _DLA_NATIVE["HALF"])
+
+    def _check_io_and_pools(self, network, config, placement):
+        """What makes TensorRT refuse a build: pools, I/O reformats without GPU fallback or with DIRECT_IO, INT8 I/O
+        without a scale. Returns the error text, or None."""
+        self._reformats = []
+        device = {name: dev for name, _, dev in placement}
+        if any(dev == "DLA" for dev in device.values()):
+            for pool, size in config.pools.items():
+                if pool.startswith("DLA_") and not _pool_ok(size):
+                    return (f"DLA loadable compilation failed: {pool} of {size} bytes is not a power of 2 of at least "
+                            f"4 KiB")
+        for t in network.inputs + network.outputs:
+            if t.dtype == DataType.INT8 and config.int8_calibrator is None:
+                return (f"{t.name}: input/output with DataType Int8 in network without Q/DQ layers must have dynamic range "
+                        f"set when no calibrator is used.")
+            adjacent = [l for l in network.layers if (t.name in l.view.inputs if t in network.inputs else t.name in l.view.outputs)]
+            for layer in adjacent:
+                if device.get(layer.name) != "DLA":
+                    continue
+                dtype, formats = _native_for(layer, config)
+                if t.dtype.name == dtype and t._format().name in formats:
+                    continue
+                self._reformats.append(t.name)
+                if "DIRECT_IO" in config.flags and t.allowed_formats != 1 << TensorFormat.LINEAR:
+                    return (f"I/O reformatting for region {t.name}, formats [{t.dtype.name}:{t._format().name}] -> "
+                            f"[{dtype}:DLA native]; BuilderFlag::kDIRECT_IO specified but no conformant implementation exists")
+                if "GPU_FALLBACK" not in config.flags:
+                    return (f"{t.name} ({t.dtype.name}:{t._format().name}) is not a DLA-native format: its reformat runs on the "
+                            f"GPU and GPU fallback is off")
+        return None
+
+    Builder._check_io_and_pools = _check_io_and_pools
+
     class Runtime:
         def __init__(self, logger):
             self.logger, self._core = logger, 0
+            check_logger(logger, "createInferRuntime")
 
         @property
         def DLA_core(self):  # noqa: N802
@@ -687,6 +966,7 @@ def _make_tensorrt(d: "TrtDouble"):
     trt.Builder, trt.OnnxParser, trt.Runtime = Builder, OnnxParser, Runtime
     trt.INetworkDefinition, trt.IBuilderConfig, trt.ICudaEngine = INetworkDefinition, IBuilderConfig, ICudaEngine
     trt.IExecutionContext, trt.EngineInspector = IExecutionContext, EngineInspector
+    trt.ITensor, trt.ILayer = ITensor, ILayer
     return trt
 
 
@@ -694,9 +974,11 @@ class TrtDouble:
     """The test double: fake ``tensorrt``, ``pycuda`` and ``pycuda.driver`` modules plus controls.
 
     Controls: ``version`` (``trt.__version__``), ``serialization_version`` (the tag in engines),
-    ``dla_cores``, ``compute_capability``, ``dla_refuses`` (node names ``can_run_on_DLA`` rejects),
-    ``gpu.pause()`` / ``gpu.resume()``. Observations: ``calls`` (every call in order) and ``builds``
-    (what each ``build_serialized_network`` was configured with).
+    ``dla_cores``, ``compute_capability``, ``dla_refuses`` (node names ``can_run_on_DLA`` rejects on top of
+    the table), ``gpu.pause()`` / ``gpu.resume()``. Observations: ``calls`` (every call in order), ``builds``
+    (what each ``build_serialized_network`` was configured with), ``other_loggers`` (builders or runtimes made
+    with a second logger), ``primary_retains`` (primary contexts retained and not released),
+    ``context_errors`` (CUDA calls made without a current context).
     """
 
     def __init__(self, version: str = "10.3.0.30"):
@@ -705,6 +987,10 @@ class TrtDouble:
         self.dla_cores = 2
         self.compute_capability = (8, 7)
         self.dla_refuses: set[str] = set()
+        self.logger = None
+        self.other_loggers = 0
+        self.primary_retains = 0
+        self.context_errors: list[tuple[str, str]] = []
         self.calls: list[tuple] = []
         self.builds: list[dict] = []
         self._lock = threading.Lock()

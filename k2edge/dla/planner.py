@@ -15,7 +15,9 @@ allowed cuts) run on the DLA so that the GPU keeps ``offload_ratio`` of the FLOP
 splits that land within ``offload_tolerance`` of the requested share it takes the one with the
 fewest GPU<->DLA transitions (each costs a reformat), spending another transition only when it
 buys at least ``TRANSITION_COST`` of share. It gives up closeness only where the DLA rules, the
-allowed cuts or the transition budget leave no choice; the notes then say why.
+allowed cuts or the transition budget leave no choice; the notes then say why. The budget comes from
+the board: every DLA segment is one loadable on its core and a core holds at most 16 loadables
+("DLA Supported Layers and Restrictions"), so a plan may have two transitions per loadable.
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from ..errors import PlanError
 from ..model.cost import model_costs
 from ..model.ingest import NormalisedModel
 from ..profile import Profile
-from .boards import Board, get_board
+from .boards import MIB, Board, get_board
 from .precision import device_kind, layer_precision, usable_chain
-from .rules import support_table
+from .rules import DOCS, Support, support_table
 
-MAX_TRANSITIONS = 12
+# "Due to hardware and software memory limitations, only 16 DLA loadable can be loaded concurrently per
+# core" [DOCS, general restrictions]. Every DLA segment of a split plan is one loadable on its core.
+LOADABLES_PER_CORE = 16
+ORIN_SRAM_PER_CORE = 1 * MIB  # "On Orin, each DLA core has 1 MiB of dedicated SRAM" ["Customizing DLA Memory Pools"]
 TRANSITION_COST = 0.01  # within tolerance, one more GPU<->DLA transition must buy 1 % of FLOP share
 _BINS = 8192  # resolution of the FLOP-share search (1/8192 of the model's FLOPs)
 
@@ -84,6 +90,15 @@ class PartitionPlan:
     precision_chain: tuple[str, ...]
     segments: tuple[Segment, ...]
     notes: tuple[str, ...]
+    model_inputs: tuple[str, ...] = ()
+    gpu_fallback: bool = True
+    direct_io: bool = False
+    dla_memory_pools: tuple[tuple[str, int], ...] = ()
+
+    @cached_property
+    def routing(self) -> "Routing":
+        """How requests travel through the segments, derived once for every backend."""
+        return Routing.of(self)
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -107,10 +122,45 @@ class PartitionPlan:
             "precision_chain": list(self.precision_chain),
             "segments": [s.to_dict() for s in self.segments],
             "notes": list(self.notes),
+            "model_inputs": list(self.model_inputs),
+            "gpu_fallback": self.gpu_fallback,
+            "direct_io": self.direct_io,
+            "dla_memory_pools": dict(self.dla_memory_pools),
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routes requests take through a plan's segments, as the backends apply them.
+
+    Attributes:
+        routes: segment indices each request runs through, in order: one route through every segment of a
+            split plan, or one single-segment route per whole-model engine of a model-wise plan.
+        shares: the share of requests per route (model-wise), else None.
+        input_steps: per route, the last step that reads a model input: after it a request's staged input
+            buffer may be reused (prefetch slots, zero-copy staging).
+        segment_devices: the device of each segment, by index.
+    """
+
+    routes: tuple[tuple[int, ...], ...]
+    shares: tuple[float, ...] | None
+    input_steps: tuple[int, ...]
+    segment_devices: tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: "PartitionPlan") -> "Routing":
+        segs = plan.segments
+        if plan.is_model_wise:
+            routes = tuple((s.index,) for s in segs)
+            shares = tuple(float(s.request_share or 0.0) for s in segs)
+        else:
+            routes, shares = (tuple(s.index for s in segs),), None
+        inputs = set(plan.model_inputs)
+        steps = tuple(max((k for k, i in enumerate(r) if inputs & set(segs[i].inputs)), default=0) for r in routes)
+        return cls(routes, shares, steps, tuple(s.device for s in segs))
 
 
 @dataclass
@@ -146,6 +196,8 @@ def plan_partition(
     flops = [c.flops for c in costs]
     total = sum(flops)
     support = support_table(graph)
+    if not er.gpu_fallback:
+        support = _without_fallback(graph, support)
     cores = board.dla_cores if er.dla_cores is None else min(er.dla_cores, board.dla_cores)
     notes: list[str] = []
     if er.dla_cores is not None and er.dla_cores > board.dla_cores:
@@ -156,6 +208,7 @@ def plan_partition(
     else:
         placement = _place_split(model, er, cores, board, flops, support, er.tensorrt_partition == "layer-wise")
     notes += placement.notes
+    notes += _sram_notes(er.dla_memory_pools.managed_sram, placement.segments)
 
     chain = (precision,) if precision else tuple(er.precision_fallback)
     if precision == "fp32" and any(s.kind == "dla" for s in placement.segments):
@@ -177,7 +230,54 @@ def plan_partition(
         precision_chain=chain,
         segments=segments,
         notes=tuple(notes),
+        model_inputs=tuple(graph.inputs),
+        gpu_fallback=er.gpu_fallback,
+        direct_io=er.direct_io,
+        dla_memory_pools=tuple((k, int(getattr(er.dla_memory_pools, k))) for k in ("managed_sram", "local_dram", "global_dram")),
     )
+
+
+def _without_fallback(graph, support):
+    """Without GPU fallback, nodes that read the model input or write its output stay on the GPU.
+
+    Model inputs and outputs are FP32 linear host data; a DLA engine exchanging them needs reformats that
+    run on the GPU, so a DLA build without GPU_FALLBACK fails even when every layer is on the DLA
+    [NVIDIA/TensorRT#3438]. Keeping those nodes on the GPU leaves the DLA only cut tensors, which the
+    engines exchange in DLA-native formats (``trt_spec.boundary_formats``).
+    """
+    inputs, outputs = set(graph.inputs), set(graph.outputs)
+    out = list(support)
+    for i, node in enumerate(graph.nodes):
+        if not out[i].ok:
+            continue
+        if inputs & set(node.inputs):
+            why = "reads the model input"
+        elif outputs & set(node.outputs):
+            why = "writes the model output"
+        else:
+            continue
+        out[i] = Support(False, f"{why} (FP32, linear): without gpu_fallback TensorRT cannot add the reformat it needs "
+                                f"on the GPU, so it stays on the GPU", "NVIDIA/TensorRT#3438")
+    return tuple(out)
+
+
+def max_transitions(cores: int) -> int:
+    """GPU<->DLA transitions a split plan may have: two per DLA segment, 16 loadables per core."""
+    return 2 * LOADABLES_PER_CORE * max(cores, 1)
+
+
+def _sram_notes(managed_sram: int, segments) -> list[str]:
+    """What TensorRT does with the managed SRAM pool on Orin, when it matters for this plan."""
+    notes = []
+    if managed_sram > ORIN_SRAM_PER_CORE:
+        notes.append(f"dla_memory_pools.managed_sram is {managed_sram // 1024} KiB, but Orin has 1 MiB of SRAM per DLA "
+                     f"core: the pool is an upper bound and a loadable never gets more than the core has")
+    per_core = Counter(s.device for s in segments if s.kind == "dla")
+    for device, n in sorted(per_core.items()):
+        if n > 1 and n * min(managed_sram, ORIN_SRAM_PER_CORE) > ORIN_SRAM_PER_CORE:
+            notes.append(f"{device} holds {n} loadables that share its 1 MiB of SRAM; one that gets none runs from "
+                         f"local DRAM (slower, not an error)")
+    return notes
 
 
 def _assign_precision(seg: Segment, graph, chain, reference: bool) -> Segment:
@@ -201,13 +301,14 @@ def _assign_precision(seg: Segment, graph, chain, reference: bool) -> Segment:
 
 
 def _reasons(graph, support, indices) -> str:
+    """Every reason group, most frequent first, with one example node and the count of the others."""
     by_reason = Counter()
     examples: dict[str, str] = {}
     for i in indices:
         reason = support[i].reason or "unsupported"
         by_reason[reason] += 1
         examples.setdefault(reason, graph.nodes[i].name)
-    parts = [f"{examples[r]}{' and %d more' % (c - 1) if c > 1 else ''}: {r}" for r, c in by_reason.most_common(4)]
+    parts = [f"{examples[r]}{' and %d more' % (c - 1) if c > 1 else ''}: {r}" for r, c in by_reason.most_common()]
     return "; ".join(parts)
 
 
@@ -271,7 +372,7 @@ def _place_split(model, er, cores, board, flops, support, layer_wise: bool) -> _
         on_dla = [False] * len(units)
     else:
         target = (1.0 - ratio) * total
-        on_dla = _choose_units(unit_flops, eligible, target, total, er.offload_tolerance)
+        on_dla = _choose_units(unit_flops, eligible, target, total, er.offload_tolerance, max_transitions(cores))
 
     devices_per_unit = ["dla" if d else "gpu" for d in on_dla]
     dla_flops = sum(f for f, d in zip(unit_flops, on_dla) if d)
@@ -282,7 +383,8 @@ def _place_split(model, er, cores, board, flops, support, layer_wise: bool) -> _
     if unsupported and any(on_dla):
         notes.append(f"{len(unsupported)} node(s) stay on the GPU (DLA rules): {_reasons(graph, support, unsupported)}")
     if total and abs(achieved - ratio) > er.offload_tolerance and ratio < 1.0 and cores > 0:
-        notes.append(_why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, len(cuts)))
+        notes.append(_why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, len(cuts),
+                              max_transitions(cores)))
 
     # runs of equal device -> segments
     runs: list[list[int]] = []
@@ -302,7 +404,7 @@ def _place_split(model, er, cores, board, flops, support, layer_wise: bool) -> _
     return _Placement(segs, notes, gpu_flops)
 
 
-def _why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, n_cuts) -> str:
+def _why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total, layer_wise, n_cuts, max_t) -> str:
     head = f"achieved GPU share {achieved:.3f} differs from the requested {ratio:.3f}: "
     blocked = [i for i, s in enumerate(support) if not s.ok]
     floor = 1.0 - sum(f for f, e in zip(unit_flops, eligible) if e) / total  # lowest GPU share the rules allow
@@ -316,15 +418,16 @@ def _why_off(graph, support, units, unit_flops, eligible, ratio, achieved, total
     if blocked:
         runs = sum(1 for i, s in enumerate(support) if not s.ok and (i == 0 or support[i - 1].ok))
         return head + (f"{len(blocked)} DLA-unsupported node(s) sit in {runs} separate places "
-                       f"({_reasons(graph, support, blocked)}); getting closer needs more than {MAX_TRANSITIONS} "
-                       f"GPU<->DLA transitions, each a reformat and a DLA loadable (16 per core at most)")
+                       f"({_reasons(graph, support, blocked)}); getting closer needs more than {max_t} "
+                       f"GPU<->DLA transitions (each DLA segment is a loadable, {LOADABLES_PER_CORE} per core at most) "
+                       f"or more FLOPs than the DLA-capable parts hold")
     if not layer_wise:
         return head + (f"block-wise cuts are allowed at only {n_cuts} places (where exactly one tensor crosses) "
                        f"and no set of whole blocks comes closer")
     return head + "the layers' FLOPs are too coarse for a closer split"
 
 
-def _choose_units(unit_flops, eligible, target, total, tolerance) -> list[bool]:
+def _choose_units(unit_flops, eligible, target, total, tolerance, max_t) -> list[bool]:
     """Pick DLA units: fewest GPU<->DLA transitions within ``tolerance`` of the target share.
 
     Dynamic programming over units with, per (transitions so far, device of the last unit), the set
@@ -346,11 +449,11 @@ def _choose_units(unit_flops, eligible, target, total, tolerance) -> list[bool]:
         else:
             for (t, d), bits in prev.items():
                 tg = t + (d != G)
-                if tg <= MAX_TRANSITIONS:
+                if tg <= max_t:
                     cur[(tg, G)] = cur.get((tg, G), 0) | bits
                 if ok:
                     td = t + (d != D)
-                    if td <= MAX_TRANSITIONS:
+                    if td <= max_t:
                         cur[(td, D)] = cur.get((td, D), 0) | (bits << w)
         history.append(cur)
         prev = cur
@@ -420,11 +523,14 @@ def _assign_cores(spans, units, unit_flops, cores, notes):
         notes.append("the DLA part is split between dla0 and dla1 at a balanced cut, so consecutive requests "
                      "pipeline across both cores")
         return out[:i] + [(a, mid, "dla0"), (mid, b, "dla1")] + out[i + 1:]
-    load = [0, 0]
+    load, count = [0, 0], [0, 0]
     for i in dla_runs:
         a, b, _, run_units = spans[i]
-        core = 0 if load[0] <= load[1] else 1
+        # balance FLOPs, but never more than LOADABLES_PER_CORE segments on one core
+        open_cores = [c for c in (0, 1) if count[c] < LOADABLES_PER_CORE]
+        core = min(open_cores, key=lambda c: (load[c], c))
         load[core] += sum(unit_flops[u] for u in run_units)
+        count[core] += 1
         out[i] = (a, b, f"dla{core}")
     return out
 

@@ -137,14 +137,7 @@ class OnnxRuntimeBackend(Backend):
         self._sessions = [self._session(a, opts) for a in self.build.segments]
         self._segment_outputs = [list(s.outputs) for s in self.plan.segments]
         self._segment_inputs = [list(s.inputs) for s in self.plan.segments]
-        if self.plan.is_model_wise:
-            routes = [(s.index,) for s in self.plan.segments]
-            shares = [s.request_share for s in self.plan.segments]
-        else:
-            routes = [tuple(s.index for s in self.plan.segments)]
-            shares = None
-        self._lanes = LaneSet(self.plan.devices, routes, shares, [s.device for s in self.plan.segments],
-                              self._segment_inputs, [spec.name for spec in self.inputs], self._run_segment, self.outputs)
+        self._lanes = LaneSet(self.plan.routing, self._run_segment, self.outputs)
         self._lanes.start()
 
     @staticmethod

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..dla.planner import Routing
+
 RunSegment = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
@@ -99,31 +101,27 @@ class WeightedChooser:
 
 
 class LaneSet:
-    """The lanes of one plan and the routing of requests through them."""
+    """The lanes of one plan and the routing of requests through them (the plan's :class:`Routing`)."""
 
-    def __init__(self, devices: Sequence[str], routes: Sequence[tuple[int, ...]], shares: Sequence[float] | None,
-                 segment_device: Sequence[str], segment_inputs: Sequence[Sequence[str]], model_inputs: Sequence[str],
-                 run: RunSegment, outputs: tuple[str, ...]):
-        self._lanes = {d: Lane(d, run, self._lane_for_segment) for d in devices}
-        self._segment_device = list(segment_device)
-        self._routes = list(routes)
-        # the last step of each route that reads a model input: prefetch slots are released after it
-        self._release_after = {
-            route: max((i for i, seg in enumerate(route) if set(segment_inputs[seg]) & set(model_inputs)), default=0)
-            for route in self._routes
-        }
-        self._chooser = WeightedChooser(shares) if shares else None
+    def __init__(self, routing: Routing, run: RunSegment, outputs: tuple[str, ...]):
+        self._lanes = {d: Lane(d, run, self._lane_for_segment) for d in dict.fromkeys(routing.segment_devices)}
+        self._routing = routing
+        self._chooser = WeightedChooser(routing.shares) if routing.shares else None
         self._outputs = outputs
 
     def _lane_for_segment(self, seg: int) -> Lane:
-        return self._lanes[self._segment_device[seg]]
+        return self._lanes[self._routing.segment_devices[seg]]
 
     def runs(self) -> dict[str, int]:
         """Segments run per device lane so far."""
         return {d: lane.runs for d, lane in self._lanes.items()}
 
+    def _pick(self) -> int:
+        return self._chooser.pick() if self._chooser else 0
+
     def route(self) -> tuple[int, ...]:
-        return self._routes[self._chooser.pick()] if self._chooser else self._routes[0]
+        """The next request's route (model-wise: by request share)."""
+        return self._routing.routes[self._pick()]
 
     def start(self) -> None:
         for lane in self._lanes.values():
@@ -138,8 +136,8 @@ class LaneSet:
     def submit(self, feeds, stage, release) -> Future:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
-        route = self.route()
-        job = Job(fut, route, tensors=dict(feeds) if feeds is not None else None, stage=stage,
-                  release=release, release_after=self._release_after[route], outputs=self._outputs)
+        r = self._pick()
+        job = Job(fut, self._routing.routes[r], tensors=dict(feeds) if feeds is not None else None, stage=stage,
+                  release=release, release_after=self._routing.input_steps[r], outputs=self._outputs)
         self._lane_for_segment(job.route[0]).inbox.put(job)
         return fut

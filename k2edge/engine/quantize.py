@@ -9,6 +9,14 @@ INT8 produces, from one calibration pass over a calibration set:
 
 Both are stored in the engine cache keyed by the model, the calibration data and the settings,
 so a second build does no calibration.
+
+Ranges the DLA needs equal are made equal before either artefact is written: "When running pooling
+layer with DeviceType::kDLA in Int8 mode, the dynamic ranges for input and output tensors must be
+equal", and for an elementwise layer "the dynamic ranges of two input tensors shall be equal. If the
+dynamic ranges are generated using calibrator, the largest value shall be used" [TensorRT 10.3
+``NvInfer.h``, ``IPoolingLayer`` / ``IElementWiseLayer``]. The largest range of each group of tied tensors
+goes to all of them, in the calibration cache and in the Q/DQ model's scales alike, so the CPU path
+measures the accuracy the DLA will have.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from .cache import EngineCache, digest
 
 log = logging.getLogger(__name__)
 
-QUANT_VERSION = "1"
+QUANT_VERSION = "2"  # 2: ranges tied by DLA pooling and elementwise layers are equalised
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 
@@ -108,26 +116,28 @@ def calibrate_int8(
         # directory; hand it a file so the normalised model in memory stays intact.
         source = tmp / "input.onnx"
         source.write_bytes(model.serialized)
+        settings = dict(
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=list(exclude_nodes),
+            calibrate_method=CalibrationMethod.MinMax,
+            calibration_cache_path=str(ranges_file),
+            # TensorRT takes symmetric INT8 only (zero point 0), for activations and weights.
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+        )
         try:
-            quantize_static(
-                str(source),
-                str(tmp / "qdq.onnx"),
-                _Reader(),
-                quant_format=QuantFormat.QDQ,
-                per_channel=True,
-                activation_type=QuantType.QInt8,
-                weight_type=QuantType.QInt8,
-                nodes_to_exclude=list(exclude_nodes),
-                calibrate_method=CalibrationMethod.MinMax,
-                calibration_cache_path=str(ranges_file),
-                # TensorRT takes symmetric INT8 only (zero point 0), for activations and weights.
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
-            )
+            # pass 1 calibrates and writes the ranges; they are equalised; pass 2 quantises from the cache
+            quantize_static(str(source), str(tmp / "unequalised.onnx"), _Reader(), **settings)
+            equalise_ort_ranges(ranges_file, tied_tensors(model.graph))
+            quantize_static(str(source), str(tmp / "qdq.onnx"), None, **settings)
         except Exception as exc:
             raise BuildError(f"INT8 calibration failed: {type(exc).__name__}: {exc}") from exc
         finally:
             quiet.setLevel(level)
             source.unlink(missing_ok=True)
+            (tmp / "unequalised.onnx").unlink(missing_ok=True)
         ranges = _amax_from_ort_ranges(ranges_file)
         (tmp / "dynamic_ranges.json").write_text(json.dumps(ranges, indent=1, sort_keys=True))
         write_trt_calibration_cache(tmp / "calib.cache", ranges)
@@ -136,6 +146,66 @@ def calibrate_int8(
     entry = cache.get_or_build("int8", key, build, what=f"Q/DQ INT8 of {model.source}")
     ranges = json.loads(entry.file("dynamic_ranges.json").read_text())
     return QuantArtefacts(key, entry.file("qdq.onnx"), ranges, entry.file("calib.cache"), entry.meta.get("samples", n), entry.hit)
+
+
+POOLING_OPS = ("MaxPool", "AveragePool")
+ELEMENTWISE_OPS = ("Add", "Sub", "Mul", "Max", "Min")
+
+
+def tied_tensors(graph) -> list[set[str]]:
+    """Groups of activations whose INT8 ranges the DLA needs equal (pooling in/out, elementwise inputs).
+
+    Args:
+        graph: the normalised model's :class:`~k2edge.model.graph.Graph`.
+    """
+    parent: dict[str, str] = {}
+
+    def find(t: str) -> str:
+        while parent.setdefault(t, t) != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+
+    def tie(tensors) -> None:
+        tensors = [t for t in tensors if graph.is_activation(t)]
+        for t in tensors[1:]:
+            parent[find(t)] = find(tensors[0])
+
+    for node in graph.nodes:
+        if node.op_type in POOLING_OPS:
+            tie([node.inputs[0], node.outputs[0]])
+        elif node.op_type in ELEMENTWISE_OPS:
+            tie(list(node.inputs))
+    groups: dict[str, set[str]] = {}
+    for t in parent:
+        groups.setdefault(find(t), set()).add(t)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def equalise_ort_ranges(path: Path, groups: list[set[str]]) -> int:
+    """Give every tensor of each group the group's largest symmetric range, in ONNX Runtime's range cache.
+
+    Returns:
+        how many tensors got a wider range.
+    """
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData, load_tensors_data, save_tensors_data
+
+    data = load_tensors_data(path)
+    ranges = dict(data.data)
+    widened = 0
+    for group in groups:
+        present = [t for t in group if t in ranges]
+        if len(present) < 2:
+            continue
+        amax = max(float(np.abs(np.asarray(v, dtype=np.float64)).max()) for t in present for v in ranges[t].range_value)
+        for t in present:
+            lo, hi = ranges[t].range_value
+            dtype = np.asarray(hi).dtype
+            if float(np.abs(np.asarray(lo)).max()) < amax or float(np.abs(np.asarray(hi)).max()) < amax:
+                widened += 1
+            ranges[t] = TensorData(lowest=np.array(-amax, dtype=dtype), highest=np.array(amax, dtype=dtype))
+    save_tensors_data(TensorsData(data.calibration_method, ranges), path)
+    return widened
 
 
 def _amax_from_ort_ranges(path: Path) -> dict[str, float]:

@@ -30,7 +30,7 @@ from ..profile import Profile
 from .base import Backend, LaneInfo, TensorSpec
 from .cache import EngineCache, digest
 from .quantize import QuantArtefacts
-from .trt_build import make_logger
+from .trt_cuda import primary_context, process_logger, pushed
 from .trt_runtime import BoundTensor, LoadedSegment, StreamPipeline
 from .trt_spec import SegmentBuildSpec, TargetFacts, segment_specs, tensor_nbytes
 from .trt_store import EngineStore, target_facts
@@ -83,9 +83,9 @@ def create_backend(normalised: NormalisedModel, plan: PartitionPlan, quant: Quan
         BuildError: FP32 on a DLA, a DLA core this device lacks, or a TensorRT build failure.
         BackendUnavailable: tensorrt or pycuda is missing.
     """
-    specs = segment_specs(plan, profile, normalised.graph, quant is not None)  # pure checks first
+    specs = segment_specs(plan, normalised.graph, quant is not None)  # pure checks first
     trt, cuda = _modules()
-    logger = make_logger(trt)
+    logger = process_logger(trt)
     facts = target_facts(trt, cuda, logger)
     need = max((s.dla_core + 1 for s in specs if s.is_dla), default=0)
     if need > facts.dla_cores:
@@ -117,7 +117,6 @@ class TensorRTBackend(Backend):
         self.plan, self.build, self.store = plan, build, store
         self.prefetch, self.depth, self.zero_copy = prefetch, depth, zero_copy
         self._pipeline: StreamPipeline | None = None
-        self._ctx = None
         self._runtimes: dict = {}
 
     @property
@@ -126,30 +125,21 @@ class TensorRTBackend(Backend):
 
     def activate_impl(self) -> None:
         trt, cuda = _modules()
-        cuda.init()
         # The primary context is the one TensorRT's runtime API uses: pycuda buffers and streams share it.
-        ctx = cuda.Device(0).retain_primary_context()
+        # Held once per process (trt_cuda): deactivating from another thread must not leak a retain.
+        ctx = primary_context(cuda)
         try:
-            ctx.push()
-            try:
+            with pushed(cuda, ctx):
                 self._runtimes = {}
                 loaded = [self._load(trt, spec) for spec in self.store.specs]
                 tensors = _bound_tensors(trt, loaded)
-            finally:
-                cuda.Context.pop()
-            if self.plan.is_model_wise:
-                routes, shares = [(s.index,) for s in self.plan.segments], [s.request_share for s in self.plan.segments]
-            else:
-                routes, shares = [tuple(s.index for s in self.plan.segments)], None
             slots = max(2, len(self.plan.devices) + 1)  # enough to keep every device and the copy engine busy
-            self._pipeline = StreamPipeline(cuda, ctx, loaded, routes, shares, tensors, tuple(s.name for s in self.inputs),
+            self._pipeline = StreamPipeline(cuda, ctx, loaded, self.plan.routing, tensors, tuple(s.name for s in self.inputs),
                                             self.outputs, depth=self.depth, slots=slots, prefetch=self.prefetch,
                                             zero_copy=self.zero_copy).start()
         except BaseException:
             self._runtimes = {}
-            ctx.detach()
             raise
-        self._ctx = ctx
 
     def _load(self, trt, spec: SegmentBuildSpec) -> LoadedSegment:
         logger = self.store.logger
@@ -179,9 +169,6 @@ class TensorRTBackend(Backend):
             self._pipeline.stop()
         self._pipeline = None
         self._runtimes = {}
-        if self._ctx is not None:
-            self._ctx.detach()
-            self._ctx = None
 
     def infer_impl(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._pipeline.submit(feeds).result()

@@ -8,7 +8,7 @@ level). The API names used, as the TensorRT Python bindings spell them:
 * ``config.default_device_type``, ``config.DLA_core`` (upper case), ``config.set_flag(BuilderFlag.GPU_FALLBACK)``,
   ``config.set_device_type(layer, DeviceType.GPU)``, ``config.can_run_on_DLA(layer)``;
 * ``config.set_memory_pool_limit(MemoryPoolType.DLA_MANAGED_SRAM | DLA_LOCAL_DRAM | DLA_GLOBAL_DRAM, bytes)``;
-* ``BuilderFlag.FP16`` / ``INT8`` / ``PREFER_PRECISION_CONSTRAINTS``, ``layer.precision``;
+* ``BuilderFlag.FP16`` / ``INT8`` / ``PREFER_PRECISION_CONSTRAINTS`` / ``DIRECT_IO``, ``layer.precision``;
 * ``tensor.dtype`` and ``tensor.allowed_formats = 1 << int(TensorFormat.CHW16)`` on network I/O;
 * ``config.int8_calibrator``: an ``IInt8EntropyCalibrator2`` whose ``read_calibration_cache`` returns the
   cache (``get_batch`` returns None: the ranges were computed once, in Python);
@@ -32,38 +32,6 @@ from .trt_spec import SegmentBuildSpec, trt_version_code
 log = logging.getLogger(__name__)
 
 _PRECISION = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
-
-
-def make_logger(trt):
-    """A ``trt.ILogger`` that forwards to Python logging and keeps errors for our messages.
-
-    Made inside a function: the class subclasses a TensorRT interface and tensorrt is optional.
-    """
-
-    class _RecordingLogger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-            self.errors: list[str] = []
-
-        def log(self, severity, msg):
-            level = _severity(severity)
-            if level >= logging.ERROR:
-                self.errors.append(str(msg))
-            log.log(level if level >= logging.WARNING else logging.DEBUG, "TensorRT: %s", msg)
-
-        def take_errors(self) -> list[str]:
-            out, self.errors = self.errors, []
-            return out
-
-    return _RecordingLogger()
-
-
-def _severity(severity) -> int:
-    try:
-        value = int(severity)  # INTERNAL_ERROR=0, ERROR=1, WARNING=2, INFO=3, VERBOSE=4
-    except (TypeError, ValueError):
-        value = 3
-    return {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}.get(value, logging.DEBUG)
 
 
 def make_cache_calibrator(trt, cache: bytes, batch_size: int):
@@ -113,6 +81,8 @@ def apply_spec(trt, config, network, spec: SegmentBuildSpec, layers: list[tuple[
         config.set_flag(trt.BuilderFlag.INT8)
     if spec.precision_constraints:
         config.set_flag(trt.BuilderFlag.PREFER_PRECISION_CONSTRAINTS)
+    if spec.direct_io:
+        config.set_flag(trt.BuilderFlag.DIRECT_IO)
     if spec.is_dla:
         config.default_device_type = trt.DeviceType.DLA
         config.DLA_core = spec.dla_core
@@ -171,6 +141,7 @@ def build_segment_engine(trt, logger, spec: SegmentBuildSpec, model: onnx.ModelP
     Raises:
         BuildError: the parser or the builder failed, or the network is not static.
     """
+    logger.take_errors()  # this thread's errors from here on belong to this build
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)

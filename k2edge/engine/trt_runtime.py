@@ -13,6 +13,11 @@ Every request is enqueued, without waiting, in one pass (TensorRT 10: ``set_tens
 4. outputs come back on a separate device-to-host stream; a completion thread waits on the
    request's last event, hands the outputs to its future and frees the request's device buffers.
 
+Events are made with ``DISABLE_TIMING`` (they order work, nothing times them), and those a host
+thread waits on also with ``BLOCKING_SYNC``, so that the waiting thread sleeps instead of spinning a
+core (pycuda ``event_flags``; CUDA ``cuEventCreate``). pycuda's context stack is per thread: every
+thread that makes a CUDA call pushes the primary context first (``trt_cuda.pushed``).
+
 Without ``dma_prefetch`` the copy runs on the first segment's own stream (no overlap). With
 ``zero_copy`` (Jetson's unified memory) inputs are mapped page-locked buffers the engine reads in
 place: there is no copy, and a staging slot is freed by the event of the last segment that reads it.
@@ -20,7 +25,6 @@ place: there is no copy, and a staging slot is freed by the event of the last se
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from concurrent.futures import Future
@@ -28,8 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..dla.planner import Routing
 from ..errors import InferenceError
 from .pipeline import WeightedChooser
+from .trt_cuda import pushed
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,7 @@ class StreamPipeline:
         cuda: the ``pycuda.driver`` module.
         context: the retained primary CUDA context (shared with TensorRT's runtime API).
         segments: loaded segments, indexed by plan segment index.
-        routes: segment indices each request runs through (one route, or one per model-wise engine).
-        shares: request share per route (model-wise), else None.
+        routing: the plan's routes, request shares and the last step of each route that reads a model input.
         tensors: every tensor any engine binds.
         model_inputs / model_outputs: the host-facing tensors.
         depth: page-locked host staging slots (``prefetch_depth``).
@@ -71,14 +76,14 @@ class StreamPipeline:
         zero_copy: mapped page-locked inputs, no host-to-device copy.
     """
 
-    def __init__(self, cuda, context, segments: list[LoadedSegment], routes: list[tuple[int, ...]],
-                 shares: list[float] | None, tensors: dict[str, BoundTensor], model_inputs: tuple[str, ...],
+    def __init__(self, cuda, context, segments: list[LoadedSegment], routing: Routing,
+                 tensors: dict[str, BoundTensor], model_inputs: tuple[str, ...],
                  model_outputs: tuple[str, ...], depth: int, slots: int, prefetch: bool = True, zero_copy: bool = False):
         self._cuda = cuda
         self._ctx = context
         self._segments = {s.index: s for s in segments}
-        self._routes = list(routes)
-        self._chooser = WeightedChooser(shares) if shares else None
+        self._routing = routing
+        self._chooser = WeightedChooser(routing.shares) if routing.shares else None
         self._tensors = tensors
         self._inputs = model_inputs
         self._outputs = model_outputs
@@ -86,23 +91,15 @@ class StreamPipeline:
         self.slots = slots
         self.prefetch = prefetch
         self.zero_copy = zero_copy
-        # the last step of each route that reads a model input (zero-copy frees the staging slot after it)
-        self._last_reader = {r: max((k for k, i in enumerate(r) if set(self._segments[i].inputs) & set(model_inputs)),
-                                    default=0) for r in self._routes}
         self._lock = threading.Lock()
         self._free: queue.Queue[int] = queue.Queue()
         self._pending: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._next_host = 0
 
-    @contextlib.contextmanager
     def current(self):
         """Make the CUDA context current in this thread (pycuda calls need it; contexts are per thread)."""
-        self._ctx.push()
-        try:
-            yield
-        finally:
-            self._cuda.Context.pop()
+        return pushed(self._cuda, self._ctx)
 
     # lifecycle -------------------------------------------------------------------------------
     def start(self) -> "StreamPipeline":
@@ -114,13 +111,16 @@ class StreamPipeline:
             flags = cuda.host_alloc_flags.DEVICEMAP if self.zero_copy else 0
             self._host_in = [{n: cuda.pagelocked_empty(self._tensors[n].shape, self._tensors[n].dtype, mem_flags=flags)
                               for n in self._inputs} for _ in range(self.depth)]
-            self._host_free = [cuda.Event() for _ in range(self.depth)]
+            # host threads wait on these two kinds of event: sleep, don't spin
+            waited = cuda.event_flags.DISABLE_TIMING | cuda.event_flags.BLOCKING_SYNC
+            ordering = cuda.event_flags.DISABLE_TIMING
+            self._host_free = [cuda.Event(waited) for _ in range(self.depth)]
             on_device = [n for n in self._tensors if not (self.zero_copy and n in self._inputs)]
             self._dev = [{n: cuda.mem_alloc(self._tensors[n].nbytes) for n in on_device} for _ in range(self.slots)]
             self._host_out = [{n: cuda.pagelocked_empty(self._tensors[n].shape, self._tensors[n].dtype) for n in self._outputs}
                               for _ in range(self.slots)]
-            self._seg_done = [{i: cuda.Event() for i in self._segments} for _ in range(self.slots)]
-            self._done = [cuda.Event() for _ in range(self.slots)]
+            self._seg_done = [{i: cuda.Event(ordering) for i in self._segments} for _ in range(self.slots)]
+            self._done = [cuda.Event(waited) for _ in range(self.slots)]
             for seg in self._segments.values():
                 for n in seg.inputs:
                     seg.context.set_input_shape(n, self._tensors[n].shape)
@@ -172,7 +172,8 @@ class StreamPipeline:
             host[n][...] = feeds[n]
         if release is not None:
             release()  # the caller's buffer has been copied into page-locked memory
-        route = self._routes[self._chooser.pick()] if self._chooser else self._routes[0]
+        r = self._chooser.pick() if self._chooser else 0
+        route, input_step = self._routing.routes[r], self._routing.input_steps[r]
         dev = self._dev[slot]
         addr = {n: int(a) for n, a in dev.items()}
         ready = None
@@ -194,7 +195,7 @@ class StreamPipeline:
             if not seg.context.execute_async_v3(stream.handle):
                 raise InferenceError(f"TensorRT could not enqueue segment {i} on {seg.device}")
             ready = self._seg_done[slot][i].record(stream)
-            if self.zero_copy and step == self._last_reader[route]:
+            if self.zero_copy and step == input_step:
                 self._host_free[h].record(stream)
         self._copy_out.wait_for_event(ready)
         for n in self._outputs:

@@ -12,7 +12,18 @@ TensorRT facts relied on (see shared/platform-facts.md):
   the GPU takes the Q/DQ model (explicit quantisation);
 * DLA memory pools are per loadable, powers of two, at least 4 KiB ("Customizing DLA Memory Pools");
 * every GPU<->DLA boundary costs reformat kernels unless the tensor is exchanged in a format the DLA
-  reads natively: FP16 ``kCHW16`` (the DLA FAQ; jetson_dla_tutorial measured reformats halving throughput).
+  reads natively: ``kCHW16`` "maps to the native feature format for FP16", ``kCHW32`` "to the native
+  feature format for INT8" [TensorRT 10.3 ``NvInferRuntimeBase.h``, ``TensorFormat``]; jetson_dla_tutorial
+  measured reformats halving throughput. An INT8 DLA loadable given FP16 ``CHW16`` I/O needs a reformat
+  (NVIDIA-AI-IOT/cuDLA-samples#36: "at least 1 reformatting nodes are needed");
+* ``BuilderFlag.DIRECT_IO`` "Require[s] that no reformats be inserted between a layer and a network I/O
+  tensor for which ITensor::setAllowedFormats was called. Build fails if a reformat is required" [NvInfer.h
+  10.3]: the profile's ``direct_io`` turns a silent reformat at a cut into a build error;
+* an INT8 network I/O tensor needs a scale: from Q/DQ layers next to it, or, in a network without Q/DQ,
+  from the calibrator ("input/output with DataType Int8 in network without Q/DQ layers must have dynamic
+  range set when no calibrator is used", NVIDIA/TensorRT#1973). The segment models end at float tensors,
+  so an engine that exchanges an INT8 cut tensor is built by implicit quantisation from the calibration
+  cache, the same cache (the same scale) on both sides of the cut.
 """
 
 from __future__ import annotations
@@ -23,14 +34,14 @@ from dataclasses import asdict, dataclass, field
 from ..dla.planner import PartitionPlan, Segment
 from ..errors import BuildError
 from ..model.graph import Graph
-from ..profile import Profile
 from .cache import digest
 
 BACKEND_VERSION = "1"
 """Bumped whenever the way engines are built changes, so cached engines are rebuilt."""
 
-POOLS = (("managed_sram", "DLA_MANAGED_SRAM"), ("local_dram", "DLA_LOCAL_DRAM"), ("global_dram", "DLA_GLOBAL_DRAM"))
-BOUNDARY_FORMAT = ("fp16", "CHW16")  # DLA-native FP16 layout, also a GPU format: no reformat on either side
+POOLS = {"managed_sram": "DLA_MANAGED_SRAM", "local_dram": "DLA_LOCAL_DRAM", "global_dram": "DLA_GLOBAL_DRAM"}
+FP16_CUT = ("fp16", "CHW16")  # DLA-native FP16 layout, also a GPU format: no reformat on either side
+INT8_CUT = ("int8", "CHW32")  # DLA-native INT8 layout
 
 
 @dataclass(frozen=True)
@@ -61,10 +72,11 @@ class SegmentBuildSpec:
         default_device: ``GPU`` or ``DLA`` (``config.default_device_type``).
         dla_core: ``config.DLA_core`` for DLA engines, else None.
         gpu_fallback: set ``BuilderFlag.GPU_FALLBACK`` (DLA engines only).
+        direct_io: set ``BuilderFlag.DIRECT_IO`` (engines with formats set at cuts, when the plan asks).
         gpu_layers: ONNX nodes forced onto the GPU inside a DLA engine (``config.set_device_type``).
         fp16 / int8: ``BuilderFlag.FP16`` / ``BuilderFlag.INT8``.
-        int8_source: ``qdq`` (explicit, from the Q/DQ model), ``calibration-cache`` (implicit, the
-            DLA route) or None.
+        int8_source: ``qdq`` (explicit, from the Q/DQ model), ``calibration-cache`` (implicit: the DLA
+            route, and GPU engines that exchange an INT8 cut tensor) or None.
         layer_precision: per-node precision constraints, only where a segment mixes precisions.
         memory_pools: ``(MemoryPoolType name, bytes)`` for DLA engines.
         io_formats: ``(tensor, dtype, format)`` for tensors crossing a GPU<->DLA or DLA<->DLA cut.
@@ -77,6 +89,7 @@ class SegmentBuildSpec:
     default_device: str
     dla_core: int | None
     gpu_fallback: bool
+    direct_io: bool
     gpu_layers: tuple[str, ...]
     fp16: bool
     int8: bool
@@ -110,20 +123,19 @@ class SegmentBuildSpec:
         return json.dumps(asdict(self), sort_keys=True)
 
 
-def segment_specs(plan: PartitionPlan, profile: Profile, graph: Graph, have_quant: bool) -> tuple[SegmentBuildSpec, ...]:
+def segment_specs(plan: PartitionPlan, graph: Graph, have_quant: bool) -> tuple[SegmentBuildSpec, ...]:
     """Translate every segment of ``plan`` into builder settings.
 
     Args:
-        plan: the partition plan.
-        profile: the profile (GPU fallback, DLA memory pools).
+        plan: the partition plan (it carries GPU fallback, DIRECT_IO and the DLA memory pools).
         graph: the normalised model's graph (tensor ranks for I/O formats).
         have_quant: whether INT8 artefacts (Q/DQ model, calibration cache) exist.
 
     Raises:
         BuildError: FP32 layers planned on a DLA (reference mode), or INT8 without calibration.
     """
-    er = profile.edge_runtime
     formats = boundary_formats(plan, graph)
+    pools = tuple((POOLS[key], size) for key, size in plan.dla_memory_pools)
     specs = []
     for seg in plan.segments:
         on_dla = seg.kind == "dla"
@@ -136,30 +148,34 @@ def segment_specs(plan: PartitionPlan, profile: Profile, graph: Graph, have_quan
                 f"runs FP16 and INT8 only. precision fp32 is the reference mode of --backend onnxruntime; "
                 f"for TensorRT use fp16 or int8, or a profile with offload_ratio 1.0"
             )
+        io_formats = tuple((t, *formats[t]) for t in (*seg.inputs, *seg.outputs) if t in formats)
         used = set(seg.layer_precision.values()) or {"fp32"}
-        int8 = "int8" in used
+        int8 = "int8" in used or any(dtype == "int8" for _, dtype, _ in io_formats)
         if int8 and not have_quant:
             raise BuildError(f"segment {seg.index} ({seg.device}) runs INT8 layers but no calibration artefacts were given")
         # The DLA has no FP32: an INT8 DLA engine needs FP16 too, for tensors without an INT8 scale.
         fp16 = "fp16" in used or (on_dla and int8)
+        implicit = on_dla or any(dtype == "int8" for _, dtype, _ in io_formats)
+        source = ("calibration-cache" if implicit else "qdq") if int8 else None
         mixed = len(used) > 1
         # Explicitly quantised (Q/DQ) layers take their precision from the Q/DQ nodes: no constraints on them.
         layer_precision = tuple(
-            (n, p) for n, p in seg.layer_precision.items() if mixed and not (p == "int8" and not on_dla)
+            (n, p) for n, p in seg.layer_precision.items() if mixed and not (p == "int8" and source == "qdq")
         )
         specs.append(SegmentBuildSpec(
             index=seg.index,
             device=seg.device,
             default_device="DLA" if on_dla else "GPU",
             dla_core=int(seg.device[3:]) if on_dla else None,
-            gpu_fallback=bool(on_dla and er.gpu_fallback),
+            gpu_fallback=bool(on_dla and plan.gpu_fallback),
+            direct_io=bool(plan.direct_io and io_formats),
             gpu_layers=tuple(n for n in seg.nodes if on_dla and n in fallback),
             fp16=fp16,
             int8=int8,
-            int8_source=("calibration-cache" if on_dla else "qdq") if int8 else None,
+            int8_source=source,
             layer_precision=layer_precision,
-            memory_pools=tuple((pool, getattr(er.dla_memory_pools, key)) for key, pool in POOLS) if on_dla else (),
-            io_formats=tuple((t, *formats[t]) for t in (*seg.inputs, *seg.outputs) if t in formats),
+            memory_pools=pools if on_dla else (),
+            io_formats=io_formats,
             input_shapes=tuple((t, graph.shape(t)) for t in seg.inputs),
             planned=planned,
         ))
@@ -167,26 +183,29 @@ def segment_specs(plan: PartitionPlan, profile: Profile, graph: Graph, have_quan
 
 
 def boundary_formats(plan: PartitionPlan, graph: Graph) -> dict[str, tuple[str, str]]:
-    """The I/O format of every 4-D tensor crossing a cut with a DLA on either side.
+    """The I/O dtype and format of every 4-D tensor crossing a cut with a DLA on either side.
 
-    Model inputs and outputs stay FP32 linear (the host reads and writes them). Producer and
-    consumers take the same format, so the tensor moves between engines without a reformat kernel.
+    Model inputs and outputs stay FP32 linear (the host reads and writes them). Producer and consumers
+    take the same format, so the tensor moves between engines without a reformat kernel: INT8 ``CHW32``
+    where the layer that writes it and every layer that reads it run INT8, else FP16 ``CHW16``.
     """
     if plan.is_model_wise:
         return {}
-    device_of = {}
+    segment_of, precision_of = {}, {}
     for seg in plan.segments:
         for node in seg.nodes:
-            device_of[node] = seg
+            segment_of[node] = seg
+            precision_of[node] = seg.layer_precision.get(node)
     out = {}
     for seg in plan.segments:
         for t in seg.inputs:
-            if t in graph.inputs or t in graph.outputs or len(graph.shape(t)) != 4:
+            if t in graph.inputs or t in graph.outputs or len(graph.shape(t)) != 4 or t in out:
                 continue
-            producer = device_of.get(graph.nodes[graph.producer[t]].name) if t in graph.producer else None
-            consumers = [s for s in plan.segments if t in s.inputs]
-            if any(s.kind == "dla" for s in ([producer] if producer else []) + consumers):
-                out[t] = BOUNDARY_FORMAT
+            writer = [graph.nodes[graph.producer[t]].name] if t in graph.producer else []
+            adjacent = writer + [graph.nodes[i].name for i in graph.consumers.get(t, [])]
+            if not any(segment_of[n].kind == "dla" for n in adjacent):
+                continue
+            out[t] = INT8_CUT if all(precision_of[n] == "int8" for n in adjacent) else FP16_CUT
     return out
 
 

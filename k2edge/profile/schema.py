@@ -67,6 +67,11 @@ class EdgeRuntime(_Strict):
     )
     dla_cores: int | None = Field(None, description="DLA cores to use; null = every core the board has")
     gpu_fallback: bool = Field(True, description="let TensorRT move DLA-incapable layers to the GPU")
+    direct_io: bool = Field(
+        False,
+        description="build TensorRT engines with BuilderFlag.DIRECT_IO: a reformat at a GPU<->DLA cut fails the "
+        "build instead of costing time silently",
+    )
     batch_size: int = Field(1, description="static batch size the engines are built for")
     prefetch_depth: int = Field(2, description="input buffers in the prefetch ring")
     offload_tolerance: float = Field(
