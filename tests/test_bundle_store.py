@@ -98,6 +98,25 @@ def test_same_version_other_content_is_a_conflict(store, releases, ops, tmp_path
     assert store.install(releases["1.1.0"], allow_downgrade=True).status == "installed"  # identical: reused
 
 
+def test_a_re_signed_version_carries_its_new_signature_onto_the_disk(releases, ops, tmp_path):
+    """Key rotation: the same version re-signed with the new key, redeployed, loads once the old key is gone."""
+    import shutil
+
+    from k2edge.bundle import sign_bundle
+
+    new_key, new_pub, new_id = generate_keys(tmp_path / "new")
+    both = ModelStore(tmp_path / "state", load_trust([ops[1], new_pub]))
+    _deploy(both, releases["1.1.0"])
+    resigned = tmp_path / "resigned.k2b"
+    shutil.copy(releases["1.1.0"], resigned)
+    sign_bundle(resigned, new_key)
+    again = both.install(resigned, allow_downgrade=True)
+    assert again.status == "installed" and again.key_id == new_id
+    assert json.loads((again.paths["dir"] / "manifest.sig").read_text())["key_id"] == new_id
+    only_new = ModelStore(tmp_path / "state", load_trust([new_pub]))
+    assert only_new.load("digits").line == "loaded digits 1.1.0"
+
+
 def test_expected_name_is_enforced(store, releases):
     result = store.install(releases["1.0.0"], expected_name="mnist")
     assert result.status == "bad_manifest" and "'digits', not 'mnist'" in result.detail

@@ -119,8 +119,10 @@ class ModelStore:
                         return refusal
                     current = self.current(m.name)
                     target = self.root / m.name / m.version
-                    if not target.exists():  # else: the same content, installed before (checked by _admit)
+                    if not target.exists():
                         self._unpack(f, verified, target)
+                    else:  # the same manifest, installed before (checked by _admit); perhaps re-signed
+                        self._refresh_signature(target, verified.signature_bytes)
             except ArchiveProblem as exc:  # unreadable, too large, or changed since it was verified
                 return _with(result or BundleResult(exc.status, exc.detail), status=exc.status, detail=exc.detail)
             except OSError as exc:
@@ -161,6 +163,26 @@ class ModelStore:
             fsync_dir(folder)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    @staticmethod
+    def _refresh_signature(target: Path, signature: bytes | None) -> None:
+        """Keep the signature just verified: after a key rotation the re-signed bundle's signature
+        must be the one checked at the next load, not the old key's."""
+        sig = target / "manifest.sig"
+        if signature is None or (sig.is_file() and sig.read_bytes() == signature):
+            return
+        fd, tmp = tempfile.mkstemp(prefix=".sig-", dir=target)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(signature)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o640)
+            os.replace(tmp, sig)
+            fsync_dir(target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
             raise
 
     def activate(self, name: str, version: str) -> BundleResult:
