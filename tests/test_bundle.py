@@ -264,3 +264,23 @@ def test_same_inputs_make_the_same_bundle_bytes(tmp_path, monkeypatch):
     create_bundle(DEMO, tmp_path / "b.k2b", profiles=["c2"])
     assert a.created == "2023-11-14T22:13:20Z"
     assert (tmp_path / "a.k2b").read_bytes() == (tmp_path / "b.k2b").read_bytes()
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda m: {**m, "version": "1.0"}, "version: must be a semantic version"),
+    (lambda m: {**m, "model": "nope.onnx"}, "model 'nope.onnx' is not among files"),
+    (lambda m: {**m, "name": "../x"}, "name: must be letters"),
+    (lambda m: {**m, "created": "yesterday"}, "created: must be an ISO 8601 time"),
+    (lambda m: {**m, "files": m["files"] + m["files"][:1]}, "more than once"),
+    (lambda m: {**m, "shiny": True}, "shiny: unknown key"),
+])
+def test_a_signed_but_invalid_manifest_is_bad_manifest(edit, fragment, signed, keys, trust, tmp_path):
+    """Only signed bytes are parsed; a validly signed manifest that is not a manifest is refused as such."""
+    from k2edge.bundle.keys import load_private_key, sign_manifest
+
+    members = read_members(signed)
+    manifest = json.dumps(edit(json.loads(members[0][1]))).encode()
+    sig = sign_manifest(manifest, load_private_key(keys["ops_key"])).to_bytes()
+    members = replace_data(replace_data(members, "manifest.json", lambda _: manifest), "manifest.sig", lambda _: sig)
+    result = verify_bundle(write_members(tmp_path / "b.k2b", members), trust)
+    assert result.status == "bad_manifest" and fragment in result.detail, result.line

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Literal
 
@@ -104,6 +105,15 @@ class Manifest(_Strict):
     @classmethod
     def _version(cls, v: str) -> str:
         parse_version(v)
+        return v
+
+    @field_validator("created")
+    @classmethod
+    def _created(cls, v: str) -> str:
+        try:
+            datetime.fromisoformat(v.replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError(f"must be an ISO 8601 time such as 2026-03-02T09:14:07Z, got {v!r}") from None
         return v
 
     @model_validator(mode="after")
