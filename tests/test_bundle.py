@@ -284,3 +284,12 @@ def test_a_signed_but_invalid_manifest_is_bad_manifest(edit, fragment, signed, k
     members = replace_data(replace_data(members, "manifest.json", lambda _: manifest), "manifest.sig", lambda _: sig)
     result = verify_bundle(write_members(tmp_path / "b.k2b", members), trust)
     assert result.status == "bad_manifest" and fragment in result.detail, result.line
+
+
+def test_structure_follows_the_card_layout_and_output_name(keys, trust, tmp_path):
+    nhwc = DIGITS_CARD.format(h=32, w=32).replace('color = "L"', 'color = "L"\nlayout = "NHWC"')
+    create_bundle(small_model_dir(tmp_path / "a" / "m", card=nhwc), tmp_path / "a.k2b", key=keys["ops_key"])
+    assert "height 32 != 1" in verify_bundle(tmp_path / "a.k2b", trust).detail  # [N, 1, 32, 32] read as NHWC
+    named = DIGITS_CARD.format(h=32, w=32).replace('output = "logits"', 'output = "logits"\noutput_name = "probs"')
+    create_bundle(small_model_dir(tmp_path / "b" / "m", card=named), tmp_path / "b.k2b", key=keys["ops_key"])
+    assert "output_name 'probs' is not an output" in verify_bundle(tmp_path / "b.k2b", trust).detail

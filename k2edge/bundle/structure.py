@@ -30,6 +30,8 @@ class CardFacts:
         size: ``(height, width)`` of the model input.
         channels: 1 for ``color = "L"``, 3 for RGB/BGR, None when the card does not say.
         detection_format: ``yolov8`` or ``yolov5`` for detection cards.
+        layout: ``NCHW`` or ``NHWC``.
+        output_name: the output the task reads (None: the model's first).
     """
 
     task: str = "classification"
@@ -37,6 +39,8 @@ class CardFacts:
     size: tuple[int, int] | None = None
     channels: int | None = None
     detection_format: str | None = None
+    layout: str = "NCHW"
+    output_name: str | None = None
 
 
 def card_facts(text: str) -> CardFacts:
@@ -72,13 +76,21 @@ def card_facts(text: str) -> CardFacts:
     channels = {"L": 1, "RGB": 3, "BGR": 3, None: None}.get(color, -1)
     if channels == -1:
         raise ValueError(f"input.color: must be RGB, BGR or L, got {color!r}")
+    layout = inp.get("layout", "NCHW")
+    if layout not in ("NCHW", "NHWC"):
+        raise ValueError(f"input.layout: must be NCHW or NHWC, got {layout!r}")
     fmt = None
+    table = data.get(task, {}) if task in ("classification", "detection") else {}
+    if not isinstance(table, dict):
+        raise ValueError(f"{task}: must be a table")
     if task == "detection":
-        det = data.get("detection", {})
-        fmt = det.get("format", "yolov8") if isinstance(det, dict) else None
+        fmt = table.get("format", "yolov8")
         if fmt not in ("yolov8", "yolov5"):
             raise ValueError(f"detection.format: must be yolov8 or yolov5, got {fmt!r}")
-    return CardFacts(task, name, size, channels, fmt)
+    output = table.get("output_name")
+    if output is not None and not isinstance(output, str):
+        raise ValueError(f"{task}.output_name: must be a string, got {output!r}")
+    return CardFacts(task, name, size, channels, fmt, layout, output)
 
 
 @dataclass(frozen=True)
@@ -141,15 +153,16 @@ def structure_problem(io: ModelIO, card: CardFacts | None, labels: list[str] | N
     image = card is None or card.task != "tensor"
     if card is not None and image:
         if len(dims) != 4:
-            return f"the card describes an image input, but {model_name}'s input {inp!r} is {_fmt(dims)}, not NCHW"
+            return f"the card describes an image input, but {model_name}'s input {inp!r} is {_fmt(dims)}, not {card.layout}"
+        h_axis, w_axis, c_axis = (2, 3, 1) if card.layout == "NCHW" else (1, 2, 3)
         if card.size is not None:
-            for axis, want, what in ((2, card.size[0], "height"), (3, card.size[1], "width")):
+            for axis, want, what in ((h_axis, card.size[0], "height"), (w_axis, card.size[1], "width")):
                 if dims[axis] is not None and dims[axis] != want:
                     return (f"the card's input.size {list(card.size)} (height, width) contradicts {model_name}'s input "
                             f"{inp!r} {_fmt(dims)}: {what} {want} != {dims[axis]}")
-        if card.channels is not None and dims[1] is not None and dims[1] != card.channels:
+        if card.channels is not None and dims[c_axis] is not None and dims[c_axis] != card.channels:
             return (f"the card's input.color needs {card.channels} channel(s), but {model_name}'s input {inp!r} "
-                    f"{_fmt(dims)} has {dims[1]}")
+                    f"{_fmt(dims)} has {dims[c_axis]}")
     problem = _output_problem(io, card, labels, model_name)
     if problem:
         return problem
@@ -166,7 +179,13 @@ def _output_problem(io: ModelIO, card: CardFacts | None, labels: list[str] | Non
     task = card.task if card is not None else "classification"
     if task == "tensor" or not io.outputs:
         return None
-    out, dims = next(iter(io.outputs.items()))
+    if card is not None and card.output_name is not None:
+        if card.output_name not in io.outputs:
+            return (f"the card's {task}.output_name {card.output_name!r} is not an output of {model_name} "
+                    f"(outputs: {', '.join(io.outputs)})")
+        out, dims = card.output_name, io.outputs[card.output_name]
+    else:
+        out, dims = next(iter(io.outputs.items()))
     if task == "detection":
         fmt = card.detection_format
         if len(dims) != 3:
