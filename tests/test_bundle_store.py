@@ -143,10 +143,11 @@ def test_leftovers_of_a_power_loss_are_ignored_then_cleaned(store, releases):
     (folder / ".staging-dead").mkdir()
     (folder / ".staging-dead" / "model.onnx").write_bytes(b"half")
     (folder / ".state-tmp").write_text('{"current": "9.9.9"}')  # a pointer write that never got renamed
+    (folder / ".sig-tmp").write_text("{}")  # a signature refresh that never got renamed
     assert store.current("digits") == "1.0.0" and store.versions("digits") == ["1.0.0"]
     assert store.load("digits").ok
     _deploy(store, releases["1.1.0"])
-    assert not (folder / ".staging-dead").exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["1.0.0", "1.1.0", "state.json"]
 
 
 def test_installed_versions_are_reverified_when_loaded(store, releases, ops, tmp_path):

@@ -172,7 +172,9 @@ class ModelStore:
         sig = target / "manifest.sig"
         if signature is None or (sig.is_file() and sig.read_bytes() == signature):
             return
-        fd, tmp = tempfile.mkstemp(prefix=".sig-", dir=target)
+        # the temporary file lies beside the version folder, not in it: if we die before the rename,
+        # a stray file inside would make the version fail its next verification (unexpected_file)
+        fd, tmp = tempfile.mkstemp(prefix=".sig-", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(signature)
@@ -276,6 +278,8 @@ class ModelStore:
         for p in (self.root / name).iterdir():
             if p.is_dir() and (p.name.startswith(_STAGING) or p.name not in keep):
                 shutil.rmtree(p, ignore_errors=True)
+            elif p.is_file() and p.name.startswith((".sig-", ".state-")):  # a write that never got renamed
+                p.unlink(missing_ok=True)
 
 
 def _role_paths(folder: Path, m: Manifest) -> dict:
