@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
 from .cloud import CloudSettings, EscalationSettings
+from .lifecycle import DeploySettings, MetricsSettings, TrustSettings
 from .thermal import ThermalSettings
 
 DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
@@ -129,6 +130,9 @@ class DaemonConfig(_Strict):
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     thermal: ThermalSettings = Field(default_factory=ThermalSettings)
     cloud: CloudSettings | None = Field(None, description="the K2 server; without it nothing is escalated")
+    trust: TrustSettings | None = Field(None, description="signed model bundles: the trusted keys")
+    deploy: DeploySettings = Field(default_factory=DeploySettings)
+    metrics: MetricsSettings | None = Field(None, description="the Prometheus /metrics endpoint; without it none")
     models: tuple[ModelConfig, ...]
     source: Path | None = Field(None, exclude=True)
 
@@ -171,6 +175,10 @@ def _resolve(data: dict, base: Path) -> dict:
     fix(data.get("service", {}), ("cache_dir", "state_dir"))
     fix(data.get("cloud", {}) if isinstance(data.get("cloud"), dict) else {}, ("api_key_file", "outbox_path"))
     fix(data.get("thermal", {}) if isinstance(data.get("thermal"), dict) else {}, ("trace", "sysfs_root"))
+    fix(data.get("deploy", {}) if isinstance(data.get("deploy"), dict) else {}, ("ca_file",))
+    trust = data.get("trust")
+    if isinstance(trust, dict) and isinstance(trust.get("keys"), list):
+        trust["keys"] = [str(base / k) if isinstance(k, str) and k and not os.path.isabs(k) else k for k in trust["keys"]]
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         if isinstance(m, dict):
             fix(m, ("onnx", "labels", "calib"))

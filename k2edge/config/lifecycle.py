@@ -1,0 +1,51 @@
+"""Schemas of the fleet model lifecycle tables: ``[trust]``, ``[deploy]`` and ``[metrics]``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+__all__ = ["DeploySettings", "MetricsSettings", "TrustSettings"]
+
+MIB = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrustSettings(_Strict):
+    """Which signers a device believes. Removing a key file from ``keys`` revokes that key: bundles
+    it signed are refused, installed versions included (they are re-verified when loaded)."""
+
+    allow_unsigned: bool = Field(False, description="also load bare onnx paths and unsigned bundles; status reports it")
+    keys: tuple[Path, ...] = Field((), validate_default=True,
+                                   description="trusted Ed25519 public keys (.pub, SubjectPublicKeyInfo PEM)")
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, v, info: ValidationInfo):
+        dup = sorted({str(p) for p in v if v.count(p) > 1})
+        if dup:
+            raise ValueError(f"lists {dup} more than once")
+        if not v and not info.data.get("allow_unsigned"):
+            raise ValueError("list at least one public key file, or set allow_unsigned = true")
+        return v
+
+
+class DeploySettings(_Strict):
+    """Limits on a bundle and how bundles are fetched."""
+
+    max_bundle_bytes: int = Field(64 * MIB, ge=1024, le=2048 * MIB,
+                                  description="largest bundle accepted, as received (the broker's message_size_limit must allow it)")
+    max_unpacked_bytes: int = Field(256 * MIB, ge=1024, le=16384 * MIB, description="largest total of a bundle's files, unpacked")
+    max_files: int = Field(4096, ge=4, le=1_000_000, description="most members in a bundle, folders included")
+    ca_file: Path | None = Field(None, description="CA bundle for fetching bundles over HTTPS from a private CA")
+
+
+class MetricsSettings(_Strict):
+    """The Prometheus endpoint (``/metrics``); present means on."""
+
+    port: int = Field(9108, ge=0, le=65535, description="0: any free port (tests)")
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 exposes it to the network")

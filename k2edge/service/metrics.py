@@ -1,0 +1,190 @@
+"""Prometheus metrics of the daemon: what it answered, how fast, and the state around it.
+
+One :class:`Metrics` per daemon, with its own ``CollectorRegistry`` (never the process-global
+one, so two daemons in one test process, or a library user's own metrics, do not collide). The
+daemon calls the ``observe_*`` / ``set_*`` methods from its request path and its status loop,
+and :meth:`Metrics.start` serves ``/metrics`` when the config has a ``[metrics]`` table::
+
+    metrics = Metrics()
+    metrics.set_model("digits", version="1.2.0", profile="c2")
+    metrics.observe_answer("digits", "ok", "edge", {"queue": 0.2, "infer": 0.4, "total": 0.9})
+    metrics.start("127.0.0.1", 9108)       # GET http://127.0.0.1:9108/metrics
+    metrics.stop()
+
+Every label takes values from a closed set, so a flood of requests for made-up model names cannot
+grow the series without bound: a model that was never :meth:`~Metrics.set_model`-registered is
+counted as ``(unknown)``, an unknown status or reason as ``other``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, generate_latest, start_http_server
+
+from ..errors import K2EdgeError
+
+__all__ = ["BREAKER_STATES", "ESCALATION_REASONS", "STAGES", "STATUSES", "THERMAL_STATES", "Metrics", "MetricsError"]
+
+STAGES = ("queue", "stage", "batch_wait", "infer", "cloud", "total")
+"""The stages of an answer's ``latency_ms`` that get a histogram; other keys are ignored."""
+STATUSES = ("ok", "bad_request", "payload_too_large", "unknown_model", "busy", "deadline_exceeded",
+            "cloud_unavailable", "internal")
+SOURCES = ("edge", "cloud", "none")
+ESCALATION_REASONS = ("prompt", "low_confidence", "thermal", "no_edge_model", "other")
+THERMAL_STATES = ("normal", "warm", "hot", "critical", "unknown")
+BREAKER_STATES = ("closed", "open", "half_open")
+UNKNOWN_MODEL = "(unknown)"
+OTHER = "other"
+
+# 0.25 ms (a CPU lane at batch 1) to 30 s (a slow cloud answer)
+_LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class MetricsError(K2EdgeError):
+    """The metrics endpoint cannot start (address in use, bad host)."""
+
+
+class Metrics:
+    """The daemon's metrics, in a registry of their own.
+
+    Metric names (all prefixed ``k2edge_``): ``requests_total{model,status,source}``,
+    ``latency_seconds{model,stage}`` (histogram), ``queue_depth``, ``batch_size{model}`` (histogram),
+    ``thermal_state{k2edge_thermal_state=...}`` (one series per state, 1 for the current one),
+    ``temperature_celsius{sensor}``, ``escalations_total{model,reason}``,
+    ``cloud_breaker_state{k2edge_cloud_breaker_state=...}``, ``outbox_depth``,
+    ``model_info{model,version,profile}``.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = Counter("k2edge_requests", "Answers sent, by model, status (ok or error code) and source",
+                                 ["model", "status", "source"], registry=r)
+        self._latency = Histogram("k2edge_latency_seconds", "Time an answer spent in each stage of the request path",
+                                  ["model", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._queue = Gauge("k2edge_queue_depth", "Requests accepted and not yet answered", registry=r)
+        self._batch = Histogram("k2edge_batch_size", "Requests per batch run on an engine", ["model"],
+                                buckets=_BATCH_BUCKETS, registry=r)
+        self._thermal = Enum("k2edge_thermal_state", "The thermal governor's state", states=list(THERMAL_STATES),
+                             registry=r)
+        self._temperature = Gauge("k2edge_temperature_celsius", "Temperature of each watched sensor", ["sensor"],
+                                  registry=r)
+        self._escalations = Counter("k2edge_escalations", "Requests the policy sent (or wanted to send) to the cloud",
+                                    ["model", "reason"], registry=r)
+        self._breaker = Enum("k2edge_cloud_breaker_state", "The cloud circuit breaker's state",
+                             states=list(BREAKER_STATES), registry=r)
+        self._outbox = Gauge("k2edge_outbox_depth", "Deferred requests waiting in the cloud outbox", registry=r)
+        self._model = Info("k2edge_model", "The version and profile each served model runs", ["model"], registry=r)
+        self._models: set[str] = set()
+        self._sensors: set[str] = set()
+        self._lock = threading.Lock()
+        self._server = None
+        self._thread = None
+        self._thermal.state("unknown")
+        self._breaker.state("closed")
+
+    # -- what the daemon observes -------------------------------------------------------------
+
+    def set_model(self, model: str, version: str | None, profile: str | None) -> None:
+        """Register a served model (or its new version after a deploy or rollback)."""
+        with self._lock:
+            self._models.add(model)
+        self._model.labels(model=model).info({"version": version or "unversioned", "profile": profile or ""})
+
+    def forget_model(self, model: str) -> None:
+        """A model no longer served: its info series goes; its counters stay (they are history)."""
+        with self._lock:
+            self._models.discard(model)
+        try:
+            self._model.remove(model)
+        except KeyError:
+            pass
+
+    def _model_label(self, model: str | None) -> str:
+        return model if model in self._models else UNKNOWN_MODEL
+
+    def observe_answer(self, model: str | None, status: str, source: str | None,
+                       latency_ms: Mapping[str, float] | None = None) -> None:
+        """Count one answer sent and its latency by stage.
+
+        Args:
+            model: the model asked for (unregistered names count as ``(unknown)``).
+            status: ``ok`` or the error code.
+            source: ``edge`` or ``cloud``; None for errors answered before either ran.
+            latency_ms: the answer's ``latency_ms`` (milliseconds by stage, as in the response);
+                keys outside :data:`STAGES` and non-numbers are ignored.
+        """
+        m = self._model_label(model)
+        self._requests.labels(model=m, status=status if status in STATUSES else OTHER,
+                              source=source if source in SOURCES else "none").inc()
+        for stage, ms in (latency_ms or {}).items():
+            if stage in STAGES and isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms >= 0:
+                self._latency.labels(model=m, stage=stage).observe(ms / 1000.0)
+
+    def observe_batch(self, model: str, size: int) -> None:
+        """One batch run on an engine (observed per batch, not per answer, so a batch of 8 counts once)."""
+        self._batch.labels(model=self._model_label(model)).observe(size)
+
+    def set_queue_depth(self, depth: int) -> None:
+        self._queue.set(depth)
+
+    def set_thermal(self, state: str, temperatures_c: Mapping[str, float] | None = None) -> None:
+        """The governor's state and the latest temperature of each sensor (sensors that vanished are dropped)."""
+        self._thermal.state(state if state in THERMAL_STATES else "unknown")
+        temps = {k: v for k, v in (temperatures_c or {}).items() if v is not None}
+        with self._lock:
+            for gone in self._sensors - set(temps):
+                self._temperature.remove(gone)
+            self._sensors = set(temps)
+        for sensor, value in temps.items():
+            self._temperature.labels(sensor=sensor).set(value)
+
+    def observe_escalation(self, model: str | None, reason: str) -> None:
+        """One escalation; ``reason`` is one of :data:`ESCALATION_REASONS` (else counted as ``other``)."""
+        self._escalations.labels(model=self._model_label(model),
+                                 reason=reason if reason in ESCALATION_REASONS else OTHER).inc()
+
+    def set_breaker(self, state: str) -> None:
+        self._breaker.state(state if state in BREAKER_STATES else "open")
+
+    def set_outbox_depth(self, depth: int) -> None:
+        self._outbox.set(depth)
+
+    # -- exposing them ------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The text exposition format, as ``/metrics`` serves it."""
+        return generate_latest(self.registry)
+
+    def start(self, host: str = "127.0.0.1", port: int = 9108) -> tuple[str, int]:
+        """Serve ``/metrics`` over HTTP on a daemon thread.
+
+        Returns:
+            (host, port) bound (the port chosen when ``port`` is 0).
+
+        Raises:
+            MetricsError: already started, or the address cannot be bound.
+        """
+        if self._server is not None:
+            raise MetricsError("the metrics endpoint is already running")
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise MetricsError(f"metrics: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        return host, self._server.server_port
+
+    def stop(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()  # shutdown() alone keeps the port bound (prometheus/client_python#1068)
+        self._thread.join(timeout=5)
+        self._server = self._thread = None
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_port if self._server is not None else None

@@ -1,0 +1,144 @@
+"""The daemon's Prometheus metrics: served over real HTTP, parsed by prometheus_client, counters = what was observed."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from k2edge.service.metrics import STAGES, Metrics, MetricsError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _scrape(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {s.name + repr(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}, text
+
+
+def _sample(samples: dict, name: str, **labels) -> float | None:
+    return samples.get(name + repr(sorted(labels.items())))
+
+
+# a day in the life: (model, status, source, latency_ms by stage) as the daemon would report each answer
+ANSWERS = [
+    ("digits", "ok", "edge", {"queue": 0.2, "stage": 0.3, "batch_wait": 0.1, "infer": 0.4, "total": 1.1, "batch": 2}),
+    ("digits", "ok", "edge", {"queue": 0.3, "stage": 0.2, "batch_wait": 0.0, "infer": 0.4, "total": 0.9, "batch": 2}),
+    ("digits", "ok", "cloud", {"queue": 0.2, "infer": 0.4, "cloud": 850.0, "total": 851.0}),
+    ("digits", "busy", None, None),
+    ("detector", "deadline_exceeded", None, {"queue": 40.0, "total": 40.0}),
+    ("nonsense-model-name", "unknown_model", None, None),
+    ("digits", "weird_code", "edge", {"total": "n/a"}),
+]
+
+
+def test_metrics_endpoint_parses_and_counters_match_the_answers():
+    m = Metrics()
+    m.set_model("digits", "1.2.0", "c2")
+    m.set_model("detector", "0.3.0", "c3")
+    for model, status, source, latency in ANSWERS:
+        m.observe_answer(model, status, source, latency)
+    m.observe_batch("digits", 2)
+    m.observe_batch("digits", 1)
+    m.set_queue_depth(3)
+    m.set_thermal("warm", {"CPU": 71.5, "GPU": 76.0})
+    m.observe_escalation("digits", "low_confidence")
+    m.observe_escalation("digits", "prompt")
+    m.observe_escalation("digits", "a sentence the policy wrote")
+    m.set_breaker("half_open")
+    m.set_outbox_depth(5)
+    host, port = m.start("127.0.0.1", 0)
+    try:
+        samples, text = _scrape(port)
+    finally:
+        m.stop()
+    assert host == "127.0.0.1" and port > 0
+    expected = Counter()
+    for model, status, source, _ in ANSWERS:
+        model = model if model in ("digits", "detector") else "(unknown)"
+        status = status if status != "weird_code" else "other"
+        expected[(model, status, source or "none")] += 1
+    got = {k: v for k, v in samples.items() if k.startswith("k2edge_requests_total[")}
+    assert len(got) == len(expected)
+    for (model, status, source), n in expected.items():
+        assert _sample(samples, "k2edge_requests_total", model=model, status=status, source=source) == n
+    assert sum(got.values()) == len(ANSWERS)
+    # latency histograms: one observation per stage reported, in seconds
+    for stage in STAGES:
+        want = sum(1 for a in ANSWERS if a[0] == "digits" and a[3] and isinstance(a[3].get(stage), float))
+        assert (_sample(samples, "k2edge_latency_seconds_count", model="digits", stage=stage) or 0) == want, stage
+    assert _sample(samples, "k2edge_latency_seconds_sum", model="digits", stage="cloud") == pytest.approx(0.85)
+    assert _sample(samples, "k2edge_latency_seconds_bucket", model="digits", stage="total", le="0.002") == 2
+    assert _sample(samples, "k2edge_latency_seconds_count", model="detector", stage="queue") == 1
+    assert _sample(samples, "k2edge_batch_size_count", model="digits") == 2
+    assert _sample(samples, "k2edge_batch_size_sum", model="digits") == 3
+    assert _sample(samples, "k2edge_queue_depth") == 3 and _sample(samples, "k2edge_outbox_depth") == 5
+    assert _sample(samples, "k2edge_thermal_state", k2edge_thermal_state="warm") == 1
+    assert _sample(samples, "k2edge_thermal_state", k2edge_thermal_state="normal") == 0
+    assert _sample(samples, "k2edge_temperature_celsius", sensor="GPU") == 76.0
+    assert _sample(samples, "k2edge_escalations_total", model="digits", reason="other") == 1
+    assert _sample(samples, "k2edge_escalations_total", model="digits", reason="prompt") == 1
+    assert _sample(samples, "k2edge_cloud_breaker_state", k2edge_cloud_breaker_state="half_open") == 1
+    assert _sample(samples, "k2edge_model_info", model="digits", version="1.2.0", profile="c2") == 1
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert all(n.startswith("k2edge_") for n in names), names
+
+
+def test_model_versions_change_and_sensors_disappear():
+    m = Metrics()
+    m.set_model("digits", "1.2.0", "c2")
+    m.set_model("digits", "1.3.0", "c2")
+    m.set_thermal("normal", {"CPU": 50.0, "GPU": 51.0})
+    m.set_thermal("unknown", {"CPU": 49.0})
+    text = m.render().decode()
+    assert 'k2edge_model_info{model="digits",profile="c2",version="1.3.0"} 1.0' in text
+    assert "1.2.0" not in text
+    assert 'sensor="GPU"' not in text and 'k2edge_temperature_celsius{sensor="CPU"} 49.0' in text
+    m.forget_model("digits")
+    m.observe_answer("digits", "ok", "edge")
+    assert 'model="(unknown)"' in m.render().decode()
+
+
+def test_registries_are_private_and_the_port_is_released():
+    a, b = Metrics(), Metrics()
+    a.set_model("x", "1.0.0", None)
+    a.observe_answer("x", "ok", "edge")
+    assert 'model="x"' in a.render().decode() and 'model="x"' not in b.render().decode()
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("k2edge_requests_total", {"model": "x", "status": "ok", "source": "edge"}) is None
+    _, port = a.start("127.0.0.1", 0)
+    with pytest.raises(MetricsError, match="already running"):
+        a.start("127.0.0.1", 0)
+    with pytest.raises(MetricsError, match=f"127.0.0.1:{port}"):
+        b.start("127.0.0.1", port)
+    a.stop()
+    a.stop()
+    assert b.start("127.0.0.1", port)[1] == port  # released by stop()
+    b.stop()
+
+
+def test_grafana_dashboard_uses_only_metrics_that_exist():
+    dash = json.loads((ROOT / "tools" / "grafana-k2edge.json").read_text())
+    m = Metrics()
+    m.set_model("digits", "1.0.0", "c2")
+    m.observe_answer("digits", "ok", "edge", {s: 1.0 for s in STAGES})
+    m.observe_batch("digits", 1)
+    m.observe_escalation("digits", "prompt")
+    m.set_thermal("normal", {"CPU": 40.0})
+    exposed = {s.name for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\bk2edge_[a-z_]+", e)}
+    assert len(dash["panels"]) >= 10 and used and used <= exposed, used - exposed
+    families = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+                .removesuffix("_info") for n in exposed if not n.endswith("_created")}
+    assert families <= {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+                        .removesuffix("_info") for n in used}, "a metric no panel shows"
