@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
+from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
 from .thermal import ThermalSettings
 
@@ -79,6 +80,9 @@ class ModelConfig(_Strict):
     calib: Path | None = None
     backend: str = Field("auto", pattern="^(auto|onnxruntime|tensorrt)$")
     top_k: int = Field(5, ge=1, le=1000)
+    card: Path | ModelCard | None = Field(
+        None, description="a card file (replaces the card found beside the model), or a card table whose keys "
+                          "override that card's; labels above override both")
     escalation: EscalationSettings = Field(default_factory=EscalationSettings,
                                            description="when this model's requests go to the cloud")
 
@@ -86,6 +90,25 @@ class ModelConfig(_Strict):
     @classmethod
     def _name(cls, v):
         return _topic_level(v, "model name")
+
+    @field_validator("card", mode="before")
+    @classmethod
+    def _card(cls, v):
+        if isinstance(v, dict):
+            try:
+                return card_from_dict(v, "card table")
+            except CardError as exc:
+                raise ValueError(str(exc).removeprefix("card table: ")) from None
+        if v is not None and not isinstance(v, (str, Path, ModelCard)):
+            raise ValueError(f"must be a card file path or a card table, got {v!r}")
+        return v
+
+    def card_args(self) -> dict:
+        """``Engine.build`` keywords for this model's card: a file replaces the card found beside the
+        model; a table's keys override it."""
+        if isinstance(self.card, ModelCard):
+            return {"card_overrides": self.card}
+        return {"card": self.card} if self.card is not None else {}
 
 
 class ServiceConfig(_Strict):
@@ -168,7 +191,9 @@ def _resolve(data: dict, base: Path) -> dict:
     fix(data.get("thermal", {}) if isinstance(data.get("thermal"), dict) else {}, ("trace", "sysfs_root"))
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         if isinstance(m, dict):
-            fix(m, ("onnx", "labels", "calib"))
+            fix(m, ("onnx", "labels", "calib", "card"))
+            if isinstance(m.get("card"), dict):
+                fix(m["card"], ("labels",))
             for holder, key in ((m, "profile"), (m.get("escalation") if isinstance(m.get("escalation"), dict) else {}, "warm_profile")):
                 prof = holder.get(key)
                 if isinstance(prof, str) and (prof.endswith(".json") or "/" in prof) and not os.path.isabs(prof):
