@@ -9,7 +9,7 @@ from k2edge.engine.cache import EngineCache
 from k2edge.engine.quantize import calibrate_int8, read_trt_calibration_cache, write_trt_calibration_cache
 from k2edge.model.datasets import open_dataset
 from k2edge.model.ingest import normalise
-from k2edge.model.preprocess import Preprocess
+from k2edge.tasks.preprocess import Preprocess
 
 
 def _accuracy(engine, dataset) -> float:

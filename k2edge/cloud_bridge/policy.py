@@ -93,7 +93,7 @@ class LocalResult:
         """From one sample's logits (any shape that flattens to the classes)."""
         import numpy as np
 
-        from ..model.scores import softmax, top_k
+        from ..tasks.classification import softmax, top_k
 
         p = softmax(np.asarray(logits).reshape(-1))
         return cls(tuple(top_k(p, labels, k)), tuple(float(x) for x in p), int(p.size), latency_ms)

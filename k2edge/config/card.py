@@ -217,8 +217,13 @@ class ModelCard(_Strict):
         return self.model_dump(exclude_unset=True, exclude={"source"})
 
     def to_toml(self) -> str:
-        """The card as TOML, every key spelled out (what ``k2edge card init`` writes)."""
+        """The card as TOML, every key of its task spelled out (what ``k2edge card init`` writes)."""
         d = self.model_dump(mode="json", exclude={"source"})
+        for table in ("classification", "detection"):  # only the task's own table
+            if self.task != table:
+                d.pop(table)
+        if not self.quantization.keep_float:
+            d.pop("quantization")
         lines = [f"task = {_toml(d.pop('task'))}"]
         if d.get("labels"):
             lines.append(f"labels = {_toml(d.pop('labels'))}")
