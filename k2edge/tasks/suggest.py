@@ -17,7 +17,7 @@ from ..config.card import ModelCard, card_from_dict, resolve_card
 
 __all__ = ["suggest_card"]
 
-_MIN_ANCHORS = 100  # fewer candidate boxes than this is not a YOLO grid
+_MIN_ANCHORS = 64  # fewer candidate boxes than this is not a YOLO grid (YOLOv8n at 320 has 2,100)
 
 
 def suggest_card(input_name: str, input_shape: tuple, outputs: Mapping[str, tuple],
