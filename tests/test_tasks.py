@@ -193,3 +193,18 @@ def test_decoder_refuses_a_card_that_does_not_fit_the_model():
         TaskDecoder(ModelCard(task="detection"), (), {"out": (1, 100, 6)})
     with pytest.raises(CardError, match="has no output 'boxes'"):
         TaskDecoder(ModelCard(task="detection", detection={"output_name": "boxes"}), (), {"out": (1, 6, 100)})
+
+
+def test_nms_matrix_and_box_by_box_paths_agree(monkeypatch):
+    """Many candidates take the box-by-box path; it keeps exactly what the IoU-matrix path keeps."""
+    import k2edge.tasks.detection as det
+
+    rng = np.random.default_rng(5)
+    xy = rng.uniform(0, 300, (700, 2)).astype(np.float32)
+    boxes = np.concatenate([xy, xy + rng.uniform(10, 60, (700, 2)).astype(np.float32)], axis=1)
+    scores = rng.random(700).astype(np.float32)
+    classes = rng.integers(0, 3, 700)
+    by_box = nms(boxes, scores, 0.5, classes, 50)
+    monkeypatch.setattr(det, "_MATRIX_NMS_MAX", 10_000)
+    np.testing.assert_array_equal(nms(boxes, scores, 0.5, classes, 50), by_box)
+    assert len(by_box) == 50

