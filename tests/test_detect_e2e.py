@@ -200,3 +200,21 @@ def test_card_init_suggests_yolov8_and_inspect_says_so(det_dir, tmp_path):
     assert data["card"]["suggested"]["task"] == "detection" and "YOLOv8" in data["card"]["why"]
     proc = k2edge("card", "init", str(det_dir / "det.onnx"), "--out", str(out), check=False)
     assert_one_line_error(proc, "exists; pass --force")
+
+
+def test_cloud_curve_on_a_detection_set(det_dir, coco_set, tmp_path):
+    """Share sent vs mAP: 0 % is the edge's mAP, 100 % is perfect (the cloud fixes what it sees)."""
+    # a threshold that drops the white squares (score 0.993) and keeps the red ones (0.99995): the cloud has work
+    card = det_dir / "strict.toml"
+    card.write_text(_card("stretch").replace("score_threshold = 0.5", "score_threshold = 0.999"))
+    data = json.loads(k2edge("cloud", "curve", str(det_dir / "det.onnx"), "-p", "cpu-dev", "--card", str(card),
+                             "--dataset", str(coco_set), "--shares", "0,50,100", "--json").stdout)
+    points = data["points"]
+    assert data["measure"] == "max_box_score" and [p["escalated"] for p in points] == [0, 6, 12]
+    assert points[0]["map50"] < points[1]["map50"] <= points[2]["map50"] == pytest.approx(1.0)
+    proc = k2edge("cloud", "curve", str(det_dir / "det.onnx"), "-p", "cpu-dev", "--card", str(card), "--dataset",
+                  str(coco_set), "--measure", "entropy", check=False)
+    assert_one_line_error(proc, "is a classifier measure")
+    text = k2edge("cloud", "curve", str(det_dir / "det.onnx"), "-p", "cpu-dev", "--card", str(card), "--dataset",
+                  str(coco_set), "--measure", "uncertain_boxes", "--band", "0.3,0.99999", "--shares", "0,100").stdout
+    assert "mAP@0.5" in text and "uncertain_boxes in [0.3, 0.99999)" in text
