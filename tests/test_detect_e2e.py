@@ -218,3 +218,17 @@ def test_cloud_curve_on_a_detection_set(det_dir, coco_set, tmp_path):
     text = k2edge("cloud", "curve", str(det_dir / "det.onnx"), "-p", "cpu-dev", "--card", str(card), "--dataset",
                   str(coco_set), "--measure", "uncertain_boxes", "--band", "0.3,0.99999", "--shares", "0,100").stdout
     assert "mAP@0.5" in text and "uncertain_boxes in [0.3, 0.99999)" in text
+
+
+def test_pareto_sweep_uses_map50_for_a_detector(det_dir, coco_set, tmp_path):
+    """A detector's sweep measures COCO mAP@0.5 as its accuracy axis and says so in the table and results."""
+    out = tmp_path / "sweep"
+    proc = k2edge("pareto-sweep", str(det_dir / "det.onnx"), "--card", str(det_dir / "stretch.toml"), "--dataset",
+                  str(coco_set), "--profiles", "cpu-dev", "c5", "--runs", "1", "--warmup", "2", "--requests", "20",
+                  "--goal", "accuracy", "--out", str(out))
+    assert "mAP@0.5" in proc.stdout
+    doc = json.loads((out / "results.json").read_text())
+    ok = [r for r in doc["configs"] if r["status"] == "ok"]
+    assert len(ok) == 2 and all(r["accuracy_metric"] == "mAP@0.5" and r["map50"] == pytest.approx(1.0) for r in ok)
+    assert "mAP@0.5" in doc["recommendation"]["reason"] and (out / "pareto.png").stat().st_size > 0
+    assert "map50" in (out / "results.csv").read_text().splitlines()[0]

@@ -165,6 +165,15 @@ class CocoDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def fingerprint(self) -> str:
+        """sha256 of the images and the ground truth, for cache keys and resumable sweeps."""
+        import json
+
+        h = hashlib.sha256(json.dumps(self.ground_truth, sort_keys=True, default=str).encode())
+        for p in self.samples:
+            h.update(Path(p).read_bytes())
+        return h.hexdigest()
+
     def take(self, n: int) -> "CocoDataset":
         """The first ``n`` images and their annotations."""
         keep = set(self.image_ids[:n])
