@@ -120,6 +120,8 @@ class ServiceConfig(_Strict):
         0.0, ge=0, le=10000,
         description="0: a batch goes as soon as the engine has a free slot (adaptive); >0: hold it this long for companions")
     max_payload_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_answer_bytes: int = Field(1024 * 1024, ge=1024,
+                                  description="an answer larger than this (task = \"tensor\" outputs) is refused with payload_too_large")
     staging_threads: int = Field(2, ge=1, le=64)
     telemetry_interval_s: float = Field(5.0, gt=0)
     default_deadline_ms: float | None = Field(None, gt=0, description="deadline for requests that give none")

@@ -79,17 +79,43 @@ def load_labels(model_path: Path | None, model: NormalisedModel, override: str |
     return ()
 
 
+def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | None = None) -> ModelCard | None:
+    """The card given (a file or a card), else the one beside the model (``<stem>.card.toml``, ``card.toml``), else None."""
+    if isinstance(card, ModelCard):
+        return card
+    if card is not None:
+        return load_card(card)
+    found = find_card(model_path)
+    if found is not None:
+        log.info("using the model card beside the model: %s", found)
+        return load_card(found)
+    return None
+
+
+def card_input_shapes(model: onnx.ModelProto, card: ModelCard | None, batch_size: int) -> dict[str, tuple[int, ...]] | None:
+    """Static input shape from the card's ``size`` for a model whose height/width are dynamic (an
+    export with dynamic axes), so it needs no ``--input-shape``; None when nothing is dynamic."""
+    if card is None or card.input.size is None:
+        return None
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 4:
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in inputs[0].type.tensor_type.shape.dim]
+    h_ax, w_ax, c_ax = (2, 3, 1) if card.input.layout == "NCHW" else (1, 2, 3)
+    if dims[h_ax] and dims[w_ax]:
+        return None
+    shape = [batch_size] * 4
+    shape[h_ax], shape[w_ax] = card.input.size
+    shape[c_ax] = dims[c_ax] or card.input.channels or 3
+    return {inputs[0].name: tuple(shape)}
+
+
 def model_card(model_path: Path | None, normalised: NormalisedModel, card: str | os.PathLike | ModelCard | None = None,
                overrides: ModelCard | dict | None = None) -> ModelCard:
     """The card a model runs with: ``overrides`` > ``card`` (a file or a card; default the one found
     beside the model) > the model's metadata > defaults, checked against the model's input."""
-    if card is None:
-        found = find_card(model_path)
-        card = load_card(found) if found is not None else None
-        if found is not None:
-            log.info("using the model card beside the model: %s", found)
-    elif not isinstance(card, ModelCard):
-        card = load_card(card)
+    card = card_file(model_path, card)
     graph = normalised.graph
     name = graph.inputs[0]
     return resolve_card(name, graph.shape(name), normalised.metadata(), card, overrides, tuple(graph.inputs))
@@ -190,6 +216,9 @@ class Engine:
         er = profile.edge_runtime
         cache = EngineCache(cache_dir)
         model_path = None if isinstance(model, onnx.ModelProto) else Path(model)
+        the_card = card_file(model_path, card)
+        if input_shapes is None and the_card is not None and the_card.input.size is not None:
+            input_shapes = card_input_shapes(load_onnx(model)[0], the_card, er.batch_size)
         normalised = load_normalised(model, cache, er.batch_size, input_shapes)
         hits = {}
         plan = plan_partition(normalised, profile, board, precision)
@@ -197,7 +226,7 @@ class Engine:
             raise BuildError(f"k2edge serves single-input models; this one has inputs {list(normalised.graph.inputs)}")
         input_name = normalised.graph.inputs[0]
         input_shape = normalised.graph.shape(input_name)
-        resolved = model_card(model_path, normalised, card, card_overrides)
+        resolved = model_card(model_path, normalised, the_card, card_overrides)
         preprocess = Preprocess.from_card(resolved)
         label_names = load_labels(model_path, normalised, labels, resolved)
 
