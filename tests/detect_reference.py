@@ -56,3 +56,36 @@ def letterbox_back(boxes, orig_w, orig_h, in_w, in_h, mode="letterbox"):
         b = [min(max(b[0], 0), orig_w), min(max(b[1], 0), orig_h), min(max(b[2], 0), orig_w), min(max(b[3], 0), orig_h)]
         out.append((*b, *rest))
     return out
+
+
+def reference_pipeline(model_path, image, card, resize: str | None = None):
+    """The whole path written out by hand for one image file: Pillow resize and padding as the card
+    says, (pixel * scale - mean) / std, onnxruntime on the ONNX file, the loop decode, boxes mapped
+    back to the original image. Returns [(x1, y1, x2, y2, score, cls)]."""
+    import onnxruntime as ort
+    from PIL import Image
+
+    spec, det = card.input, card.detection
+    resize = resize or spec.resize
+    h, w = spec.size
+    img = Image.open(image).convert("L" if spec.color == "L" else "RGB")
+    ow, oh = img.size
+    pad = (spec.pad_value,) * (1 if spec.color == "L" else 3)
+    if resize == "stretch":
+        canvas = img.resize((w, h), Image.Resampling.BILINEAR)
+    else:
+        r = min(w / ow, h / oh)
+        nw, nh = round(ow * r), round(oh * r)
+        canvas = Image.new(img.mode, (w, h), pad if len(pad) > 1 else pad[0])
+        canvas.paste(img.resize((nw, nh), Image.Resampling.BILINEAR),
+                     ((w - nw) // 2, (h - nh) // 2) if resize == "letterbox" else (0, 0))
+    x = np.asarray(canvas, np.float32).reshape(h, w, -1)
+    if spec.color == "BGR":
+        x = x[..., ::-1]
+    x = (x * spec.scale - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
+    x = np.ascontiguousarray(x.transpose(2, 0, 1)[None], dtype=np.float32)
+    session = ort.InferenceSession(str(model_path))
+    out = session.run(None, {session.get_inputs()[0].name: x})[0][0]
+    boxes = reference_decode(out, det.format, det.score_threshold, det.iou_threshold, det.max_detections,
+                             det.class_agnostic_nms)
+    return letterbox_back(boxes, ow, oh, w, h, resize)

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from PIL import Image
 
-from detect_reference import iou, letterbox_back, reference_decode
+from detect_reference import iou, reference_decode, reference_pipeline
 from detect_scenes import LABELS, scene, write_coco
 from graphs import grid_detector
 from test_cli import assert_one_line_error, k2edge
@@ -42,21 +42,9 @@ def det_dir(tmp_path_factory):
 
 def _reference(det_dir, image, resize: str) -> list[tuple]:
     """Resize and pad by hand, run onnxruntime on the ONNX file, decode with loops, map back."""
-    import onnxruntime as ort
+    from k2edge.config.card import load_card
 
-    img = Image.open(image).convert("RGB")
-    ow, oh = img.size
-    if resize == "stretch":
-        canvas = img.resize((W, H), Image.Resampling.BILINEAR)
-    else:
-        r = min(W / ow, H / oh)
-        nw, nh = round(ow * r), round(oh * r)
-        canvas = Image.new("RGB", (W, H), (114, 114, 114))
-        canvas.paste(img.resize((nw, nh), Image.Resampling.BILINEAR),
-                     ((W - nw) // 2, (H - nh) // 2) if resize == "letterbox" else (0, 0))
-    x = (np.asarray(canvas, np.float32) / 255).transpose(2, 0, 1)[None]
-    out = ort.InferenceSession(str(det_dir / "det.onnx")).run(None, {"x": x})[0][0]
-    return letterbox_back(reference_decode(out, "yolov8", conf=0.5), ow, oh, W, H, resize)
+    return reference_pipeline(det_dir / "det.onnx", image, load_card(det_dir / f"{resize}.toml"))
 
 
 def _assert_same(got: list[dict], want: list[tuple]):
