@@ -50,8 +50,14 @@ def _same(got: list[dict], want: list[tuple], labels: list[str]):
 
 @pytest.mark.parametrize("resize", ["letterbox", "pad-right", "stretch"])
 def test_infer_json_equals_the_reference_pipeline(card, resize, tmp_path):
-    images = _samples("landscape")[:2] + _samples("portrait")[:2]
-    assert len(images) >= 2, "the demo detector ships landscape and portrait samples"
+    samples = _samples("landscape")[:2] + _samples("portrait")[:2]
+    assert len(samples) >= 2, "the demo detector ships landscape and portrait samples"
+    # PNG copies: k2edge lets the JPEG decoder downscale in the DCT domain (draft) before resizing,
+    # a straightforward reference does not; the same decoded pixels isolate resize, decode and mapping
+    images = []
+    for p in samples:
+        images.append(tmp_path / f"{p.stem}.png")
+        Image.open(p).convert("RGB").save(images[-1])
     variant = tmp_path / "card.toml"
     text = (DET / "card.toml").read_text()
     variant.write_text(text.replace(f'resize = "{card.input.resize}"', f'resize = "{resize}"')
