@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from k2edge.config import load_config
@@ -184,3 +185,19 @@ def test_daemon_config_card_path_and_table(tmp_path):
     cfg = _write(tmp_path / "k.toml", '[[models]]\nname = "a"\nonnx = "m.onnx"\n[models.card.input]\nresize = "squash"\n')
     with pytest.raises(Exception, match=r"models.0.card: input.resize: must be one of"):
         load_config(cfg)
+
+
+def test_engine_layers_the_daemon_table_over_the_card_beside_the_model(tmp_path):
+    """Engine.build(card_overrides=...) keeps the card beside the model and overrides only the keys given;
+    labels given to the engine override the card's."""
+    from k2edge import Engine
+
+    model = ROOT / "models" / "digits" / "model.onnx"
+    labels = tmp_path / "names.txt"
+    labels.write_text("\n".join(f"digit {i}" for i in range(10)) + "\n")
+    engine = Engine.build(model, "cpu-dev", card_overrides={"classification": {"output": "probabilities"}}, labels=labels)
+    assert engine.card.classification.output == "probabilities"
+    assert engine.card.input.color == "L" and engine.card.input.mean == (0.3058,)
+    assert engine.labels[3] == "digit 3"
+    rows = engine.top_k(np.array([[0.1, 0.7, 0.2] + [0.0] * 7]), 1)
+    assert rows[0][0] == {"index": 1, "label": "digit 1", "score": 0.7}  # taken as probabilities, no softmax
