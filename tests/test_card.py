@@ -70,6 +70,7 @@ def test_contract_loads_exactly_as_written(tmp_path):
     (("iou_threshold = 0.45", "iou_threshold = 0"), "detection.iou_threshold: must be > 0"),
     (('task = "detection"', 'task = "segmentation"'), "task: must be one of"),
     (("max_detections = 100", "max_detections = 100\nmax_boxes = 3"), "detection.max_boxes: unknown key (known keys: format,"),
+    (('task = "detection"', 'task = "detection"\nsource = "x"'), "source: unknown key (known keys: task, labels, input,"),
 ])
 def test_bad_values_are_refused_with_the_key_path(tmp_path, edit, message):
     """Each bad key is refused with its dotted path and what is wrong."""

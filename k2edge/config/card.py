@@ -260,6 +260,9 @@ def card_from_dict(data: object, source: str = "card", base: Path | None = None)
     if not isinstance(data, dict):
         raise CardError(f"{source}: must be a table of card keys (task, labels, [input], ...)")
     data = dict(data)
+    if "source" in data:  # where a card came from is ours to record, not a key
+        known = ", ".join(card_keys()[()])
+        raise CardError(f"{source}: source: unknown key (known keys: {known})")
     labels = data.get("labels")
     if base is not None and isinstance(labels, str) and labels and not os.path.isabs(labels):
         data["labels"] = str(base / labels)
