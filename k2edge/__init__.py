@@ -25,6 +25,7 @@ from .errors import (
     PlanError,
     ProfileError,
 )
+from .config.card import CardError, ModelCard, load_card
 from .profile import Profile, load_profile
 
 __version__ = "0.1.0"
@@ -33,6 +34,9 @@ __all__ = [
     "Engine",
     "Profile",
     "load_profile",
+    "ModelCard",
+    "load_card",
+    "CardError",
     "K2EdgeError",
     "ModelError",
     "ProfileError",

@@ -52,7 +52,7 @@ def demo_eval():
 def demo_batch() -> np.ndarray:
     """A few real demo images staged as model inputs (batch 1 each)."""
     from k2edge.model.ingest import normalise
-    from k2edge.model.preprocess import Preprocess
+    from k2edge.tasks.preprocess import Preprocess
 
     nm = normalise(DEMO / "model.onnx")
     pre = Preprocess.for_model(nm.metadata(), nm.graph.shape("input"))

@@ -59,3 +59,51 @@ def single_node(op: str, inputs: dict[str, tuple], output_shape: tuple, inits: d
                           [helper.make_tensor_value_info("out", TensorProto.FLOAT, list(output_shape))],
                           [numpy_helper.from_array(v, k) for k, v in inits.items()])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def grid_detector(height: int = 64, width: int = 96, stride: int = 8, opset: int = 17) -> onnx.ModelProto:
+    """A hand-weighted YOLOv8-layout detector of two classes, ``white`` and ``red`` squares.
+
+    Each ``stride`` x ``stride`` cell is an anchor: a strided Conv measures its brightness and
+    redness, a 1x1 Conv turns them into box and class logits, and the head (Slice, Sigmoid, grid
+    Add, stride Mul, Concat, Reshape) decodes them as Ultralytics' export does: output
+    ``[N, 4 + 2, cells]``, cx cy w h in input pixels (each box is its cell), sigmoid scores.
+    Static H x W (the grid is a constant); dynamic batch.
+    """
+    gh, gw = height // stride, width // stride
+    s2 = float(stride * stride)
+    w1 = np.zeros((2, 3, stride, stride), np.float32)
+    w1[0] = 1.0 / (3 * s2)                     # brightness in [0, 1]
+    w1[1, 0], w1[1, 1] = 1.0 / s2, -1.0 / s2   # redness: R - G
+    w2 = np.zeros((6, 2, 1, 1), np.float32)
+    b2 = np.zeros(6, np.float32)
+    b2[2:4] = np.log(1 / 3)                    # sigmoid -> 0.25; x 4 x stride = one cell
+    w2[4, 0], w2[4, 1], b2[4] = 20.0, -20.0, -15.0   # white: bright, not red
+    w2[5, 1], b2[5] = 20.0, -10.0                    # red
+    gx, gy = np.meshgrid(np.arange(gw, dtype=np.float32), np.arange(gh, dtype=np.float32))
+    inits = {
+        "w1": w1, "b1": np.zeros(2, np.float32), "w2": w2, "b2": b2,
+        "grid": np.stack([gx, gy])[None], "stride": np.array(stride, np.float32), "wh_scale": np.array(4.0 * stride, np.float32),
+        "s0": np.array([0], np.int64), "s2": np.array([2], np.int64), "s4": np.array([4], np.int64),
+        "s6": np.array([6], np.int64), "ax": np.array([1], np.int64), "shape": np.array([0, 6, gh * gw], np.int64),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["f"], strides=[stride, stride], name="stem_conv"),
+        helper.make_node("Relu", ["f"], ["fr"], name="stem_relu"),
+        helper.make_node("Conv", ["fr", "w2", "b2"], ["raw"], name="head_conv"),
+        helper.make_node("Slice", ["raw", "s0", "s2", "ax"], ["xy_raw"], name="slice_xy"),
+        helper.make_node("Slice", ["raw", "s2", "s4", "ax"], ["wh_raw"], name="slice_wh"),
+        helper.make_node("Slice", ["raw", "s4", "s6", "ax"], ["cls_raw"], name="slice_cls"),
+        helper.make_node("Sigmoid", ["xy_raw"], ["xy_s"], name="xy_sigmoid"),
+        helper.make_node("Add", ["xy_s", "grid"], ["xy_g"], name="xy_grid"),
+        helper.make_node("Mul", ["xy_g", "stride"], ["xy"], name="xy_stride"),
+        helper.make_node("Sigmoid", ["wh_raw"], ["wh_s"], name="wh_sigmoid"),
+        helper.make_node("Mul", ["wh_s", "wh_scale"], ["wh"], name="wh_scale_mul"),
+        helper.make_node("Sigmoid", ["cls_raw"], ["cls"], name="cls_sigmoid"),
+        helper.make_node("Concat", ["xy", "wh", "cls"], ["cat"], axis=1, name="head_concat"),
+        helper.make_node("Reshape", ["cat", "shape"], ["output0"], name="head_reshape"),
+    ]
+    g = helper.make_graph(nodes, "grid_detector", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, height, width])],
+                          [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["N", 6, gh * gw])],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])

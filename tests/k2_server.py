@@ -86,11 +86,15 @@ class K2StandIn:
     Args:
         models: ids listed by ``GET /v1/models``.
         api_key: when set, requests without ``Authorization: Bearer <key>`` (or ``x-api-key``) get 401.
+        refuse_images: answer a chat request carrying image content with the 400 a vLLM serving a
+            text-only model gives (``"<model> is not a multimodal model"``), as a self-hosted
+            text-only Kimi K2 does. Settable while running.
     """
 
-    def __init__(self, models=DEFAULT_MODELS, api_key: str | None = None) -> None:
+    def __init__(self, models=DEFAULT_MODELS, api_key: str | None = None, refuse_images: bool = False) -> None:
         self.models = tuple(models)
         self.api_key = api_key
+        self.refuse_images = refuse_images
         self.fallback: Behaviour = answer()
         self._script: deque[Behaviour] = deque()
         self._lock = threading.Lock()
@@ -217,6 +221,10 @@ class K2StandIn:
                 self._send(404, {"error": {"message": f"no route {method} {self.path}", "type": "not_found"}})
 
             def _chat(self, body: dict, anthropic: bool) -> None:
+                if standin.refuse_images and _has_image(body):
+                    self._send(400, {"object": "error", "message": f"{body.get('model', 'model')} is not a multimodal model None",
+                                     "type": "BadRequestError", "param": None, "code": 400})
+                    return
                 b = standin._next()
                 if b.kind == "hang":
                     standin._stopping.wait(b.delay_s)
@@ -245,3 +253,12 @@ class K2StandIn:
                 self._route("POST")
 
         return Handler
+
+
+def _has_image(body: dict) -> bool:
+    """Whether a chat body carries image content (OpenAI ``image_url`` or Anthropic ``image`` parts)."""
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image_url", "image") for p in content):
+            return True
+    return False

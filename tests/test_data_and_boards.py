@@ -10,7 +10,8 @@ from k2edge import DatasetError, InputError
 from k2edge.dla.boards import detect_board
 from k2edge.engine.probe import cuda_devices, jtop_service, l4t_release
 from k2edge.model.datasets import open_dataset
-from k2edge.model.preprocess import Preprocess
+from k2edge.config.card import InputSpec
+from k2edge.tasks.preprocess import Preprocess
 
 
 def test_imagefolder_labels_follow_the_model_labels(tmp_path):
@@ -46,7 +47,7 @@ def test_npz_checks(tmp_path):
 
 
 def test_stage_png_jpeg_bytes_array_agree():
-    pre = Preprocess("L", (8, 8), mean=(0.5,), std=(0.25,))
+    pre = Preprocess(InputSpec(color="L", size=(8, 8), mean=(0.5,), std=(0.25,)))
     pixels = (np.arange(64, dtype=np.uint8) * 4).reshape(8, 8)
     png = io.BytesIO()
     Image.fromarray(pixels).save(png, format="PNG")
@@ -54,12 +55,12 @@ def test_stage_png_jpeg_bytes_array_agree():
     b = pre.stage(png.getvalue())
     np.testing.assert_allclose(a, b)
     np.testing.assert_allclose(a[0], (pixels / 255.0 - 0.5) / 0.25, atol=1e-6)
-    rgb = Preprocess("RGB", (4, 4))
+    rgb = Preprocess(InputSpec(color="RGB", size=(4, 4)))
     assert rgb.stage(Image.new("RGB", (16, 16), (255, 0, 0))).shape == (3, 4, 4)
 
 
 def test_stage_errors():
-    pre = Preprocess("L", (8, 8))
+    pre = Preprocess(InputSpec(color="L", size=(8, 8)))
     with pytest.raises(InputError, match="cannot decode image"):
         pre.stage(b"\x89PNG but not really")
     with pytest.raises(InputError, match="does not fit the model sample shape"):

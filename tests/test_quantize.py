@@ -9,7 +9,7 @@ from k2edge.engine.cache import EngineCache
 from k2edge.engine.quantize import calibrate_int8, read_trt_calibration_cache, write_trt_calibration_cache
 from k2edge.model.datasets import open_dataset
 from k2edge.model.ingest import normalise
-from k2edge.model.preprocess import Preprocess
+from k2edge.tasks.preprocess import Preprocess
 
 
 def _accuracy(engine, dataset) -> float:
@@ -85,7 +85,6 @@ def test_ranges_the_dla_ties_are_equal_in_the_cache_and_the_qdq_model(demo_model
     from k2edge.engine.quantize import tied_tensors
     from k2edge.model.datasets import open_dataset
     from k2edge.model.ingest import normalise
-    from k2edge.model.preprocess import Preprocess
 
     nm = normalise(demo_model)
     pre = Preprocess.for_model(nm.metadata(), nm.graph.shape("input"))

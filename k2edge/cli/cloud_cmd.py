@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import K2EdgeError
 from .common import Progress, add_build, add_json, add_model, build_engine, print_json, table
 
-MEASURES = ("max_softmax", "margin", "entropy")
+MEASURES = ("max_softmax", "margin", "entropy", "max_box_score", "uncertain_boxes")
 CHECK_PROMPT = "Reply with the single word OK."
 
 
@@ -38,8 +38,12 @@ def register(p) -> None:
                                    "confidence threshold that sends that share.")
     add_model(k)
     add_build(k)
-    k.add_argument("--dataset", required=True, metavar="EVAL", help="labelled ImageFolder directory or .npz with x and y")
-    k.add_argument("--measure", choices=MEASURES, default="max_softmax", help="confidence measure (default max_softmax)")
+    k.add_argument("--dataset", required=True, metavar="EVAL",
+                   help="labelled ImageFolder directory or .npz with x and y; for a detector a COCO annotation .json")
+    k.add_argument("--measure", choices=MEASURES,
+                   help="confidence measure (default max_softmax; detectors: max_box_score, or uncertain_boxes with --band)")
+    k.add_argument("--band", type=_band, default=(0.25, 0.6), metavar="LOW,HIGH",
+                   help="uncertain_boxes: escalate images with a box scoring within [LOW, HIGH) (default 0.25,0.6)")
     k.add_argument("--step", type=int, default=5, metavar="PCT", help="share step in percent (default 5)")
     k.add_argument("--shares", type=_percent_list, metavar="P,P,...", help="shares in percent instead of steps, e.g. 0,1,2,5,10,50,100")
     k.add_argument("--limit", type=int, metavar="N", help="use the first N samples only")
@@ -147,6 +151,47 @@ def _percent_list(text: str) -> list[float]:
     return [v / 100 for v in values]
 
 
+def _band(text: str) -> tuple[float, float]:
+    import argparse
+
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH such as 0.25,0.6, got {text!r}") from None
+    if not 0 <= low < high <= 1:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW < HIGH <= 1, got {text!r}")
+    return low, high
+
+
+def _detection_curve(args, engine) -> int:
+    from ..cloud_bridge.curve import detection_curve
+    from ..engine.evaluate import open_eval_set, run_detector
+
+    measure = args.measure or "max_box_score"
+    if measure not in ("max_box_score", "uncertain_boxes"):
+        raise K2EdgeError(f"--measure {measure} is a classifier measure; a detector takes max_box_score or uncertain_boxes")
+    dataset = open_eval_set(engine, args.dataset, args.limit)
+    progress = Progress(len(dataset), "curve")
+    with engine:
+        detections = run_detector(engine, list(dataset.samples), progress.advance)
+    progress.close()
+    shares = args.shares or [p / 100 for p in range(0, 100, args.step)] + [1.0]
+    points = detection_curve(dataset, detections, measure, shares, args.band)
+    info = {"model": engine.model.source, "profile": engine.profile.name, "dataset": dataset.source, "images": len(dataset),
+            "measure": measure, "band": list(args.band) if measure == "uncertain_boxes" else None,
+            "lanes": [lane.label + f" [{lane.precision}]" for lane in engine.lanes()], "points": [p.to_dict() for p in points]}
+    if args.json:
+        print_json(info)
+        return 0
+    how = f"{measure} in [{args.band[0]:g}, {args.band[1]:g})" if measure == "uncertain_boxes" else measure
+    print(f"escalation curve: {info['model']}, profile {info['profile']}, {info['images']} images of {info['dataset']}, "
+          f"least confident first by {how}; the cloud is assumed to fix what it sees (its images count as ground truth)")
+    body = [[f"{p.share * 100:.0f} %", p.escalated, f"{p.map50:.4f}", f"{p.map:.4f}",
+             "-" if p.threshold is None else f"{p.threshold:.6g}"] for p in points]
+    print(table(body, ["to cloud", "images", "mAP@0.5", "mAP@0.5:0.95", "threshold (escalate if best box <)"]))
+    return 0
+
+
 def _curve(args) -> int:
     import numpy as np
 
@@ -156,6 +201,11 @@ def _curve(args) -> int:
     if not 1 <= args.step <= 100:
         raise K2EdgeError(f"--step must be within [1, 100], got {args.step}")
     engine = build_engine(args)
+    if engine.card.task == "detection":
+        return _detection_curve(args, engine)
+    args.measure = args.measure or "max_softmax"
+    if args.measure not in MEASURES[:3]:
+        raise K2EdgeError(f"--measure {args.measure} is a detector measure; a classifier takes max_softmax, margin or entropy")
     dataset = open_labelled(args.dataset, engine.labels, args.limit)
     progress = Progress(len(dataset), "curve")
     rows = []

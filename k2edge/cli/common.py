@@ -29,6 +29,8 @@ def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="ONNX model file")
     p.add_argument("--input-shape", type=input_shape, action="append", default=[], metavar="NAME=DxD...",
                    help="static shape for an input with dynamic non-batch dimensions (repeatable)")
+    p.add_argument("--card", metavar="FILE", help="model card (TOML) saying what the model is and how to feed it "
+                   "(default: <model-stem>.card.toml or card.toml beside the model)")
 
 
 def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None:
@@ -62,7 +64,8 @@ def build_engine(args):
     from ..engine.engine import Engine
 
     return Engine.build(args.model, args.profile, args.calib, precision=args.precision, board=board_of(args),
-                        backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None)
+                        backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
+                        card=args.card)
 
 
 def print_json(data) -> None:

@@ -1,9 +1,9 @@
-"""``k2edge infer MODEL --profile P INPUT...``: classify images or ``.npy`` tensors."""
+"""``k2edge infer MODEL --profile P INPUT...``: classify or detect on images or ``.npy`` tensors."""
 
 from __future__ import annotations
 
 COMMAND = "infer"
-HELP = "classify images or .npy tensors"
+HELP = "run a model on images or .npy tensors: top-k classes, detections or raw outputs, by its card"
 ORDER = 40
 
 import json
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_build, add_json, add_model, build_engine
+from .common import add_build, add_json, add_model, build_engine, table
 
 
 def register(p) -> None:
@@ -20,11 +20,14 @@ def register(p) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files (JPEG, PNG, ...) or .npy tensors")
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="classes to show per input (default 5)")
     p.add_argument("--save-output", metavar="OUT.npy", help="write the first output tensor of every input, stacked")
+    p.add_argument("--save-annotated", metavar="OUT",
+                   help="detectors: draw the boxes and labels on each image; OUT is a directory (created), or an image "
+                        "file when there is one input")
     add_json(p)
 
 
 def _load(engine, path: str):
-    """One input batch from an image or an .npy file (a sample, or a whole batch)."""
+    """One input batch from an image or an .npy file (a sample, or a whole batch), with each sample's geometry."""
     import numpy as np
 
     p = Path(path)
@@ -45,8 +48,33 @@ def _load(engine, path: str):
                              f"nor a batch {tuple(engine.input_shape)} of input {engine.input_name!r}")
         if arr.dtype != np.float32:
             raise InputError(f"{path}: array dtype {arr.dtype}; input {engine.input_name!r} takes float32")
-        return engine.stage(list(arr)), len(arr)
-    return engine.stage([p]), 1
+        batch, geometries = engine.stage_mapped(list(arr))
+        return batch, geometries, len(arr)
+    batch, geometries = engine.stage_mapped([p])
+    return batch, geometries, 1
+
+
+def _annotated_path(out: Path, image: Path, single: bool) -> Path:
+    if single and out.suffix.lower() in (".png", ".jpg", ".jpeg", ".bmp", ".webp"):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{image.stem}.annotated.png"
+
+
+def _print_human(path: str, record: dict, task: str) -> None:
+    timing = f"({record['latency_ms']:.2f} ms, staging {record['stage_ms']:.2f} ms)"
+    if task == "classification":
+        best = ", ".join(f"{t['label']} {t['score']:.3f}" for t in record["top_k"])
+        print(f"{path}: {best}  {timing}")
+    elif task == "detection":
+        dets = record["detections"]
+        print(f"{path}: {len(dets)} detection(s)  {timing}")
+        if dets:
+            rows = [[d["label"], f"{d['score']:.3f}", *(f"{v:.1f}" for v in d["box"])] for d in dets]
+            print("  " + table(rows, ["label", "score", "x1", "y1", "x2", "y2"]).replace("\n", "\n  "))
+    else:
+        outs = ", ".join(f"{name} {o['dtype']} {o['shape']}" for name, o in record["outputs"].items())
+        print(f"{path}: {outs}  {timing}")
 
 
 def run(args) -> int:
@@ -56,26 +84,40 @@ def run(args) -> int:
         raise InputError("--top-k must be at least 1")
     if args.save_output and not Path(args.save_output).resolve().parent.is_dir():
         raise InputError(f"--save-output {args.save_output!r}: its directory does not exist")
+    annotated = Path(args.save_annotated) if args.save_annotated else None
+    if annotated is not None and not annotated.resolve().parent.is_dir():
+        raise InputError(f"--save-annotated {args.save_annotated!r}: its directory does not exist")
     engine = build_engine(args)
+    task = engine.card.task
+    if annotated is not None and task != "detection":
+        raise InputError(f"--save-annotated draws detections; this model's task is {task!r} (a card with "
+                         "task = \"detection\" makes it a detector)")
     first_outputs = []
     with engine:
         for path in args.inputs:
             t0 = time.perf_counter()
-            batch, n = _load(engine, path)
+            batch, geometries, n = _load(engine, path)
             t1 = time.perf_counter()
             outputs = engine.infer({engine.input_name: batch})
             t2 = time.perf_counter()
-            first = outputs[engine.output_names[0]][:n]  # drop the rows that only padded the batch
-            first_outputs.append(first)
-            top = engine.top_k(first, args.top_k)[0]
-            record = {"input": path, "top_k": top, "latency_ms": round((t2 - t1) * 1e3, 3),
+            first_outputs.append(outputs[engine.output_names[0]][:n])  # drop the rows that only padded the batch
+            answer = engine.answers(outputs, 1, geometries, args.top_k)[0]
+            record = {"input": path, **answer, "latency_ms": round((t2 - t1) * 1e3, 3),
                       "stage_ms": round((t1 - t0) * 1e3, 3), "profile": engine.profile.name,
                       "precision": "+".join(sorted({lane.precision for lane in engine.lanes()}))}
+            if annotated is not None and not path.endswith(".npy"):
+                target = _annotated_path(annotated, Path(path), len(args.inputs) == 1)
+                from .annotate import annotate
+
+                try:
+                    annotate(Path(path), record["detections"], target)
+                except OSError as exc:
+                    raise InputError(f"--save-annotated: cannot write {target} ({exc.strerror or exc})") from None
+                record["annotated"] = str(target)
             if args.json:
                 print(json.dumps(record))
             else:
-                best = ", ".join(f"{t['label']} {t['score']:.3f}" for t in top)
-                print(f"{path}: {best}  ({record['latency_ms']:.2f} ms, staging {record['stage_ms']:.2f} ms)")
+                _print_human(path, record, task)
     if args.save_output:
         try:
             np.save(args.save_output, np.concatenate(first_outputs, axis=0))

@@ -15,6 +15,26 @@ def register(p) -> None:
     add_json(p)
 
 
+def _card(args, nm) -> dict:
+    """The card in use (``--card`` or beside the model), else the one ``k2edge card init`` would suggest."""
+    from pathlib import Path
+
+    from ..config.card import find_card
+    from ..tasks.suggest import suggest_card
+
+    g = nm.graph
+    if len(g.inputs) != 1:
+        return {"card": None, "suggested": None, "why": "several inputs: k2edge serves single-input models"}
+    found = args.card or find_card(Path(args.model))
+    if found:
+        from ..engine.engine import model_card
+
+        card = model_card(Path(args.model), nm, found)
+        return {"card": str(found), "task": card.task, "suggested": None, "why": None}
+    card, why = suggest_card(g.inputs[0], g.shape(g.inputs[0]), {o: g.shape(o) for o in g.outputs}, nm.metadata())
+    return {"card": None, "task": card.task, "suggested": card.model_dump(mode="json", exclude={"source"}), "why": why}
+
+
 def run(args) -> int:
     from ..dla.rules import support_table
     from ..model import model_costs, normalise
@@ -40,6 +60,7 @@ def run(args) -> int:
         "total_flops": total,
         "param_bytes": sum(t.nbytes for name, t in g.tensors.items() if name in g.initializers),
         "dla_capable_flop_share": dla_flops / total if total else 0.0,
+        "card": _card(args, nm),
         "nodes": nodes,
     }
     if args.json:
@@ -50,7 +71,14 @@ def run(args) -> int:
         for t in data[kind]:
             print(f"  {kind[:-1]:6} {t['name']}  {t['dtype']} {tuple(t['shape'])}")
     print(f"  {len(nodes)} nodes, {total / 1e6:.2f} MFLOPs, {data['param_bytes'] / 1e6:.2f} MB of parameters, "
-          f"{data['dla_capable_flop_share']:.1%} of FLOPs DLA-capable\n")
+          f"{data['dla_capable_flop_share']:.1%} of FLOPs DLA-capable")
+    card = data["card"]
+    if card["card"]:
+        print(f"  card   {card['card']} (task {card['task']})\n")
+    elif card["suggested"]:
+        print(f"  card   none; suggested: task {card['task']} ({card['why']}): k2edge card init {args.model}\n")
+    else:
+        print(f"  card   none ({card['why']})\n")
     rows = [[n["index"], n["name"], n["op"], "x".join(map(str, n["output_shape"])), f"{n['flops'] / 1e6:.3f}",
              "yes" if n["dla"] else f"no: {n['dla_reason']}"] for n in nodes]
     print(table(rows, ["#", "node", "op", "output", "MFLOPs", "DLA"]))

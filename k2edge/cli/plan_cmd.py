@@ -36,6 +36,12 @@ def run(args) -> int:
     else:
         raise K2EdgeError("give --profile P, or both --offload-ratio R and --partition G")
     nm = normalise(args.model, batch_size=profile.edge_runtime.batch_size, input_shapes=dict(args.input_shape) or None)
+    if args.card:  # placement does not depend on the card; check it fits the model all the same
+        from pathlib import Path
+
+        from ..engine.engine import model_card
+
+        model_card(Path(args.model), nm, args.card)
     plan = plan_partition(nm, profile, board_of(args), args.precision)
     data = plan.to_dict()
     data["profile"] = profile.name

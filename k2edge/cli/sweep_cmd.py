@@ -50,7 +50,9 @@ def accuracy_fraction(text: str) -> float:
 
 def register(p) -> None:
     add_model(p)
-    p.add_argument("--dataset", required=True, metavar="EVAL", help="labelled evaluation set: ImageFolder directory or .npz with x and y")
+    p.add_argument("--dataset", required=True, metavar="EVAL",
+                   help="labelled evaluation set: ImageFolder directory or .npz with x and y; for a detector (card task = "
+                        "\"detection\") a COCO annotation .json, and the accuracy axis is COCO mAP@0.5")
     p.add_argument("--calib", metavar="DATA", help="calibration set for INT8 configurations (default: calib/ or calib.npz beside the model)")
     p.add_argument("--profiles", nargs="+", metavar="P", help="profile files or names to sweep (default: c1 ... c6)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -110,7 +112,8 @@ def run(args) -> int:
         raise SweepError(f"--out {args.out!r}: cannot create it ({exc.strerror or exc})") from None
     spec = SweepSpec(model=Path(args.model), dataset=Path(args.dataset), out=out, calib=args.calib, board=board_of(args),
                      backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
-                     settings=settings, goal=args.goal, max_latency_ms=args.max_latency_ms, min_accuracy=args.min_accuracy)
+                     settings=settings, goal=args.goal, max_latency_ms=args.max_latency_ms, min_accuracy=args.min_accuracy,
+                     card=args.card)
     progress = default_progress()
     for note in notes:
         progress.note(f"note: {note}")

@@ -74,6 +74,8 @@ class Outcome:
         deferred: the request waits in the outbox; its cloud answer is delivered later to its response topic.
         escalated: the policy wanted the cloud.
         cloud_model / attempts: who answered, HTTP attempts made.
+        cloud_input: what K2 was given with the text: ``image``, or ``text`` (the edge's findings
+            only: ``[cloud] vision = "off"``, or the server refused image content); None when not asked.
         decision: the policy's decision (confidence, threshold, thermal state, prefer_profile).
         local: the local result used (computed here when the daemon passed a callable).
     """
@@ -88,6 +90,7 @@ class Outcome:
     escalated: bool = False
     cloud_model: str | None = None
     attempts: int = 0
+    cloud_input: str | None = None
     decision: Decision | None = None
     local: LocalResult | None = field(default=None, repr=False)
 
@@ -97,7 +100,7 @@ class Outcome:
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("source", "text", "latency_ms", "reason", "degraded", "error_code", "deferred",
-                                          "escalated", "cloud_model", "attempts")}
+                                          "escalated", "cloud_model", "attempts", "cloud_input")}
         d["decision"] = self.decision.to_dict() if self.decision else None
         return d
 
@@ -226,7 +229,9 @@ class CloudBridge:
         else:
             try:
                 top_k = list(computed.top_k) if computed is not None else None
-                answer = self.client.complete(req.image, req.mime, req.prompt, top_k, end - reserve - self._clock())
+                detections = list(computed.detections) if computed is not None and computed.detections is not None else None
+                answer = self.client.complete(req.image, req.mime, req.prompt, top_k, end - reserve - self._clock(),
+                                              detections=detections)
             except CloudError as exc:
                 failure = exc
             else:
@@ -234,7 +239,7 @@ class CloudBridge:
                 with self._lock:
                     self._latencies.append(answer.latency_ms)
                 return Outcome("cloud", answer.text, answer.latency_ms, d.reason, escalated=True, cloud_model=answer.model,
-                               attempts=answer.attempts, decision=d, local=computed)
+                               attempts=answer.attempts, cloud_input=answer.cloud_input, decision=d, local=computed)
             finally:
                 self._slots.release()
         return self._fallback(req, d, computed, thunk, failure, elapsed)
@@ -270,14 +275,18 @@ class CloudBridge:
             log.warning("request %s is deferrable but has no response topic; not deferred", req.id)
             return False
         image = mime = None
+        detections = list(computed.detections) if computed is not None and computed.detections is not None else None
         if req.image:
             try:
                 prepared = prepare_image(req.image, self.settings.image_max_side)
             except CloudRejected:
                 return False
             image, mime = prepared.base64, prepared.mime
+            if detections:  # the stored image is the downscaled one: keep the boxes in its pixels
+                detections = [{**d, "box": b} for d, b in zip(detections, prepared.scale_boxes([d["box"] for d in detections]))]
         payload = {"request": {"model": req.model, "prompt": req.prompt, "image_b64": image, "mime": mime,
-                               "top_k": list(computed.top_k) if computed is not None else None},
+                               "top_k": list(computed.top_k) if computed is not None else None,
+                               "detections": detections},
                    "response": req.response or {}, "reason": d.reason, "request_id": req.id}
         # two requesters may use the same id: the outbox keys on where the answer goes as well
         if not self.outbox.put(outbox_key(req), req.response_topic, req.correlation_data, payload):
@@ -346,7 +355,8 @@ class CloudBridge:
         image = base64.b64decode(r["image_b64"]) if r.get("image_b64") else None
         deadline = self.settings.timeout_s * (self.settings.max_retries + 1) + 1.0
         try:
-            answer = self.client.complete(image, r.get("mime"), r.get("prompt"), r.get("top_k"), deadline)
+            answer = self.client.complete(image, r.get("mime"), r.get("prompt"), r.get("top_k"), deadline,
+                                          detections=r.get("detections"))
         except BreakerOpen as exc:
             raise Postpone(str(exc), max(1.0, self.breaker.retry_in_s())) from None
         except CloudError as exc:
@@ -396,7 +406,8 @@ def default_render(item: OutboxItem, result: CloudAnswer | CloudError) -> dict:
     if isinstance(result, CloudAnswer):
         latency = dict(resp.get("latency_ms") or {}) if isinstance(resp.get("latency_ms"), dict) else {}
         latency["cloud"] = round(result.latency_ms, 1)
-        resp.update({"status": "ok", "text": result.text, "cloud_model": result.model, "degraded": False, "latency_ms": latency})
+        resp.update({"status": "ok", "text": result.text, "cloud_model": result.model, "cloud_input": result.cloud_input,
+                     "degraded": False, "latency_ms": latency})
     else:
         resp.update({"status": "error", "error": {"code": "cloud_unavailable", "message": scrub(str(result))}})
     return resp

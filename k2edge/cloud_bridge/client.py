@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -55,15 +56,41 @@ class CloudAnswer:
     model: str
     latency_ms: float
     attempts: int
+    cloud_input: str = "image"  # what K2 was given besides the text: "image", or "text" (findings only)
 
 
-def build_text(prompt: str | None, top_k: Sequence[dict] | None) -> str:
-    """The text part: the user's prompt (or a default question) and the edge's top-k as context."""
+def build_text(prompt: str | None, top_k: Sequence[dict] | None, detections: Sequence[dict] | None = None,
+               image: PreparedImage | None = None, image_size: tuple[int, int] | None = None) -> str:
+    """The text part: the user's prompt (or a default question) and the edge's findings as context.
+
+    Args:
+        prompt: the user's question; a default one when empty.
+        top_k: a classifier's top-k (``{"label", "score"}``).
+        detections: a detector's boxes (``{"label", "score", "box"}``, original-image pixels).
+        image: the image K2 receives with this text: boxes are rescaled to its pixels. None when
+            no image goes along (vision off or refused): the findings then stand in for it.
+        image_size: the original image's (width, height), for the text-only description.
+    """
     text = prompt.strip() if prompt and prompt.strip() else DEFAULT_QUESTION
     if top_k:
         guesses = ", ".join(f"{r.get('label', r.get('index'))} ({float(r.get('score', 0.0)):.3f})" for r in top_k)
         text += f"\n\nThe on-device classifier's top-{len(top_k)} guesses (label, probability): {guesses}."
+    if detections is not None:
+        boxes = image.scale_boxes([d["box"] for d in detections]) if image is not None else [d["box"] for d in detections]
+        found = [{"label": d.get("label"), "score": round(float(d.get("score", 0.0)), 3), "box": b}
+                 for d, b in zip(detections, boxes)]
+        if image is not None:
+            where = f"in pixels of the {image.width}x{image.height} image you received"
+        else:
+            size = f" of the {image_size[0]}x{image_size[1]} image" if image_size else ""
+            where = f"in pixels{size}; the image itself could not be sent, so answer from these findings"
+        text += (f"\n\nThe on-device detector found {len(found)} object(s) (box = [x1, y1, x2, y2] {where}): "
+                 f"{json.dumps(found)}")
     return text
+
+
+# A 4xx whose message says the server takes no image content (vLLM serving a text-only model, ...).
+_IMAGE_REFUSAL = re.compile(r"image|vision|multi-?modal|content part|content type", re.IGNORECASE)
 
 
 class _Failure(Exception):
@@ -214,6 +241,7 @@ class K2Client:
         self._wire = None
         self._wire_lock = threading.Lock()
         self._key = SecretStr(key)
+        self.vision_refused = False  # vision = "auto": set once the server refused image content
 
     def __repr__(self) -> str:
         return f"<K2Client {self.settings.mode} {self.settings.base_url} model={self.settings.model} key={self.settings.key_source()}>"
@@ -228,13 +256,22 @@ class K2Client:
                 self._wire = cls(self.settings, key)
             return self._wire
 
-    def request_body(self, image_bytes: bytes | None, prompt: str | None, top_k: Sequence[dict] | None) -> dict:
-        """The exact JSON body :meth:`complete` sends (image downscaled, data URL, text part)."""
+    def sends_images(self) -> bool:
+        """Whether images go to K2 now (``vision`` on, or auto and not refused yet)."""
+        return self.settings.vision == "on" or (self.settings.vision == "auto" and not self.vision_refused)
+
+    def request_body(self, image_bytes: bytes | None, prompt: str | None, top_k: Sequence[dict] | None,
+                     detections: Sequence[dict] | None = None, with_image: bool = True) -> dict:
+        """The exact JSON body :meth:`complete` sends (image downscaled, data URL, text part with the
+        edge's findings; boxes rescaled to the image sent, or described in words without it)."""
         image = prepare_image(image_bytes, self.settings.image_max_side) if image_bytes else None
-        return self.wire.body(image, build_text(prompt, top_k))
+        if image is not None and not with_image:
+            size = (image.original_width, image.original_height)
+            return self.wire.body(None, build_text(prompt, top_k, detections, None, size))
+        return self.wire.body(image, build_text(prompt, top_k, detections, image))
 
     def complete(self, image_bytes: bytes | None, mime: str | None, prompt: str | None, top_k: Sequence[dict] | None,
-                 deadline_s: float) -> CloudAnswer:
+                 deadline_s: float, detections: Sequence[dict] | None = None) -> CloudAnswer:
         """Ask K2 once (with bounded retries) and return its answer.
 
         Args:
@@ -243,6 +280,12 @@ class K2Client:
             prompt: the user's question (a default question when None).
             top_k: the edge's top-k (``{"label", "score"}`` rows) as context.
             deadline_s: seconds from now by which the answer must be back, retries included.
+            detections: a detector's boxes as context (original-image pixels; rescaled to the image sent).
+
+        With ``vision = "off"``, or ``auto`` after the server refused image content, the image stays
+        here and the findings go as text (``CloudAnswer.cloud_input == "text"``); under ``auto`` the
+        first refusal switches to text and the same request is sent again at once. A refusal is the
+        server answering, not an outage: it never counts against the breaker.
 
         Raises:
             BreakerOpen: the breaker is open (no call made).
@@ -261,8 +304,9 @@ class K2Client:
         if not self.breaker.allow():
             raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
                               f"next probe in {self.breaker.retry_in_s():.0f} s")
+        with_image = image_bytes is not None and self.sends_images()
         try:
-            body = self.request_body(image_bytes, prompt, top_k)
+            body = self.request_body(image_bytes, prompt, top_k, detections, with_image)
         except CloudError:
             self.breaker.release_probe()
             raise
@@ -280,6 +324,19 @@ class K2Client:
             try:
                 text, model = self.wire.send(body, min(self.settings.timeout_s, remaining))
             except _Failure as f:
+                if with_image and self._refuses_images(f):
+                    self.breaker.record_success()  # the server is up; it takes no images
+                    if self.settings.vision != "auto":
+                        raise CloudRejected(f"the cloud refused the image ({self._scrub(f.detail)}); set [cloud] vision = "
+                                            "\"off\" or \"auto\" for a text-only deployment", status=f.status,
+                                            attempts=attempts) from None
+                    if not self.vision_refused:
+                        log.warning("the cloud refused image content (%s); sending the edge's findings as text from now on "
+                                    "([cloud] vision = \"auto\")", self._scrub(f.detail))
+                    self.vision_refused = True
+                    with_image = False
+                    body = self.request_body(image_bytes, prompt, top_k, detections, with_image)
+                    continue
                 wait = self._classify(f, attempts, deadline_s, end)
                 log.debug("cloud attempt %d failed (%s); retrying in %.2f s", attempts, self._scrub(f.detail), wait)
                 self._sleep(wait)
@@ -287,7 +344,11 @@ class K2Client:
             latency_ms = (self._clock() - start) * 1e3
             self.breaker.record_success()
             log.debug("cloud answered in %.0f ms after %d attempt(s)", latency_ms, attempts)
-            return CloudAnswer(text, model, latency_ms, attempts)
+            return CloudAnswer(text, model, latency_ms, attempts, "image" if with_image else "text")
+
+    @staticmethod
+    def _refuses_images(f: _Failure) -> bool:
+        return f.kind == "status" and f.status in (400, 415, 422) and bool(_IMAGE_REFUSAL.search(f.detail))
 
     def _classify(self, f: _Failure, attempts: int, deadline_s: float, end: float) -> float:
         """Raise for a failure that must not be retried; return the wait before the next attempt."""

@@ -25,6 +25,14 @@ class PreparedImage:
     width: int
     height: int
     resized: bool
+    original_width: int = 0
+    original_height: int = 0
+
+    def scale_boxes(self, boxes) -> list[list[float]]:
+        """``x1 y1 x2 y2`` boxes in the original image's pixels -> in this (downscaled) image's pixels."""
+        sx = self.width / (self.original_width or self.width)
+        sy = self.height / (self.original_height or self.height)
+        return [[round(b[0] * sx, 1), round(b[1] * sy, 1), round(b[2] * sx, 1), round(b[3] * sy, 1)] for b in boxes]
 
     @property
     def base64(self) -> str:
@@ -54,7 +62,7 @@ def prepare_image(data: bytes, max_side: int = 768) -> PreparedImage:
     fmt = (img.format or "").upper()
     w, h = img.size
     if max(w, h) <= max_side and fmt in MIME_BY_FORMAT:
-        return PreparedImage(bytes(data), MIME_BY_FORMAT[fmt], w, h, False)
+        return PreparedImage(bytes(data), MIME_BY_FORMAT[fmt], w, h, False, w, h)
     scale = min(1.0, max_side / max(w, h))
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
     out_fmt = fmt if fmt in _KEEP_FORMAT else "PNG"
@@ -66,4 +74,4 @@ def prepare_image(data: bytes, max_side: int = 768) -> PreparedImage:
         img = img.resize(size, Image.Resampling.LANCZOS)
     buf = io.BytesIO()
     img.save(buf, format=out_fmt, **({"quality": 90} if out_fmt in ("JPEG", "WEBP") else {}))
-    return PreparedImage(buf.getvalue(), MIME_BY_FORMAT[out_fmt], size[0], size[1], size != (w, h))
+    return PreparedImage(buf.getvalue(), MIME_BY_FORMAT[out_fmt], size[0], size[1], size != (w, h), w, h)

@@ -11,6 +11,9 @@ Rules, in order (first match wins):
 5. **Confidence** (``max_softmax`` | ``margin`` | ``entropy``, per model) below the model's
    threshold -> cloud. In **warm** the bar is ``warm_threshold`` (default halfway from the
    threshold to 1), so low-confidence requests escalate sooner; otherwise -> local.
+   Detectors: ``max_box_score`` (the best box's score, 0 when nothing was found) below the
+   threshold -> cloud; ``uncertain_boxes``: any box scoring within [low, high) -> cloud, the band
+   widened in **warm** (low halfway to 0, high halfway to 1).
 
 Then the guards: ``allow_cloud: false`` is always respected (the request is answered locally,
 or refused when there is nothing local to answer with); when the cloud is unavailable (breaker
@@ -36,9 +39,11 @@ __all__ = [
     "decide",
     "confidence",
     "MEASURES",
+    "DETECTION_MEASURES",
 ]
 
 MEASURES = ("max_softmax", "margin", "entropy")
+DETECTION_MEASURES = ("max_box_score", "uncertain_boxes")
 Action = Literal["local", "cloud", "refuse"]
 
 
@@ -77,33 +82,64 @@ class LocalResult:
     """What the edge model answered.
 
     Attributes:
-        top_k: best first, ``{"index", "label", "score"}`` with softmax scores (``Engine.top_k``'s rows).
+        top_k: best first, ``{"index", "label", "score"}`` with softmax scores (``Engine.top_k``'s rows);
+            empty for a detector.
         probs: the full softmax, when available (exact confidence for every measure).
         num_classes: the model's class count (for entropy on a top-k).
         latency_ms: local inference time, when measured.
+        detections: a detector's boxes, ``{"index", "label", "score", "box"}`` in original-image
+            pixels (the answer's ``detections``); None for a classifier.
+        image_size: (width, height) of the image the boxes refer to, when known.
     """
 
     top_k: tuple[dict, ...]
     probs: tuple[float, ...] | None = None
     num_classes: int | None = None
     latency_ms: float | None = None
+    detections: tuple[dict, ...] | None = None
+    image_size: tuple[int, int] | None = None
 
     @classmethod
     def from_logits(cls, logits, labels: Sequence[str] = (), k: int = 5, latency_ms: float | None = None) -> "LocalResult":
         """From one sample's logits (any shape that flattens to the classes)."""
         import numpy as np
 
-        from ..model.scores import softmax, top_k
+        from ..tasks.classification import softmax, top_k
 
         p = softmax(np.asarray(logits).reshape(-1))
         return cls(tuple(top_k(p, labels, k)), tuple(float(x) for x in p), int(p.size), latency_ms)
 
+    @classmethod
+    def from_detections(cls, detections, latency_ms: float | None = None,
+                        image_size: tuple[int, int] | None = None) -> "LocalResult":
+        """From one image's detections (the answer fragment's ``detections`` list)."""
+        return cls((), latency_ms=latency_ms, detections=tuple(detections), image_size=image_size)
+
     @property
     def answer(self) -> str | None:
-        """The top-1 label."""
+        """The top-1 label; for a detector, the boxes found in words."""
+        if self.detections is not None:
+            found = ", ".join(f"{d['label']} ({float(d['score']):.2f})" for d in self.detections[:10])
+            return f"{len(self.detections)} detection(s)" + (f": {found}" if found else "")
         return str(self.top_k[0]["label"]) if self.top_k else None
 
+    def box_scores(self) -> list[float]:
+        return [float(d["score"]) for d in self.detections or ()]
+
     def confidence(self, measure: str) -> float:
+        """Confidence in [0, 1] by ``measure``; ``max_box_score`` for a detector (0 when nothing was found).
+
+        Raises:
+            ValueError: a classifier measure on a detector's result, or the other way round.
+        """
+        if (measure in DETECTION_MEASURES) != (self.detections is not None):
+            kind = "detector" if self.detections is not None else "classifier"
+            raise ValueError(f"confidence measure {measure!r} does not fit a {kind} "
+                             f"(detectors: {', '.join(DETECTION_MEASURES)}; classifiers: {', '.join(MEASURES)})")
+        if measure == "max_box_score":
+            return max(self.box_scores(), default=0.0)
+        if measure == "uncertain_boxes":
+            raise ValueError("uncertain_boxes is a band, not a confidence: use EscalationSettings.band")
         probs = self.probs if self.probs is not None else [float(r["score"]) for r in self.top_k]
         return confidence(probs, measure, self.num_classes)
 
@@ -209,6 +245,17 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
         why = "the prompt needs language understanding the edge has no model for"
     elif local is None:
         return Decision("local", "run the edge model, then judge its confidence", provisional=True, **base)
+    elif s.measure == "uncertain_boxes":
+        measure = s.measure
+        warm = state == "warm"
+        low, high = s.band(warm)
+        band = f"{'warm ' if warm else ''}band [{low:.3f}, {high:.3f})"
+        local.confidence("max_box_score")  # refuses a classifier's result with a clear message
+        unsure = [x for x in local.box_scores() if low <= x < high]
+        conf = max(local.box_scores(), default=0.0)
+        if not unsure:
+            return Decision("local", f"no box scores within the {band}", confidence=conf, measure=measure, **base)
+        why = f"{len(unsure)} box(es) score within the {band}"
     else:
         measure = s.measure
         conf = local.confidence(measure)

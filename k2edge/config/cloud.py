@@ -39,6 +39,10 @@ class CloudSettings(BaseModel):
         breaker_failures: consecutive failed calls that open the circuit breaker.
         breaker_cooldown_s: how long it stays open before one probe is let through.
         image_max_side: images are downscaled so their longer side is at most this (pixels cost tokens).
+        vision: ``on`` sends images; ``off`` sends the edge's findings as text instead; ``auto``
+            (default) sends images until the server refuses image content (a self-hosted text-only
+            K2 refuses ``image_url`` parts), then text. A refusal is not an outage: it never counts
+            against the circuit breaker.
         system_prompt: the system message sent with every request.
         deadline_reserve_ms: time kept back from a request's deadline for the local fallback and the publish
             (at least this, and at least a tenth of the time left when the cloud is asked).
@@ -62,6 +66,9 @@ class CloudSettings(BaseModel):
     requests_per_minute: int | None = Field(60, ge=1)
     breaker_failures: int = Field(5, ge=1, le=1000)
     breaker_cooldown_s: float = Field(30.0, gt=0, le=86400)
+    vision: Literal["auto", "on", "off"] = Field(
+        "auto", description="send images to K2: on; off: the edge's findings as text; auto: images until the server "
+                            "refuses image content (a text-only deployment), then text")
     image_max_side: int = Field(768, ge=32, le=8192)
     system_prompt: str = ("You are the cloud expert behind an on-device image classifier. Answer the user's question "
                           "about the image briefly; the classifier's top guesses are context, not ground truth.")
@@ -106,6 +113,13 @@ class EscalationSettings(BaseModel):
     A request escalates when its confidence is below ``threshold``; in the ``warm`` state below
     ``warm_threshold`` (default: halfway from ``threshold`` to 1, so low confidence escalates sooner).
 
+    Detectors (card ``task = "detection"``) take a detection measure instead:
+    ``max_box_score`` = the best box's score (0 when nothing is found): escalate when below
+    ``threshold`` (nothing found confidently); ``uncertain_boxes``: escalate when any box scores
+    within [``low``, ``high``). In ``warm`` the band widens as the classifier threshold does:
+    ``low`` halfway to 0, ``high`` halfway to 1 (``warm_low`` / ``warm_high`` set them). Boxes the
+    card's ``score_threshold`` drops are never seen: keep it at or below ``low``.
+
     Attributes:
         allow_cloud: the default for requests that do not say.
         prompts: a request carrying a text prompt needs language understanding the edge has no
@@ -116,9 +130,13 @@ class EscalationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    measure: Literal["max_softmax", "margin", "entropy"] = "max_softmax"
+    measure: Literal["max_softmax", "margin", "entropy", "max_box_score", "uncertain_boxes"] = "max_softmax"
     threshold: float = Field(0.5, ge=0, le=1)
     warm_threshold: float | None = Field(None, ge=0, le=1)
+    low: float = Field(0.25, ge=0, le=1, description="uncertain_boxes: the band's lower end")
+    high: float = Field(0.6, ge=0, le=1, description="uncertain_boxes: the band's upper end (excluded)")
+    warm_low: float | None = Field(None, ge=0, le=1)
+    warm_high: float | None = Field(None, ge=0, le=1)
     allow_cloud: bool = True
     prompts: Literal["cloud", "local"] = "cloud"
     warm_profile: str | None = None
@@ -130,6 +148,38 @@ class EscalationSettings(BaseModel):
         if v is not None and t is not None and v < t:
             raise ValueError(f"must be >= threshold ({t}): warm escalates sooner, not later; got {v}")
         return v
+
+    @field_validator("high")
+    @classmethod
+    def _band(cls, v, info: ValidationInfo):
+        low = info.data.get("low")
+        if low is not None and v <= low:
+            raise ValueError(f"must be above low ({low}), got {v}")
+        return v
+
+    @field_validator("warm_low")
+    @classmethod
+    def _warm_low_wider(cls, v, info: ValidationInfo):
+        low = info.data.get("low")
+        if v is not None and low is not None and v > low:
+            raise ValueError(f"must be <= low ({low}): warm widens the band; got {v}")
+        return v
+
+    @field_validator("warm_high")
+    @classmethod
+    def _warm_high_wider(cls, v, info: ValidationInfo):
+        high = info.data.get("high")
+        if v is not None and high is not None and v < high:
+            raise ValueError(f"must be >= high ({high}): warm widens the band; got {v}")
+        return v
+
+    def band(self, warm: bool = False) -> tuple[float, float]:
+        """The ``uncertain_boxes`` band [low, high), widened in the warm state."""
+        if not warm:
+            return self.low, self.high
+        low = self.warm_low if self.warm_low is not None else self.low / 2
+        high = self.warm_high if self.warm_high is not None else self.high + (1.0 - self.high) / 2
+        return low, high
 
     @property
     def effective_warm_threshold(self) -> float:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
+from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
 from .lifecycle import DeploySettings, MetricsSettings, TrustSettings
 from .thermal import ThermalSettings
@@ -80,6 +81,9 @@ class ModelConfig(_Strict):
     calib: Path | None = None
     backend: str = Field("auto", pattern="^(auto|onnxruntime|tensorrt)$")
     top_k: int = Field(5, ge=1, le=1000)
+    card: Path | ModelCard | None = Field(
+        None, description="a card file (replaces the card found beside the model), or a card table whose keys "
+                          "override that card's; labels above override both")
     escalation: EscalationSettings = Field(default_factory=EscalationSettings,
                                            description="when this model's requests go to the cloud")
 
@@ -87,6 +91,25 @@ class ModelConfig(_Strict):
     @classmethod
     def _name(cls, v):
         return _topic_level(v, "model name")
+
+    @field_validator("card", mode="before")
+    @classmethod
+    def _card(cls, v):
+        if isinstance(v, dict):
+            try:
+                return card_from_dict(v, "card table")
+            except CardError as exc:
+                raise ValueError(str(exc).removeprefix("card table: ")) from None
+        if v is not None and not isinstance(v, (str, Path, ModelCard)):
+            raise ValueError(f"must be a card file path or a card table, got {v!r}")
+        return v
+
+    def card_args(self) -> dict:
+        """``Engine.build`` keywords for this model's card: a file replaces the card found beside the
+        model; a table's keys override it."""
+        if isinstance(self.card, ModelCard):
+            return {"card_overrides": self.card}
+        return {"card": self.card} if self.card is not None else {}
 
 
 class ServiceConfig(_Strict):
@@ -103,6 +126,8 @@ class ServiceConfig(_Strict):
     max_payload_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(16_777_216, ge=1, description="images with more pixels are refused from their header, "
                                                                 "before decoding (default 4096 x 4096)")
+    max_answer_bytes: int = Field(1024 * 1024, ge=1024,
+                                  description="an answer larger than this (task = \"tensor\" outputs) is refused with payload_too_large")
     staging_threads: int = Field(1, ge=1, le=64, description="threads decoding a batch's images; 1: the model's line decodes them")
     telemetry_interval_s: float = Field(5.0, gt=0)
     default_deadline_ms: float | None = Field(None, ge=1, le=3_600_000, description="deadline for requests that give none")
@@ -181,7 +206,9 @@ def _resolve(data: dict, base: Path) -> dict:
         trust["keys"] = [str(base / k) if isinstance(k, str) and k and not os.path.isabs(k) else k for k in trust["keys"]]
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         if isinstance(m, dict):
-            fix(m, ("onnx", "labels", "calib"))
+            fix(m, ("onnx", "labels", "calib", "card"))
+            if isinstance(m.get("card"), dict):
+                fix(m["card"], ("labels",))
             for holder, key in ((m, "profile"), (m.get("escalation") if isinstance(m.get("escalation"), dict) else {}, "warm_profile")):
                 prof = holder.get(key)
                 if isinstance(prof, str) and (prof.endswith(".json") or "/" in prof) and not os.path.isabs(prof):

@@ -19,12 +19,13 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import onnx
 
+from ..config.card import LABELS_METADATA_KEY, ModelCard, find_card, load_card, resolve_card
 from ..dla.planner import PartitionPlan, plan_partition
 from ..errors import BuildError, InputError
 from ..model.datasets import Dataset, open_dataset
 from ..model.ingest import NORMALISER_VERSION, NormalisedModel, load_onnx, normalise
-from ..model.preprocess import Preprocess
 from ..profile import Profile, load_profile
+from ..tasks import Geometry, Preprocess, TaskDecoder
 from .base import Backend, LaneInfo, TensorSpec
 from .cache import EngineCache, digest
 from .prefetch import PrefetchRing
@@ -50,16 +51,21 @@ class StreamResult:
     outputs: dict[str, np.ndarray] | None
     error: BaseException | None = None
     latency_ms: float = 0.0
+    geometries: list = field(default_factory=list)  # per item: where its image landed (tasks.Geometry)
     extra: dict = field(default_factory=dict)
 
 
-def load_labels(model_path: Path | None, model: NormalisedModel, override: str | os.PathLike | None = None) -> tuple[str, ...]:
-    """Labels from ``override``, else the file the model's metadata names, else ``labels.txt`` beside it."""
+def load_labels(model_path: Path | None, model: NormalisedModel, override: str | os.PathLike | None = None,
+                card: ModelCard | None = None) -> tuple[str, ...]:
+    """Labels from ``override``, else the card's ``labels``, else the file the model's metadata names,
+    else ``labels.txt`` beside the model."""
     candidates = []
     if override:
         candidates.append(Path(override))
+    elif card is not None and card.labels:
+        candidates.append(Path(card.labels))
     elif model_path is not None:
-        named = model.metadata().get("k2edge.labels")
+        named = model.metadata().get(LABELS_METADATA_KEY)
         if named:
             candidates.append(model_path.parent / named)
         candidates.append(model_path.parent / "labels.txt")
@@ -68,7 +74,51 @@ def load_labels(model_path: Path | None, model: NormalisedModel, override: str |
             return tuple(line.strip() for line in c.read_text().splitlines() if line.strip())
     if override:
         raise BuildError(f"labels file {str(override)!r} does not exist")
+    if card is not None and card.labels:
+        raise BuildError(f"{card.source or 'card'}: labels: file {card.labels!r} does not exist")
     return ()
+
+
+def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | None = None) -> ModelCard | None:
+    """The card given (a file or a card), else the one beside the model (``<stem>.card.toml``, ``card.toml``), else None."""
+    if isinstance(card, ModelCard):
+        return card
+    if card is not None:
+        return load_card(card)
+    found = find_card(model_path)
+    if found is not None:
+        log.info("using the model card beside the model: %s", found)
+        return load_card(found)
+    return None
+
+
+def card_input_shapes(model: onnx.ModelProto, card: ModelCard | None, batch_size: int) -> dict[str, tuple[int, ...]] | None:
+    """Static input shape from the card's ``size`` for a model whose height/width are dynamic (an
+    export with dynamic axes), so it needs no ``--input-shape``; None when nothing is dynamic."""
+    if card is None or card.input.size is None:
+        return None
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 4:
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in inputs[0].type.tensor_type.shape.dim]
+    h_ax, w_ax, c_ax = (2, 3, 1) if card.input.layout == "NCHW" else (1, 2, 3)
+    if dims[h_ax] and dims[w_ax]:
+        return None
+    shape = [batch_size] * 4
+    shape[h_ax], shape[w_ax] = card.input.size
+    shape[c_ax] = dims[c_ax] or card.input.channels or 3
+    return {inputs[0].name: tuple(shape)}
+
+
+def model_card(model_path: Path | None, normalised: NormalisedModel, card: str | os.PathLike | ModelCard | None = None,
+               overrides: ModelCard | dict | None = None) -> ModelCard:
+    """The card a model runs with: ``overrides`` > ``card`` (a file or a card; default the one found
+    beside the model) > the model's metadata > defaults, checked against the model's input."""
+    card = card_file(model_path, card)
+    graph = normalised.graph
+    name = graph.inputs[0]
+    return resolve_card(name, graph.shape(name), normalised.metadata(), card, overrides, tuple(graph.inputs))
 
 
 def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: dict | None) -> NormalisedModel:
@@ -102,14 +152,17 @@ class Engine:
     """A built model: plan, backend, preprocessing and labels. Use :meth:`build`."""
 
     def __init__(self, backend: Backend, plan: PartitionPlan, model: NormalisedModel, profile: Profile,
-                 preprocess: Preprocess, labels: tuple[str, ...], info: BuildInfo) -> None:
+                 card: ModelCard, labels: tuple[str, ...], info: BuildInfo) -> None:
         self.backend = backend
         self.plan = plan
         self.model = model
         self.profile = profile
-        self.preprocess = preprocess
+        self.card = card
+        self.preprocess = Preprocess.from_card(card)
         self.labels = labels
         self.info = info
+        graph = model.graph
+        self.decoder = TaskDecoder(card, labels, {o: graph.shape(o) for o in backend.outputs})
         spec = backend.inputs[0]
         self.input_name = spec.name
         self.input_shape = spec.shape
@@ -130,6 +183,8 @@ class Engine:
         labels: str | os.PathLike | None = None,
         threads_per_lane: int | None = None,
         spinning: bool = True,
+        card: str | os.PathLike | ModelCard | None = None,
+        card_overrides: ModelCard | dict | None = None,
     ) -> "Engine":
         """Normalise, plan, calibrate and build ``model`` under ``profile``; every step is cached.
 
@@ -144,6 +199,9 @@ class Engine:
             cache_dir: engine cache directory (default ``~/.cache/k2edge``).
             threads_per_lane / spinning: ONNX Runtime lanes' intra-op threads and whether idle ones
                 spin (lowest latency for one engine; off where many engines share the cores).
+            card: the model card (a file or a :class:`ModelCard`); default the ``<stem>.card.toml``
+                or ``card.toml`` beside the model, if any.
+            card_overrides: card keys that override the card (the daemon config's card table).
 
         Raises:
             K2EdgeError: any input problem, with one message naming it.
@@ -158,6 +216,9 @@ class Engine:
         er = profile.edge_runtime
         cache = EngineCache(cache_dir)
         model_path = None if isinstance(model, onnx.ModelProto) else Path(model)
+        the_card = card_file(model_path, card)
+        if input_shapes is None and the_card is not None and the_card.input.size is not None:
+            input_shapes = card_input_shapes(load_onnx(model)[0], the_card, er.batch_size)
         normalised = load_normalised(model, cache, er.batch_size, input_shapes)
         hits = {}
         plan = plan_partition(normalised, profile, board, precision)
@@ -165,8 +226,9 @@ class Engine:
             raise BuildError(f"k2edge serves single-input models; this one has inputs {list(normalised.graph.inputs)}")
         input_name = normalised.graph.inputs[0]
         input_shape = normalised.graph.shape(input_name)
-        preprocess = Preprocess.for_model(normalised.metadata(), input_shape)
-        label_names = load_labels(model_path, normalised, labels)
+        resolved = model_card(model_path, normalised, the_card, card_overrides)
+        preprocess = Preprocess.from_card(resolved)
+        label_names = load_labels(model_path, normalised, labels, resolved)
 
         quant = None
         int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
@@ -185,8 +247,11 @@ class Engine:
             calib_source = dataset.source
             from .quantize import calibrate_int8
 
+            from .quantize import float_nodes
+
             exclude = tuple(sorted(n.name for n in normalised.graph.nodes if n.name not in int8_nodes))
-            quant = calibrate_int8(normalised, dataset, preprocess, cache, exclude)
+            keep_float = tuple(sorted(float_nodes(normalised.graph, resolved)))
+            quant = calibrate_int8(normalised, dataset, preprocess, cache, exclude, keep_float)
             hits["int8"] = quant.cached
 
         graph = normalised.graph
@@ -203,7 +268,7 @@ class Engine:
                                         spinning=spinning)
         hits["engine"] = runner.build.cached
         info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes))
-        return cls(runner, plan, normalised, profile, preprocess, label_names, info)
+        return cls(runner, plan, normalised, profile, resolved, label_names, info)
 
     # lifecycle -------------------------------------------------------------------------------
     def activate(self) -> "Engine":
@@ -253,15 +318,22 @@ class Engine:
 
         A short last batch is padded by repeating its last item.
         """
+        return self.stage_mapped(items, out)[0]
+
+    def stage_mapped(self, items: Sequence, out: np.ndarray | None = None) -> tuple[np.ndarray, list[Geometry | None]]:
+        """:meth:`stage`, also returning where each item's image landed in the input (one per item)."""
         if not items:
             raise InputError("nothing to stage")
         if len(items) > self.batch_size:
             raise InputError(f"{len(items)} items do not fit a batch of {self.batch_size}")
         if out is None:
             out = np.empty(self.input_shape, dtype=np.float32)
-        for i in range(self.batch_size):
-            self.preprocess.stage(items[min(i, len(items) - 1)], out=out[i])
-        return out
+        geometries = []
+        for i, item in enumerate(items):
+            geometries.append(self.preprocess.stage_mapped(item, out=out[i])[1])
+        for i in range(len(items), self.batch_size):
+            out[i] = out[len(items) - 1]
+        return out, geometries
 
     def stream(self, items: Iterable, *, prefetch: bool | None = None, depth: int | None = None,
                max_in_flight: int | None = None) -> Iterator[StreamResult]:
@@ -280,15 +352,15 @@ class Engine:
 
         def drain(limit: int):
             while len(pending) > limit:
-                group, fut, t0 = pending.pop(0)
+                group, fut, t0, geometries = pending.pop(0)
                 try:
                     outputs = fut.result()
-                    yield StreamResult(group, outputs, None, (time.perf_counter() - t0) * 1e3)
+                    yield StreamResult(group, outputs, None, (time.perf_counter() - t0) * 1e3, list(geometries or ()))
                 except Exception as exc:
-                    yield StreamResult(group, None, exc, (time.perf_counter() - t0) * 1e3)
+                    yield StreamResult(group, None, exc, (time.perf_counter() - t0) * 1e3, list(geometries or ()))
 
         if prefetch:
-            ring = PrefetchRing(self.input_shape, depth, lambda g, buf: self.stage(g, out=buf)).start(groups)
+            ring = PrefetchRing(self.input_shape, depth, lambda g, buf: self.stage_mapped(g, out=buf)[1]).start(groups)
             try:
                 for staged in ring:
                     if staged.error is not None:
@@ -297,29 +369,43 @@ class Engine:
                         continue
                     slot = staged.slot
                     fut = self.backend.submit({self.input_name: ring.buffers[slot]}, release=lambda s=slot: ring.release(s))
-                    pending.append((staged.items, fut, time.perf_counter()))
+                    pending.append((staged.items, fut, time.perf_counter(), staged.meta))
                     yield from drain(in_flight_cap)
                 yield from drain(0)
             finally:
                 ring.close()
         else:
             for group in groups:
-                fut = self.backend.submit(stage=lambda g=group: {self.input_name: self.stage(g)})
-                pending.append((group, fut, time.perf_counter()))
+                geometries: list = []
+
+                def stage(g=group, into=geometries):
+                    batch, geoms = self.stage_mapped(g)
+                    into.extend(geoms)
+                    return {self.input_name: batch}
+
+                fut = self.backend.submit(stage=stage)
+                pending.append((group, fut, time.perf_counter(), geometries))
                 yield from drain(in_flight_cap)
             yield from drain(0)
 
-    def top_k(self, logits: np.ndarray, k: int = 5) -> list[list[dict]]:
-        """Per sample: the k best classes as ``{"index", "label", "score"}`` (softmax scores)."""
-        from ..model.scores import softmax, top_k
+    def top_k(self, output: np.ndarray, k: int = 5) -> list[list[dict]]:
+        """Per sample: the k best classes as ``{"index", "label", "score"}`` (probabilities: softmax of
+        logits, or the output as it is when the card says ``output = "probabilities"``)."""
+        from ..tasks.classification import probabilities, top_k
 
-        probs = softmax(np.asarray(logits).reshape(len(logits), -1))
+        probs = probabilities(np.asarray(output).reshape(len(output), -1), self.card.classification.output)
         return [top_k(row, self.labels, k) for row in probs]
+
+    def answers(self, outputs: dict[str, np.ndarray], n: int, geometries: Sequence[Geometry | None] | None = None,
+                k: int = 5) -> list[dict]:
+        """The task's answer fragment for each of the first ``n`` samples (see :class:`TaskDecoder`)."""
+        return self.decoder.answers(outputs, n, geometries, k)
 
     def describe(self) -> dict:
         """The engine as a report: plan summary, lanes, build info."""
         d = self.backend.describe()
         d.update({"profile": self.profile.name, "model": self.model.source, "model_sha256": self.model.sha256,
+                  "task": self.card.task, "card": self.card.source,
                   "input": {"name": self.input_name, "shape": list(self.input_shape)},
                   "cache_hits": self.info.cache_hits, "build_seconds": round(self.info.seconds, 3),
                   "calibration": self.info.calibration})

@@ -25,6 +25,7 @@ class StagedItem:
     slot: int | None
     items: list
     error: BaseException | None = None
+    meta: Any = None  # what stage_into returned (the items' geometries)
 
 
 class PrefetchRing:
@@ -33,10 +34,11 @@ class PrefetchRing:
     Args:
         shape: one buffer's shape (the model input, batch included).
         depth: number of buffers (how far staging may run ahead).
-        stage_into: ``stage_into(items, buffer)`` fills ``buffer`` from a group of raw items.
+        stage_into: ``stage_into(items, buffer)`` fills ``buffer`` from a group of raw items; what it
+            returns (e.g. where each image landed) travels with the slot as ``StagedItem.meta``.
     """
 
-    def __init__(self, shape: tuple[int, ...], depth: int, stage_into: Callable[[list, np.ndarray], None],
+    def __init__(self, shape: tuple[int, ...], depth: int, stage_into: Callable[[list, np.ndarray], Any],
                  dtype=np.float32):
         self.buffers = [np.empty(shape, dtype=dtype) for _ in range(depth)]
         self._free: queue.Queue[int] = queue.Queue()
@@ -59,8 +61,8 @@ class PrefetchRing:
                 if slot is None:
                     return
                 try:
-                    self._stage_into(items, self.buffers[slot])
-                    self._ready.put(StagedItem(slot, items))
+                    meta = self._stage_into(items, self.buffers[slot])
+                    self._ready.put(StagedItem(slot, items, meta=meta))
                 except Exception as exc:  # a bad input fails its own request only
                     self._free.put(slot)
                     self._ready.put(StagedItem(None, items, exc))

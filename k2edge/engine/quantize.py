@@ -30,15 +30,17 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ..config.card import ModelCard
 from ..errors import BuildError
 from ..model.datasets import Dataset
+from ..model.graph import Graph
 from ..model.ingest import NormalisedModel
-from ..model.preprocess import Preprocess
+from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 
 log = logging.getLogger(__name__)
 
-QUANT_VERSION = "2"  # 2: ranges tied by DLA pooling and elementwise layers are equalised
+QUANT_VERSION = "3"  # 2: ranges tied by DLA pooling and elementwise layers are equalised; 3: + card preprocessing, heads kept float
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 
@@ -53,6 +55,58 @@ class QuantArtefacts:
     trt_calibration_cache: Path
     samples: int
     cached: bool
+
+
+# Ops with learned weights end a detector's head (walking back from its output); everything after
+# them decodes boxes and must not share one per-tensor INT8 scale with the scores.
+_LEARNED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
+
+
+def detection_head(graph: Graph, output: str) -> set[str]:
+    """The nodes of a detector's head: walking back from ``output`` to the last learned layers.
+
+    A YOLO-style output concatenates box coordinates (0..input size) and class scores (0..1) in
+    one tensor, so per-tensor INT8 there destroys the scores, and the box decoding (grid offsets,
+    strides, DFL's integral) needs finer steps than INT8 gives. The head is every node from which
+    ``output`` is reached without passing a Conv/Gemm/MatMul with weights; a Conv fed by a Softmax
+    is YOLOv8's DFL (a fixed integral over the distance bins), part of the decoding.
+    """
+    head: set[str] = set()
+    stack = [output]
+    seen: set[str] = set()
+    while stack:
+        tensor = stack.pop()
+        if tensor in seen or tensor not in graph.producer:
+            continue
+        seen.add(tensor)
+        node = graph.nodes[graph.producer[tensor]]
+        if node.op_type in _LEARNED_OPS and not _is_dfl(graph, node):
+            continue
+        head.add(node.name)
+        stack.extend(i for i in node.inputs if i and i not in graph.initializers)
+    return head
+
+
+def _is_dfl(graph: Graph, node) -> bool:
+    src = graph.producer.get(node.inputs[0])
+    return node.op_type == "Conv" and src is not None and graph.nodes[src].op_type == "Softmax"
+
+
+def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
+    """Nodes the card keeps out of INT8: a detector's head (automatically) and ``[quantization] keep_float``.
+
+    Raises:
+        BuildError: ``keep_float`` names a node the model does not have.
+    """
+    names = {n.name for n in graph.nodes}
+    unknown = [n for n in card.quantization.keep_float if n not in names]
+    if unknown:
+        raise BuildError(f"{card.source or 'card'}: quantization.keep_float: the model has no node(s) "
+                         f"{', '.join(map(repr, unknown[:5]))} (k2edge inspect MODEL lists the node names)")
+    keep = set(card.quantization.keep_float)
+    if card.task == "detection":
+        keep |= detection_head(graph, card.detection.output_name or graph.outputs[0])
+    return keep
 
 
 def stage_batches(dataset: Dataset, preprocess: Preprocess, input_shape: tuple[int, ...], limit: int | None = None):
@@ -76,11 +130,17 @@ def calibrate_int8(
     preprocess: Preprocess,
     cache: EngineCache,
     exclude_nodes: tuple[str, ...] = (),
+    keep_float: tuple[str, ...] = (),
 ) -> QuantArtefacts:
     """Calibrate ``model`` on ``dataset`` and quantise it to Q/DQ INT8 (cached).
 
+    Inputs are staged by ``preprocess`` (the model card's), exactly as at inference.
+
     Args:
         exclude_nodes: nodes the plan keeps out of INT8 (they stay float in the Q/DQ model).
+        keep_float: nodes the card keeps out of INT8 (:func:`float_nodes`): also excluded, and
+            their outputs get no range in the TensorRT calibration cache, so the DLA route runs
+            them in FP16 as well.
 
     Raises:
         BuildError: the model has more than one input, or calibration fails.
@@ -93,8 +153,10 @@ def calibrate_int8(
     input_name = inputs[0]
     input_shape = model.graph.shape(input_name)
     n = min(len(dataset), MAX_CALIBRATION_SAMPLES)
-    key = digest("int8", QUANT_VERSION, model.sha256, dataset.fingerprint(), str(n), ",".join(sorted(exclude_nodes)),
-                 onnxruntime.__version__)
+    excluded = sorted(set(exclude_nodes) | set(keep_float))
+    float_tensors = {o for node in model.graph.nodes if node.name in set(keep_float) for o in node.outputs}
+    key = digest("int8", QUANT_VERSION, model.sha256, dataset.fingerprint(), str(n), ",".join(excluded),
+                 ",".join(sorted(keep_float)), preprocess.fingerprint(), onnxruntime.__version__)
 
     def build(tmp: Path) -> dict:
         from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -121,7 +183,7 @@ def calibrate_int8(
             per_channel=True,
             activation_type=QuantType.QInt8,
             weight_type=QuantType.QInt8,
-            nodes_to_exclude=list(exclude_nodes),
+            nodes_to_exclude=excluded,
             calibrate_method=CalibrationMethod.MinMax,
             calibration_cache_path=str(ranges_file),
             # TensorRT takes symmetric INT8 only (zero point 0), for activations and weights.
@@ -138,7 +200,7 @@ def calibrate_int8(
             quiet.setLevel(level)
             source.unlink(missing_ok=True)
             (tmp / "unequalised.onnx").unlink(missing_ok=True)
-        ranges = _amax_from_ort_ranges(ranges_file)
+        ranges = {k: v for k, v in _amax_from_ort_ranges(ranges_file).items() if k not in float_tensors}
         (tmp / "dynamic_ranges.json").write_text(json.dumps(ranges, indent=1, sort_keys=True))
         write_trt_calibration_cache(tmp / "calib.cache", ranges)
         return {"samples": n, "dataset": dataset.source}

@@ -1,4 +1,4 @@
-"""Model layer: ONNX ingest and normalisation, per-node cost, graph cuts, datasets, preprocessing.
+"""Model layer: ONNX ingest and normalisation, per-node cost, graph cuts, datasets (preprocessing is k2edge.tasks).
 
 Pure Python on onnx and numpy (images decode through Pillow, imported lazily).
 """

@@ -19,7 +19,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..errors import DatasetError
-from .preprocess import IMAGE_SUFFIXES
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 
 
 @dataclass
@@ -138,3 +139,107 @@ def _open_folder(p: Path, labels: Sequence[str] | None) -> Dataset:
     if not samples:
         raise DatasetError(f"{p}: class directories hold no images")
     return Dataset(str(p), samples, np.asarray(ys, dtype=np.int64), tuple(classes))
+
+
+@dataclass
+class CocoDataset:
+    """A COCO-format detection set: images (paths relative to the annotation file's folder) and
+    ground truth, with category ids mapped to label indices by the order of ``categories``.
+
+    Attributes:
+        source: the annotation file.
+        samples: image paths, in the file's ``images`` order.
+        image_ids: the COCO image id of each sample.
+        category_ids: the COCO category id of label index i (``categories`` order).
+        class_names: the categories' names, in order.
+        ground_truth: the annotation document, completed where COCO tools need it (area, iscrowd).
+    """
+
+    source: str
+    samples: list
+    image_ids: list[int]
+    category_ids: list[int]
+    class_names: tuple[str, ...]
+    ground_truth: dict
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def fingerprint(self) -> str:
+        """sha256 of the images and the ground truth, for cache keys and resumable sweeps."""
+        import json
+
+        h = hashlib.sha256(json.dumps(self.ground_truth, sort_keys=True, default=str).encode())
+        for p in self.samples:
+            h.update(Path(p).read_bytes())
+        return h.hexdigest()
+
+    def take(self, n: int) -> "CocoDataset":
+        """The first ``n`` images and their annotations."""
+        keep = set(self.image_ids[:n])
+        gt = dict(self.ground_truth)
+        gt["images"] = [im for im in gt["images"] if im["id"] in keep]
+        gt["annotations"] = [a for a in gt["annotations"] if a["image_id"] in keep]
+        return CocoDataset(self.source, self.samples[:n], self.image_ids[:n], self.category_ids, self.class_names, gt)
+
+
+def is_coco(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a COCO annotation file (a ``.json``)."""
+    return Path(path).suffix.lower() == ".json"
+
+
+def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limit: int | None = None) -> CocoDataset:
+    """Open a COCO-format annotation file for detection evaluation.
+
+    Args:
+        path: the ``.json`` file; ``file_name``s are relative to its folder.
+        labels: the model's labels; the categories' names must match them, in order.
+        limit: keep the first ``limit`` images only.
+
+    Raises:
+        DatasetError: missing, not JSON, malformed, categories that do not match the labels, or
+            missing image files.
+    """
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"dataset {os.fspath(path)!r} does not exist")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DatasetError(f"{p}: not a readable JSON annotation file ({exc})") from None
+    if not isinstance(doc, dict) or not all(isinstance(doc.get(k), list) for k in ("images", "annotations", "categories")):
+        raise DatasetError(f"{p}: a COCO annotation file needs 'images', 'annotations' and 'categories' lists")
+    try:
+        categories = [(int(c["id"]), str(c["name"])) for c in doc["categories"]]
+        images = [(int(im["id"]), str(im["file_name"])) for im in doc["images"]]
+        anns = []
+        for a in doc["annotations"]:
+            x, y, w, h = (float(v) for v in a["bbox"])
+            anns.append({**a, "id": int(a.get("id", len(anns) + 1)), "image_id": int(a["image_id"]),
+                         "category_id": int(a["category_id"]), "bbox": [x, y, w, h], "area": float(a.get("area", w * h)),
+                         "iscrowd": int(a.get("iscrowd", 0))})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DatasetError(f"{p}: malformed COCO entry ({type(exc).__name__}: {exc})") from None
+    if not categories or not images:
+        raise DatasetError(f"{p}: no categories or no images")
+    names = tuple(n for _, n in categories)
+    if labels and tuple(labels) != names:
+        raise DatasetError(f"{p}: categories {list(names)[:8]} do not match the model's labels {list(labels)[:8]} "
+                           "(category ids map to label indices by the order of 'categories'; names must match)")
+    known = {i for i, _ in categories}
+    stray = sorted({a["category_id"] for a in anns} - known)
+    if stray:
+        raise DatasetError(f"{p}: annotations use category id(s) {stray[:5]} not listed in 'categories'")
+    if limit:
+        images = images[:limit]
+    samples = [p.parent / name for _, name in images]
+    missing = [str(s) for s in samples if not s.is_file()]
+    if missing:
+        raise DatasetError(f"{p}: {len(missing)} image file(s) missing, e.g. {missing[0]!r} (file_name is relative to the "
+                           "annotation file's folder)")
+    keep = {i for i, _ in images}
+    gt = {"images": [im for im in doc["images"] if int(im["id"]) in keep],
+          "annotations": [a for a in anns if a["image_id"] in keep], "categories": doc["categories"]}
+    return CocoDataset(str(p), samples, [i for i, _ in images], [i for i, _ in categories], names, gt)

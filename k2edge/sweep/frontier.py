@@ -141,17 +141,18 @@ def _fmt_acc(v: float | None) -> str:
     return "unknown" if v is None else f"{100 * v:.2f} %"
 
 
-def _constraint_text(max_latency_ms: float | None, min_accuracy: float | None) -> str:
+def _constraint_text(max_latency_ms: float | None, min_accuracy: float | None, metric: str = "top-1") -> str:
     parts = []
     if max_latency_ms is not None:
         parts.append(f"p99 latency <= {max_latency_ms:g} ms")
     if min_accuracy is not None:
-        parts.append(f"top-1 >= {100 * min_accuracy:.2f} %")
+        parts.append(f"{metric} >= {100 * min_accuracy:.2f} %")
     return " and ".join(parts)
 
 
 def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms: float | None = None,
-              min_accuracy: float | None = None, energy_unknown_reason: str | None = None) -> Recommendation:
+              min_accuracy: float | None = None, energy_unknown_reason: str | None = None,
+              metric: str = "top-1") -> Recommendation:
     """Pick the configuration for ``goal`` among the points that meet the constraints.
 
     Goals (ties broken by lower p50 latency, then higher top-1, then name):
@@ -168,6 +169,7 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
         max_latency_ms: keep points whose p99 latency is at most this.
         min_accuracy: keep points whose top-1 is at least this (a fraction).
         energy_unknown_reason: why energy is unknown, for the message.
+        metric: the accuracy axis's name in the messages (``top-1``; ``mAP@0.5`` for detectors).
 
     Returns:
         A :class:`Recommendation`; ``name`` is None when nothing qualifies.
@@ -178,7 +180,7 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
     if goal not in GOALS:
         raise ValueError(f"goal must be one of {', '.join(GOALS)}, got {goal!r}")
     points = list(points)
-    constraints = _constraint_text(max_latency_ms, min_accuracy)
+    constraints = _constraint_text(max_latency_ms, min_accuracy, metric)
     candidates = [p for p in points if meets(p, max_latency_ms, min_accuracy)]
     names = tuple(p.name for p in candidates)
     if not points:
@@ -196,14 +198,14 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
         if not known:
             return Recommendation(None, goal, "latency is unknown for every candidate", names)
         best = min(known, key=tie_key)
-        why = f"lowest p50 latency{within}: {_fmt_ms(best.latency_ms)} (top-1 {_fmt_acc(best.top1)})"
+        why = f"lowest p50 latency{within}: {_fmt_ms(best.latency_ms)} ({metric} {_fmt_acc(best.top1)})"
         return Recommendation(best.name, goal, why, names)
     if goal == "accuracy":
         known = [p for p in candidates if p.value("top1") is not None]
         if not known:
             return Recommendation(None, goal, "accuracy is unknown for every candidate", names)
         best = min(known, key=lambda p: (-p.value("top1"),) + tie_key(p))
-        why = f"highest top-1{within}: {_fmt_acc(best.top1)}, the fastest at that accuracy ({_fmt_ms(best.latency_ms)} p50)"
+        why = f"highest {metric}{within}: {_fmt_acc(best.top1)}, the fastest at that accuracy ({_fmt_ms(best.latency_ms)} p50)"
         return Recommendation(best.name, goal, why, names)
     if goal == "energy":
         known = [p for p in candidates if p.value("energy_j") is not None]
@@ -214,17 +216,17 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
         best = min(known, key=lambda p: (p.value("energy_j"),) + tie_key(p))
         unknown = len(candidates) - len(known)
         note = f"; {unknown} configuration(s) without an energy reading were not considered" if unknown else ""
-        why = f"lowest energy per inference{within}: {best.energy_j:.4g} J ({_fmt_ms(best.latency_ms)} p50, top-1 {_fmt_acc(best.top1)}){note}"
+        why = f"lowest energy per inference{within}: {best.energy_j:.4g} J ({_fmt_ms(best.latency_ms)} p50, {metric} {_fmt_acc(best.top1)}){note}"
         return Recommendation(best.name, goal, why, names)
     front = pareto_front(candidates)
     scores = balanced_scores(front)
     best = min(front, key=lambda p: (-scores[p.name],) + tie_key(p))
     used = [attr for attr, _ in OBJECTIVES if all(p.value(attr) is not None for p in front)]
-    words = {"latency_ms": "p50 latency", "top1": "top-1", "energy_j": "energy"}
+    words = {"latency_ms": "p50 latency", "top1": metric, "energy_j": "energy"}
     if len(front) == 1:
         why = (f"the only configuration on the Pareto front{within}, so the balanced choice: "
-               f"{_fmt_ms(best.latency_ms)} p50, top-1 {_fmt_acc(best.top1)}")
+               f"{_fmt_ms(best.latency_ms)} p50, {metric} {_fmt_acc(best.top1)}")
     else:
         why = (f"best balanced score{within}: {scores[best.name]:.2f} of 1 (mean of {', '.join(words[a] for a in used)}, "
-               f"each rescaled 0..1 over the {len(front)} front points); {_fmt_ms(best.latency_ms)} p50, top-1 {_fmt_acc(best.top1)}")
+               f"each rescaled 0..1 over the {len(front)} front points); {_fmt_ms(best.latency_ms)} p50, {metric} {_fmt_acc(best.top1)}")
     return Recommendation(best.name, goal, why, names, {k: round(v, 4) for k, v in scores.items()})

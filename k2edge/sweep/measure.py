@@ -131,6 +131,12 @@ def _stream_count(engine, items: list, collect: Callable | None = None) -> int:
 
 
 def _accuracy(engine, dataset) -> dict:
+    if engine.card.task == "detection":
+        from ..engine.evaluate import evaluate_detector
+
+        result = evaluate_detector(engine, dataset)
+        return {"accuracy_metric": "mAP@0.5", "map50": result["map50"], "map": result["map"], "samples": result["images"],
+                "detections": result["detections"]}
     confidence: list[float] = []
     predicted: list[int] = []
 

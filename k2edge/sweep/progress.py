@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from .results import accuracy_of
+
 
 class SweepProgress:
     """Receives the sweep's progress; this base class ignores it (library use, tests)."""
@@ -41,7 +43,7 @@ def summary_line(record: dict) -> str:
     energy = record.get("energy_j_per_inference")
     extra = f", {energy:.3g} J/inference" if energy is not None else ""
     return (f"{record['name']}: p50 {record['latency_ms']['p50']:.3f} ms, {record['throughput_per_s']:,.0f}/s, "
-            f"top-1 {100 * record['top1']:.2f} %{extra} ({len(record['runs'])} runs, {record.get('measure_seconds', 0):.1f} s)")
+            f"{record.get('accuracy_metric', 'top-1')} {100 * accuracy_of(record):.2f} %{extra} ({len(record['runs'])} runs, {record.get('measure_seconds', 0):.1f} s)")
 
 
 class LineProgress(SweepProgress):

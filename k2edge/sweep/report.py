@@ -13,7 +13,7 @@ from pathlib import Path
 from dataclasses import replace
 
 from .frontier import pareto_front
-from .results import MEASURED, point_of, recommended_profile, write_csv, write_json_atomic
+from .results import MEASURED, accuracy_metric, accuracy_of, point_of, recommended_profile, write_csv, write_json_atomic
 
 FRONT_COLOUR = "#1a9850"
 OTHER_COLOUR = "#7f7f7f"
@@ -81,8 +81,9 @@ def render_table(doc: dict, compact: bool = False):
     table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", caption_justify="left",
                   padding=(0, 1 if not compact else 0), collapse_padding=compact)
     runs = "±" if compact else "(runs)"
+    metric = accuracy_metric(doc["configs"])
     columns = [("", True), ("config", True), ("lanes", True), (f"p50 ms {runs}", True), ("p90 ms", False),
-               ("p99 ms", True), ("mean ms", False), (f"inf/s {runs}", True), ("top-1", True), ("J/inf", True),
+               ("p99 ms", True), ("mean ms", False), (f"inf/s {runs}", True), (metric, True), ("J/inf", True),
                ("peak °C", False)]
     columns = [name for name, keep in columns if keep or not compact]
     for name in columns:
@@ -103,7 +104,7 @@ def render_table(doc: dict, compact: bool = False):
             f"p50 ms {runs}": _range_text(lat["p50"], sp.get("latency_p50_ms") or {}, ".3f", compact),
             "p90 ms": f"{lat['p90']:.3f}", "p99 ms": f"{lat['p99']:.3f}", "mean ms": f"{lat['mean']:.3f}",
             f"inf/s {runs}": _range_text(r["throughput_per_s"], sp.get("throughput_per_s") or {}, ",.0f", compact),
-            "top-1": f"{100 * r['top1']:.2f} %", "J/inf": _num(r.get("energy_j_per_inference"), "#.3g", "n/a"),
+            metric: f"{100 * accuracy_of(r):.2f} %", "J/inf": _num(r.get("energy_j_per_inference"), "#.3g", "n/a"),
             "peak °C": _num(r.get("peak_temperature_c"), ".1f", "n/a"),
         }
         style = "bold green" if r.get("on_front") else None
@@ -112,7 +113,7 @@ def render_table(doc: dict, compact: bool = False):
         table.add_row(*(cells[c] for c in columns), style=style)
     ok = [r for r in doc["configs"] if r["status"] in MEASURED]
     spread_text = "± = half the range" if compact else "(runs) = min–max"
-    lines = [f"★ Pareto front (p50 latency ↓, top-1 ↑, energy ↓ where known); {spread_text} over "
+    lines = [f"★ Pareto front (p50 latency ↓, {metric} ↑, energy ↓ where known); {spread_text} over "
              f"{settings.get('runs')} runs of {settings.get('requests')} requests each, warm-up excluded."]
     recd = doc.get("recommendation") or {}
     if recd.get("name"):
@@ -180,6 +181,7 @@ def plot_pareto(doc: dict, path: Path) -> list[dict]:
     from matplotlib.ticker import FuncFormatter
 
     ok = [r for r in doc["configs"] if r["status"] in MEASURED]
+    metric = accuracy_metric(ok)
     failed = [r for r in doc["configs"] if r["status"] not in MEASURED]
     rec = (doc.get("recommendation") or {}).get("name")
     settings = doc.get("settings", {})
@@ -200,7 +202,7 @@ def plot_pareto(doc: dict, path: Path) -> list[dict]:
         if lines:
             fig.text(0.01, 0.01, "\n".join(lines), fontsize=7.5, color="#444444", va="bottom")
         xs = [r["latency_ms"]["p50"] for r in ok]
-        ys = [100 * r["top1"] for r in ok]
+        ys = [100 * accuracy_of(r) for r in ok]
         for r, x, y in zip(ok, xs, ys):
             sp = (r.get("spread") or {}).get("latency_p50_ms") or {}
             colour = FRONT_COLOUR if r.get("on_front") else OTHER_COLOUR
@@ -226,21 +228,22 @@ def plot_pareto(doc: dict, path: Path) -> list[dict]:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2f} %"))
         ax.ticklabel_format(axis="x", useOffset=False, style="plain")
         ax.set_xlabel("latency p50 (ms per request through Engine.infer); bars: min–max of the per-run p50")
-        ax.set_ylabel("top-1 accuracy on the evaluation set")
+        ax.set_ylabel("top-1 accuracy on the evaluation set" if metric == "top-1" else
+                      "COCO mAP@0.5 on the evaluation set (pycocotools): the accuracy axis of a detector")
         ax.grid(True, alpha=0.3)
         where = ("every device a CPU lane: not GPU/DLA numbers" if backend.get("name") == "onnxruntime"
                  else "GPU + DLA engines")
-        ax.set_title(f"{Path(doc['model']['path']).name}: latency vs top-1, {len(ok)} configuration(s)\n"
+        ax.set_title(f"{Path(doc['model']['path']).name}: latency vs {metric}, {len(ok)} configuration(s)\n"
                      f"{backend.get('name')} {backend.get('version') or ''} on {machine.get('cpu') or machine.get('arch')} "
                      f"({machine.get('cores')} cores), {where}; {settings.get('runs')} runs x {settings.get('requests')} requests",
                      fontsize=10)
-        front_label = "on the Pareto front (latency, top-1, energy)" if with_energy else "on the Pareto front"
+        front_label = f"on the Pareto front (latency, {metric}, energy)" if with_energy else "on the Pareto front"
         handles = [Line2D([], [], marker="o", ls="none", color=FRONT_COLOUR, mec="black", ms=9, label=front_label),
                    Line2D([], [], marker="o", ls="none", color=OTHER_COLOUR, mec="black", ms=7, label="dominated"),
                    Line2D([], [], marker="o", ls="none", mfc="none", mec=RECOMMENDED_COLOUR, mew=2, ms=16,
                           label=f"recommended ({(doc.get('recommendation') or {}).get('goal')})")]
         if len(front) > 1:
-            handles.append(Line2D([], [], color=FRONT_COLOUR, lw=1.5, label="front of latency and top-1"))
+            handles.append(Line2D([], [], color=FRONT_COLOUR, lw=1.5, label=f"front of latency and {metric}"))
         legend = ax.legend(handles=handles, loc="best", fontsize=8, framealpha=0.9)
         fig.canvas.draw()
         points = _place_labels(fig, ax, ok, xs, ys, rec, legend)

@@ -34,7 +34,8 @@ MEASURED = ("ok", "partial")  # partial: interrupted before all its runs; its nu
 
 OBJECTIVES_DOC = {
     "latency": "latency_ms.p50, lower is better",
-    "accuracy": "top1 on the evaluation set, higher is better",
+    "accuracy": "top1 on the evaluation set (classifiers) or map50, COCO mAP@0.5 (detectors: accuracy_metric "
+                "'mAP@0.5'), higher is better",
     "energy": "energy_j_per_inference at full load, lower is better; null where no power rail exists",
     "dominance": "a dominates b when it is at least as good on every objective known for both and strictly "
                  "better on one; a missing energy value leaves energy out of that comparison; equal points are "
@@ -86,7 +87,17 @@ def machine_info(backend: str) -> dict:
 def point_of(record: dict) -> Point:
     """The frontier's view of a successful record."""
     lat = record.get("latency_ms") or {}
-    return Point(record["name"], lat.get("p50"), record.get("top1"), record.get("energy_j_per_inference"), lat.get("p99"))
+    return Point(record["name"], lat.get("p50"), accuracy_of(record), record.get("energy_j_per_inference"), lat.get("p99"))
+
+
+def accuracy_of(record: dict) -> float | None:
+    """The accuracy axis of a record: top-1 for a classifier, COCO mAP@0.5 (``map50``) for a detector."""
+    return record.get("map50") if record.get("accuracy_metric") == "mAP@0.5" else record.get("top1")
+
+
+def accuracy_metric(records) -> str:
+    """``top-1``, or ``mAP@0.5`` when the sweep measured a detector."""
+    return next((r["accuracy_metric"] for r in records if r.get("accuracy_metric")), "top-1")
 
 
 def mark_front(doc: dict) -> list[str]:
@@ -167,7 +178,7 @@ CSV_FIELDS = (
     "name", "key", "status", "error", "runs", "on_front", "recommended", "lanes", "partition", "offload_ratio", "gpu_flop_share",
     "prefetch", "precision_chain", "batch_size", "latency_mean_ms", "latency_p50_ms", "latency_p90_ms", "latency_p99_ms",
     "latency_p50_min_ms", "latency_p50_max_ms", "throughput_per_s", "throughput_min_per_s", "throughput_max_per_s",
-    "top1", "correct", "samples", "energy_j_per_inference", "energy_reason", "peak_temperature_c", "build_seconds",
+    "top1", "correct", "samples", "map50", "map", "energy_j_per_inference", "energy_reason", "peak_temperature_c", "build_seconds",
 )
 
 
@@ -189,6 +200,7 @@ def csv_row(r: dict) -> dict:
         "latency_p99_ms": lat.get("p99"), "latency_p50_min_ms": p50s.get("min"), "latency_p50_max_ms": p50s.get("max"),
         "throughput_per_s": r.get("throughput_per_s"), "throughput_min_per_s": thr.get("min"),
         "throughput_max_per_s": thr.get("max"), "top1": r.get("top1"), "correct": r.get("correct"),
+        "map50": r.get("map50"), "map": r.get("map"),
         "samples": r.get("samples"), "energy_j_per_inference": r.get("energy_j_per_inference"),
         "energy_reason": r.get("energy_reason") or "", "peak_temperature_c": r.get("peak_temperature_c"),
         "build_seconds": (r.get("build") or {}).get("seconds"),

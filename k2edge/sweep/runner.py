@@ -20,8 +20,9 @@ from .configs import SweepConfig
 from .frontier import recommend
 from .measure import MeasureSettings, measure_run, summarise
 from .progress import SweepProgress
-from .results import (MEASURED, SCHEMA, AGREEMENT_DOC, OBJECTIVES_DOC, check_resumable, file_sha256, load_previous,
-                      machine_info, mark_front, now, point_of, set_recommendation, write_json_atomic)
+from .results import (MEASURED, SCHEMA, AGREEMENT_DOC, OBJECTIVES_DOC, accuracy_metric, accuracy_of, check_resumable,
+                      file_sha256, load_previous, machine_info, mark_front, now, point_of, set_recommendation,
+                      write_json_atomic)
 from .sampler import TelemetrySampler
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class SweepSpec:
         input_shapes: static shapes for dynamic inputs.
         settings: runs, warm-up, requests, evaluation limit.
         goal / max_latency_ms / min_accuracy: what the recommendation optimises and requires.
+        card: the model card (default: the one beside the model); a detector's accuracy axis is
+            COCO mAP@0.5 on a COCO annotation file.
     """
 
     model: Path
@@ -55,6 +58,7 @@ class SweepSpec:
     cache_dir: str | None = None
     input_shapes: dict | None = None
     settings: MeasureSettings = field(default_factory=MeasureSettings)
+    card: str | None = None
     goal: str = "balanced"
     max_latency_ms: float | None = None
     min_accuracy: float | None = None
@@ -71,12 +75,17 @@ class SweepOutcome:
 
 
 def _open_eval(spec: SweepSpec):
+    """The evaluation set for the model's task: COCO annotations for a detector (the card says), else labelled."""
     from ..engine.cache import EngineCache
-    from ..engine.engine import load_labels, load_normalised
-    from ..model.datasets import open_labelled
+    from ..engine.engine import load_labels, load_normalised, model_card
+    from ..model.datasets import open_coco, open_labelled
 
     normalised = load_normalised(spec.model, EngineCache(spec.cache_dir), 1, spec.input_shapes)
-    return open_labelled(spec.dataset, load_labels(Path(spec.model), normalised), spec.settings.limit)
+    card = model_card(Path(spec.model), normalised, spec.card)
+    labels = load_labels(Path(spec.model), normalised, None, card)
+    if card.task == "detection":
+        return open_coco(spec.dataset, labels, spec.settings.limit)
+    return open_labelled(spec.dataset, labels, spec.settings.limit)
 
 
 def _reason(exc: BaseException) -> str:
@@ -106,7 +115,7 @@ def measure_once(record: dict, cfg: SweepConfig, spec: SweepSpec, dataset, sampl
     try:
         started = time.perf_counter()
         engine = Engine.build(spec.model, cfg.profile, spec.calib, board=spec.board, backend=spec.backend,
-                              cache_dir=spec.cache_dir, input_shapes=spec.input_shapes)
+                              cache_dir=spec.cache_dir, input_shapes=spec.input_shapes, card=spec.card)
         if not record["runs"]:
             desc = engine.describe()
             plan = engine.plan
@@ -146,13 +155,14 @@ def finalise(doc: dict, spec: SweepSpec) -> None:
     mark_front(doc)
     ok = [r for r in doc["configs"] if r["status"] in MEASURED]
     energy_reason = next((r.get("energy_reason") for r in ok if r.get("energy_reason")), None)
+    metric = accuracy_metric(ok)
     rec = recommend([point_of(r) for r in ok], spec.goal, max_latency_ms=spec.max_latency_ms,
-                    min_accuracy=spec.min_accuracy, energy_unknown_reason=energy_reason)
+                    min_accuracy=spec.min_accuracy, energy_unknown_reason=energy_reason, metric=metric)
     set_recommendation(doc, rec)
     close = _within_spread(ok, rec.name)
     doc["recommendation"]["within_spread"] = close
     if close:
-        doc["recommendation"]["reason"] += (f"; {', '.join(close)} {'matches' if len(close) == 1 else 'match'} its top-1 "
+        doc["recommendation"]["reason"] += (f"; {', '.join(close)} {'matches' if len(close) == 1 else 'match'} its {metric} "
                                             "with a p50 inside its run-to-run spread (a difference this sweep cannot resolve)")
 
 
@@ -165,7 +175,7 @@ def _within_spread(records: list[dict], name: str | None) -> list[str]:
     close = []
     for r in records:
         sp = (r.get("spread") or {}).get("latency_p50_ms")
-        if r is chosen or not sp or r.get("top1") is None or r["top1"] < chosen["top1"]:
+        if r is chosen or not sp or accuracy_of(r) is None or accuracy_of(r) < accuracy_of(chosen):
             continue
         if sp["min"] <= hi and sp["max"] >= lo:
             close.append(r["name"])

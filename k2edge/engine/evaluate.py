@@ -1,0 +1,93 @@
+"""Accuracy of a built engine on an evaluation set, by the model card's task: top-1 for classifiers,
+COCO mAP for detectors. One place for ``k2edge eval``, the sweep and ``k2edge cloud curve``."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+
+from ..errors import InferenceError
+from ..model.datasets import CocoDataset, Dataset, is_coco, open_coco, open_labelled
+
+__all__ = ["open_eval_set", "run_detector", "evaluate_detector", "evaluate_classifier"]
+
+
+def open_eval_set(engine, path, limit: int | None = None) -> Dataset | CocoDataset:
+    """The evaluation set for ``engine``'s task: COCO annotations (``.json``) for a detector, a
+    labelled ImageFolder / ``.npz`` for a classifier.
+
+    Raises:
+        DatasetError: the set is missing, malformed, or of the wrong kind for the task.
+    """
+    from ..errors import DatasetError
+
+    if engine.card.task == "detection":
+        if not is_coco(path):
+            raise DatasetError(f"{path}: a detector ({engine.card.source or 'card'}: task = \"detection\") is evaluated on a "
+                               "COCO annotation file (.json)")
+        return open_coco(path, engine.labels, limit)
+    if is_coco(path):
+        raise DatasetError(f"{path}: COCO annotations evaluate detectors; this model's task is {engine.card.task!r} "
+                           "(give it a card with task = \"detection\" if it is one)")
+    return open_labelled(path, engine.labels, limit)
+
+
+def _results(engine, samples: list):
+    for result in engine.stream(samples):
+        if result.error is not None:
+            if isinstance(result.error, Exception):
+                raise result.error
+            raise InferenceError(str(result.error))
+        yield result
+
+
+def run_detector(engine, samples: list, advance: Callable[[int], None] | None = None) -> list:
+    """The decoded detections (original-image pixels) of every sample, through the lanes."""
+    out = []
+    for result in _results(engine, samples):
+        n = len(result.items)
+        out.extend(engine.decoder.detections(result.outputs, result.geometries[:n]))
+        if advance:
+            advance(n)
+    return out
+
+
+def evaluate_detector(engine, dataset: CocoDataset, advance: Callable[[int], None] | None = None) -> dict:
+    """COCO mAP of ``engine`` on ``dataset``: ``map50``, ``map`` (fractions), images, detections, throughput."""
+    from ..tasks.coco_eval import coco_map, coco_results
+
+    t0 = time.perf_counter()
+    detections = run_detector(engine, list(dataset.samples), advance)
+    elapsed = time.perf_counter() - t0
+    scores = coco_map(dataset.ground_truth, coco_results(dataset.image_ids, detections, dataset.category_ids))
+    return {**scores, "images": len(detections), "detections": int(sum(len(d) for d in detections)),
+            "throughput_per_s": len(detections) / elapsed if elapsed else None, "per_image": detections}
+
+
+def evaluate_classifier(engine, dataset: Dataset, advance: Callable[[int], None] | None = None) -> dict:
+    """Top-1 of ``engine`` on a labelled ``dataset`` through the lanes (with the profile's prefetch)."""
+    labels = dataset.labels
+    correct = seen = 0
+    predictions: list[int] = []
+    t0 = time.perf_counter()
+    for result in _results(engine, list(dataset.samples)):
+        n = len(result.items)
+        pred = engine.decoder.probabilities(result.outputs, n).argmax(axis=1)
+        predictions.extend(int(p) for p in pred)
+        correct += int((pred == labels[seen:seen + n]).sum())
+        seen += n
+        if advance:
+            advance(n)
+    elapsed = time.perf_counter() - t0
+    return {"top1": correct / seen, "correct": correct, "samples": seen,
+            "throughput_per_s": seen / elapsed if elapsed else None, "predictions": predictions}
+
+
+def accuracy_key(task: str) -> str:
+    """The headline accuracy of a task: ``top1`` for classifiers, ``map50`` (COCO mAP@0.5) for detectors."""
+    return "map50" if task == "detection" else "top1"
+
+
+

@@ -1,0 +1,54 @@
+"""Which card a model without one probably needs, judged from its input and output shapes.
+
+* one output ``[N, 4 + C, A]`` with many more anchors than rows: a YOLOv8-style detector
+  (letterbox, pad 114, RGB, [0, 1]), as Ultralytics exports it;
+* one output ``[N, A, 5 + C]`` with many anchors: a YOLOv5-style detector;
+* an output ``[N, C]`` (or ``[N, C, 1, 1]``): a classifier of C classes;
+* anything else: raw tensors.
+
+It is a suggestion to edit (``k2edge card init``), never applied silently.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..config.card import ModelCard, card_from_dict, resolve_card
+
+__all__ = ["suggest_card"]
+
+_MIN_ANCHORS = 64  # fewer candidate boxes than this is not a YOLO grid (YOLOv8n at 320 has 2,100)
+
+
+def suggest_card(input_name: str, input_shape: tuple, outputs: Mapping[str, tuple],
+                 metadata: Mapping[str, str] | None = None) -> tuple[ModelCard, str]:
+    """A card for a model and why: (card with every key resolved, one sentence)."""
+    shapes = {k: tuple(v) for k, v in outputs.items()}
+    layer: dict = {}
+    why = ""
+    if len(shapes) == 1:
+        (name, shape), = shapes.items()
+        if len(shape) == 3 and all(isinstance(d, int) and d > 0 for d in shape[1:]):
+            rows, cols = shape[1], shape[2]
+            if 5 <= rows < cols and cols >= _MIN_ANCHORS:
+                layer = {"task": "detection", "detection": {"format": "yolov8"}}
+                why = (f"output {name!r} {list(shape)} looks like YOLOv8: [N, 4 + classes, anchors] with "
+                       f"{rows - 4} class(es) and {cols} anchors")
+            elif 6 <= cols < rows and rows >= _MIN_ANCHORS:
+                layer = {"task": "detection", "detection": {"format": "yolov5"}}
+                why = (f"output {name!r} {list(shape)} looks like YOLOv5: [N, anchors, 5 + classes] with "
+                       f"{cols - 5} class(es) and {rows} anchors")
+            if layer and len(input_shape) == 4:
+                layer["input"] = {"resize": "letterbox", "pad_value": 114, "color": "RGB", "scale": 1 / 255,
+                                  "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}
+    if not layer:
+        cls = [(n, s) for n, s in shapes.items() if len(s) == 2 or (len(s) == 4 and tuple(s[2:]) == (1, 1))]
+        if cls:
+            name, shape = cls[0]
+            layer = {"task": "classification", "classification": {"output": "logits"}}
+            why = f"output {name!r} {list(shape)} looks like a classifier of {shape[1]} classes (check logits vs probabilities)"
+        else:
+            layer = {"task": "tensor"}
+            why = "no output looks like class scores or YOLO boxes: raw tensors"
+    card = card_from_dict(layer, "suggestion")
+    return resolve_card(input_name, input_shape, metadata or {}, card), why

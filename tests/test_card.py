@@ -1,0 +1,204 @@
+"""Model cards: the fixed contract loads as written, bad keys are refused with their path, the card
+is found beside the model, and the layers (daemon settings > card > ONNX metadata > defaults) win
+key by key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from k2edge.config import load_config
+from k2edge.config.card import CardError, find_card, load_card, metadata_layer, resolve_card
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONTRACT = '''\
+task = "detection"                 # classification | detection | tensor
+labels = "labels.txt"              # one label per line, relative to the card
+[input]
+name = "images"                    # optional; default: the model's only input
+size = [320, 320]                  # [height, width] of the model input
+resize = "letterbox"               # stretch | letterbox (keep ratio, centred padding) | pad-right (keep ratio, pad right and bottom)
+pad_value = 114                    # 0..255
+color = "RGB"                      # RGB | BGR | L (one grey channel)
+scale = 0.00392156862745098        # x = pixel * scale, then (x - mean) / std per channel
+mean = [0.0, 0.0, 0.0]
+std = [1.0, 1.0, 1.0]
+[classification]
+output = "logits"                  # logits | probabilities
+[detection]
+format = "yolov8"                  # yolov8: [N, 4 + classes, anchors], cx cy w h in input pixels, class scores already sigmoid, no objectness
+                                   # yolov5: [N, anchors, 5 + classes], objectness x class score
+score_threshold = 0.25
+iou_threshold = 0.45
+max_detections = 100
+class_agnostic_nms = false
+'''
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_contract_loads_exactly_as_written(tmp_path):
+    """The issue's card loads unchanged, every value as written, labels relative to the card."""
+    card = load_card(_write(tmp_path / "card.toml", CONTRACT))
+    assert card.task == "detection"
+    assert Path(card.labels) == tmp_path.resolve() / "labels.txt"
+    i = card.input
+    assert (i.name, i.size, i.resize, i.pad_value, i.color) == ("images", (320, 320), "letterbox", 114, "RGB")
+    assert (i.scale, i.mean, i.std) == (0.00392156862745098, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    assert card.classification.output == "logits"
+    d = card.detection
+    assert (d.format, d.score_threshold, d.iou_threshold, d.max_detections, d.class_agnostic_nms) == (
+        "yolov8", 0.25, 0.45, 100, False)
+    assert d.max_candidates == 1000
+
+
+@pytest.mark.parametrize("edit, message", [
+    (('resize = "letterbox"', 'resize = "squash"'), "input.resize: must be one of 'stretch', 'letterbox' or 'pad-right', got 'squash'"),
+    (("std = [1.0, 1.0, 1.0]", "std = [0, 1, 1]"), "input.std: every value must be > 0 (it divides), got [0, 1, 1]"),
+    (("size = [320, 320]", 'size = ["320", 320]'), "input.size: must be two whole numbers"),
+    (("pad_value = 114", "pad_value = 300"), "input.pad_value: must be <= 255, got 300"),
+    (('color = "RGB"', 'color = "RGBA"'), "input.color: must be one of"),
+    (("mean = [0.0, 0.0, 0.0]", "mean = [0.0, 0.0]"), "input.mean: must be a list of 1 or 3 numbers"),
+    (('format = "yolov8"', 'format = "ssd"'), "detection.format: must be one of 'yolov8' or 'yolov5', got 'ssd'"),
+    (("iou_threshold = 0.45", "iou_threshold = 0"), "detection.iou_threshold: must be > 0"),
+    (('task = "detection"', 'task = "segmentation"'), "task: must be one of"),
+    (("max_detections = 100", "max_detections = 100\nmax_boxes = 3"), "detection.max_boxes: unknown key (known keys: format,"),
+    (('task = "detection"', 'task = "detection"\nsource = "x"'), "source: unknown key (known keys: task, labels, input,"),
+])
+def test_bad_values_are_refused_with_the_key_path(tmp_path, edit, message):
+    """Each bad key is refused with its dotted path and what is wrong."""
+    old, new = edit
+    path = _write(tmp_path / "card.toml", CONTRACT.replace(old, new, 1))
+    with pytest.raises(CardError) as exc:
+        load_card(path)
+    assert str(exc.value).startswith(f"{path}: ") and message in str(exc.value), str(exc.value)
+
+
+def test_grey_card_with_three_means_is_refused(tmp_path):
+    """color L takes one mean/std value, not three."""
+    path = _write(tmp_path / "card.toml", '[input]\ncolor = "L"\nmean = [0.1, 0.2, 0.3]\n')
+    with pytest.raises(CardError, match=r"input.mean: color L has 1 channel\(s\); give 1 value, got 3"):
+        load_card(path)
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    with pytest.raises(CardError, match="not valid TOML"):
+        load_card(_write(tmp_path / "card.toml", "task = \n"))
+    with pytest.raises(CardError, match="does not exist"):
+        load_card(tmp_path / "nope.toml")
+
+
+def test_size_contradicting_a_static_input_is_refused(tmp_path):
+    """A card whose size is not the model's static H x W is refused, naming the card and the dims."""
+    card = load_card(_write(tmp_path / "card.toml", CONTRACT))
+    assert resolve_card("images", (1, 3, 320, 320), {}, card, input_names=("images",)).input.size == (320, 320)
+    with pytest.raises(CardError, match=r"input.size: \[320, 320\] \(\[height, width\]\) contradicts the model's static "
+                                         r"input 'images' \[1, 3, 320, 640\] \(NCHW\): width is 640, not 320"):
+        resolve_card("images", (1, 3, 320, 640), {}, card, input_names=("images",))
+    with pytest.raises(CardError, match="input.color: RGB gives 3 channel"):
+        resolve_card("images", (1, 1, 320, 320), {}, card, input_names=("images",))
+    with pytest.raises(CardError, match="input.name: the model has no input 'images'"):
+        resolve_card("x", (1, 3, 320, 320), {}, card, input_names=("x",))
+
+
+def test_portrait_size_is_height_first(tmp_path):
+    """size = [height, width]: [480, 320] fits an NCHW input of 480 rows and 320 columns."""
+    card = load_card(_write(tmp_path / "card.toml", "[input]\nsize = [480, 320]\n"))
+    assert resolve_card("x", (1, 3, 480, 320), {}, card).input.size == (480, 320)
+    with pytest.raises(CardError, match="height is 320, not 480"):
+        resolve_card("x", (1, 3, 320, 480), {}, card)
+
+
+def test_metadata_size_is_width_first_and_converted():
+    """The model's k2edge.preprocess metadata stores [width, height]; the card layer holds [height, width]."""
+    md = {"k2edge.preprocess": json.dumps({"color": "RGB", "size": [640, 480], "mean": [0.5], "std": [0.25]})}
+    assert metadata_layer(md)["input"]["size"] == (480, 640)
+    card = resolve_card("x", (1, 3, 480, 640), md)
+    assert card.input.size == (480, 640) and card.input.mean == (0.5,) and card.input.std == (0.25,)
+    with pytest.raises(CardError, match="malformed"):
+        metadata_layer({"k2edge.preprocess": "{not json"})
+
+
+def test_layers_win_key_by_key(tmp_path):
+    """overrides > card > metadata > defaults, each layer setting only the keys it names."""
+    md = {"k2edge.preprocess": json.dumps({"color": "L", "size": [32, 32], "mean": [0.3], "std": [0.2]})}
+    shape = (1, 1, 32, 32)
+    defaults = resolve_card("x", (1, 3, 64, 48))
+    assert (defaults.task, defaults.input.color, defaults.input.size, defaults.input.resize) == (
+        "classification", "RGB", (64, 48), "stretch")
+    assert defaults.input.scale == 1 / 255 and defaults.input.mean == (0.0,)
+    from_md = resolve_card("x", shape, md)
+    assert (from_md.input.color, from_md.input.mean, from_md.input.resize) == ("L", (0.3,), "stretch")
+    card = load_card(_write(tmp_path / "card.toml", '[input]\nresize = "letterbox"\nmean = [0.5]\n'))
+    carded = resolve_card("x", shape, md, card)
+    assert (carded.input.resize, carded.input.mean, carded.input.std) == ("letterbox", (0.5,), (0.2,))
+    over = resolve_card("x", shape, md, card, {"input": {"mean": [0.7]}, "detection": {"score_threshold": 0.5}})
+    assert (over.input.resize, over.input.mean, over.input.std, over.detection.score_threshold) == (
+        "letterbox", (0.7,), (0.2,), 0.5)
+
+
+def test_tensor_model_has_no_image_size():
+    """A model whose input is not an image batch gets no image preprocessing by default."""
+    assert resolve_card("x", (1, 16)).input.size is None
+
+
+def test_discovery_prefers_the_model_stem_card(tmp_path):
+    """<model-stem>.card.toml is found before card.toml; neither -> None."""
+    model = tmp_path / "yolo.onnx"
+    assert find_card(model) is None
+    _write(tmp_path / "card.toml", "task = \"classification\"\n")
+    assert find_card(model) == tmp_path / "card.toml"
+    _write(tmp_path / "yolo.card.toml", "task = \"detection\"\n")
+    assert find_card(model) == tmp_path / "yolo.card.toml"
+    assert find_card(tmp_path / "other.onnx") == tmp_path / "card.toml"
+
+
+def test_digits_card_matches_its_metadata():
+    """The digits model's card says what its ONNX metadata says (color L), so nothing changes."""
+    import onnx
+
+    model = ROOT / "models" / "digits" / "model.onnx"
+    md = {p.key: p.value for p in onnx.load(str(model)).metadata_props}
+    card = load_card(find_card(model))
+    assert card.input.color == "L"
+    with_card = resolve_card("input", (1, 1, 32, 32), md, card)
+    without = resolve_card("input", (1, 1, 32, 32), md)
+    assert with_card.input == without.input
+    assert Path(with_card.labels) == model.parent.resolve() / "labels.txt"
+
+
+def test_daemon_config_card_path_and_table(tmp_path):
+    """[[models]] takes card = "FILE" (relative to the config) or a [models.card] table, validated with its path."""
+    cfg = _write(tmp_path / "k.toml", '[[models]]\nname = "a"\nonnx = "m.onnx"\ncard = "m.card.toml"\n')
+    assert load_config(cfg).models[0].card_args() == {"card": tmp_path.resolve() / "m.card.toml"}
+    cfg = _write(tmp_path / "k.toml", '[[models]]\nname = "a"\nonnx = "m.onnx"\n[models.card]\ntask = "detection"\n'
+                                      'labels = "l.txt"\n[models.card.detection]\nscore_threshold = 0.4\n')
+    over = load_config(cfg).models[0].card_args()["card_overrides"]
+    assert over.layer() == {"task": "detection", "labels": str(tmp_path.resolve() / "l.txt"),
+                            "detection": {"score_threshold": 0.4}}
+    cfg = _write(tmp_path / "k.toml", '[[models]]\nname = "a"\nonnx = "m.onnx"\n[models.card.input]\nresize = "squash"\n')
+    with pytest.raises(Exception, match=r"models.0.card: input.resize: must be one of"):
+        load_config(cfg)
+
+
+def test_engine_layers_the_daemon_table_over_the_card_beside_the_model(tmp_path):
+    """Engine.build(card_overrides=...) keeps the card beside the model and overrides only the keys given;
+    labels given to the engine override the card's."""
+    from k2edge import Engine
+
+    model = ROOT / "models" / "digits" / "model.onnx"
+    labels = tmp_path / "names.txt"
+    labels.write_text("\n".join(f"digit {i}" for i in range(10)) + "\n")
+    engine = Engine.build(model, "cpu-dev", card_overrides={"classification": {"output": "probabilities"}}, labels=labels)
+    assert engine.card.classification.output == "probabilities"
+    assert engine.card.input.color == "L" and engine.card.input.mean == (0.3058,)
+    assert engine.labels[3] == "digit 3"
+    rows = engine.top_k(np.array([[0.1, 0.7, 0.2] + [0.0] * 7]), 1)
+    assert rows[0][0] == {"index": 1, "label": "digit 1", "score": 0.7}  # taken as probabilities, no softmax
