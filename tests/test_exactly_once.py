@@ -86,7 +86,8 @@ def test_burst_with_a_broker_restart_loses_nothing_and_answers_nothing_twice(run
     # repeats are QoS 1 retransmissions of answers in flight when the broker went down (at most the 20 the
     # broker lets a client have unacknowledged), never a second answer
     assert sum(len(v) > 1 for v in by_id.values()) <= 20
-    assert Counter(json.loads(v[0])["status"] for v in by_id.values()) == {"ok": 301}  # waited at the broker: no busy
+    codes = Counter((json.loads(v[0]).get("error") or {}).get("code", "ok") for v in by_id.values())
+    assert codes == {"ok": 301}, (codes, [json.loads(v[0])["error"] for v in by_id.values() if b'"error"' in v[0]][:2])
     client.close()
 
 
@@ -166,8 +167,9 @@ def test_expired_at_the_broker_is_never_answered_and_expiry_bounds_the_deadline(
     for rid, (a, arrived) in by_id.items():
         if a["status"] == "ok":
             assert a["latency_ms"]["total"] <= 1000  # never late by the daemon's clock
-            # nor by the requester's: expiry 1 s, counted by the broker in whole seconds (transit allowance 0.3 s)
-            assert arrived - sent[rid] <= 1.0 + 1.0 + 0.3, (rid, arrived - sent[rid], a["latency_ms"])
+            # by the requester's: mosquitto keeps a 1 s expiry for 1 to 2 s (whole-second clock) and hands a
+            # message over without the property in its last second, when deadline_ms from arrival still holds
+            assert arrived - sent[rid] <= 2.0 + 1.0 + 0.3, (rid, arrived - sent[rid], a["latency_ms"])
     client.close()
 
 

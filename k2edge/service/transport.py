@@ -83,6 +83,31 @@ def backoff(attempt: int, lo: float, hi: float, rng=random.random) -> float:
     return lo + (cap - lo) * rng()
 
 
+class _Client(mqtt.Client):
+    """paho's client, reading no further packet once ``more()`` says the daemon holds enough.
+
+    paho's ``loop_read`` reads as many packets as it has messages in flight; stopping between
+    packets keeps the read pause exact (the mirror of paho 2.x's ``loop_read`` plus one check).
+    """
+
+    def __init__(self, *args, more: Callable[[], bool], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._more = more
+
+    def loop_read(self, max_packets: int = 1) -> mqtt.MQTTErrorCode:
+        if self._sock is None:
+            return mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
+        for _ in range(max(1, len(self._out_messages) + len(self._in_messages))):
+            if self._sock is None:
+                return mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
+            rc = self._packet_read()
+            if rc > 0:
+                return self._loop_rc_handle(rc)
+            if rc == mqtt.MQTTErrorCode.MQTT_ERR_AGAIN or not self._more():
+                return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+        return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+
+
 class MqttTransport:
     """Owns the paho client and its network thread.
 
@@ -115,7 +140,8 @@ class MqttTransport:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         m = cfg.mqtt
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True)
+        c = _Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True,
+                    more=lambda: not self._saturated())
         c.max_queued_messages_set(0)
         c.max_inflight_messages_set(20)  # mosquitto's default, until a broker's CONNACK says how many it takes
         self._broker_receive_max: int | None = None
