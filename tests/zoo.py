@@ -17,24 +17,34 @@ from __future__ import annotations
 import json
 import pathlib
 import zlib
+from typing import Callable
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import helper
 
 FIXTURE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "zoo"
+YOLOV8_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "yolov8"
 
 MARKER_KEY = "k2edge_fixture"
 MARKER_VALUE = "regenerate"
+STRIP_OVER = 256  # float initializers with more elements than this lose their data
+FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
 
 NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in FIXTURE_DIR.glob("*.onnx")))
+"""The image classifiers (tests parametrise over these)."""
+YOLOV8_NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in YOLOV8_DIR.glob("*.onnx")))
+"""The YOLOv8n exports: ``yolov8n-320`` (static) and ``yolov8n-dynamic``."""
 
 
 def fixture_path(name: str) -> pathlib.Path:
     """Path of the committed (stripped) fixture file for ``name``."""
-    if name not in NAMES:
-        raise KeyError(f"unknown zoo fixture {name!r}; available: {', '.join(NAMES)}")
-    return FIXTURE_DIR / f"{name}.onnx"
+    if name in NAMES:
+        return FIXTURE_DIR / f"{name}.onnx"
+    if name in YOLOV8_NAMES:
+        return YOLOV8_DIR / f"{name}.onnx"
+    raise KeyError(f"unknown fixture {name!r}; available: {', '.join(NAMES + YOLOV8_NAMES)}")
 
 
 def stable_hash(text: str) -> int:
@@ -72,6 +82,46 @@ def _regenerate(tensor: onnx.TensorProto, meta: dict, seed: int) -> None:
     del tensor.int32_data[:]  # float16 payloads may live here
     tensor.raw_data = values.astype(dtype.newbyteorder("<"), copy=False).tobytes()
     tensor.doc_string = ""
+
+
+def strip(model: onnx.ModelProto, strippable: Callable[[onnx.TensorProto], bool] | None = None) -> int:
+    """Remove the data of large float initializers in place, recording their statistics.
+
+    Used by the scripts that write the fixtures; :func:`load` undoes it.
+
+    Args:
+        model: the exported model, changed in place.
+        strippable: further condition an initializer must meet to be stripped
+            (default: every float initializer with more than ``STRIP_OVER`` elements).
+
+    Returns:
+        The number of initializers stripped.
+    """
+    n = 0
+    for t in model.graph.initializer:
+        if t.data_type not in FLOAT_TYPES:
+            continue
+        arr = onnx.numpy_helper.to_array(t)
+        if arr.size <= STRIP_OVER or (strippable is not None and not strippable(t)):
+            continue
+        a = arr.astype(np.float64)
+        t.doc_string = json.dumps(
+            {
+                MARKER_KEY: MARKER_VALUE,
+                "dims": list(arr.shape),
+                "dtype": str(arr.dtype),
+                "mean": float(a.mean()),
+                "std": float(a.std()),
+                "min": float(a.min()),
+                "max": float(a.max()),
+            }
+        )
+        t.raw_data = b""
+        del t.float_data[:]
+        del t.double_data[:]
+        del t.int32_data[:]
+        n += 1
+    return n
 
 
 def load(name: str, seed: int = 0) -> onnx.ModelProto:

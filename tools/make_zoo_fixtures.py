@@ -20,8 +20,8 @@ and checker + onnxruntime (batch 1 and 2) on the regenerated model.
 from __future__ import annotations
 
 import collections
+import importlib
 import io
-import json
 import pathlib
 import sys
 import tempfile
@@ -39,10 +39,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "tests" / "fixtures" / "zoo"
 sys.path.insert(0, str(ROOT / "tests"))
 
+import zoo  # noqa: E402  (tests/zoo.py: strip() writes the markers that zoo.load() reads)
+
 OPSET = 9  # the legacy exporter accepts 9 for all six models (checked with torch 2.14.1)
-STRIP_OVER = 256  # float initializers with more elements than this lose their data
 SEED = 0
-FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 
 
 class ResNet18ViewFlatten(tvm.ResNet):
@@ -102,35 +102,6 @@ def export(name: str) -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
     return onnx.load_from_string(buf.getvalue()), x.numpy(), ref
 
 
-def strip(model: onnx.ModelProto) -> int:
-    """Remove data of large float initializers, recording stats; return count."""
-    n = 0
-    for t in model.graph.initializer:
-        if t.data_type not in FLOAT_TYPES:
-            continue
-        arr = onnx.numpy_helper.to_array(t)
-        if arr.size <= STRIP_OVER:
-            continue
-        a = arr.astype(np.float64)
-        t.doc_string = json.dumps(
-            {
-                "k2edge_fixture": "regenerate",
-                "dims": list(arr.shape),
-                "dtype": str(arr.dtype),
-                "mean": float(a.mean()),
-                "std": float(a.std()),
-                "min": float(a.min()),
-                "max": float(a.max()),
-            }
-        )
-        t.raw_data = b""
-        del t.float_data[:]
-        del t.double_data[:]
-        del t.int32_data[:]
-        n += 1
-    return n
-
-
 def run_ort(model_or_path, x: np.ndarray) -> np.ndarray:
     so = ort.SessionOptions()
     so.log_severity_level = 3  # silence "initializer is also a graph input" warnings
@@ -140,7 +111,7 @@ def run_ort(model_or_path, x: np.ndarray) -> np.ndarray:
 
 
 def verify(name: str, full: onnx.ModelProto, x: np.ndarray, ref: np.ndarray) -> None:
-    import zoo  # tests/zoo.py
+
 
     # 1. the full (unstripped) export matches torch
     got = run_ort(full, x)
@@ -184,12 +155,11 @@ def main(names: list[str]) -> None:
         full, x, ref = export(name)
         stripped = onnx.ModelProto()
         stripped.CopyFrom(full)
-        n = strip(stripped)
+        n = zoo.strip(stripped)
         path = OUT_DIR / f"{name}.onnx"
         onnx.save(stripped, str(path))
         size = path.stat().st_size
         assert size < 1 << 20, f"{name}: fixture is {size} bytes"
-        import importlib, zoo
         importlib.reload(zoo)  # NAMES is read from the directory at import
         verify(name, full, x, ref)
         print(f"{name}: {size} bytes, {n} initializers stripped, {summary(stripped)}")
