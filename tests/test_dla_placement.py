@@ -110,3 +110,15 @@ def test_pretrained_paddleocr_placement(name):
     # every node the DLA cannot run is named in the notes, with the count of its kind
     note = next(n for n in plan.notes if "stay on the GPU" in n)
     assert int(note.split(" node(s)")[0]) == sum(1 for s in support_table(nm.graph) if not s.ok)
+
+
+def test_yolov8n_export_placement():
+    """A real Ultralytics YOLOv8n export (random weights): SiLU = Sigmoid x Mul on 4-D maps, nearest Resize in the
+    neck, a rank-3 head (DFL Softmax, box decoding, sigmoid scores) that must stay on the GPU."""
+    nm = normalise(zoo.load("yolov8n-320"))
+    placed, plan = _check(nm)
+    assert {"Conv", "Sigmoid", "Mul", "Resize", "MaxPool", "Concat"} <= placed
+    rank3 = [n for n in nm.graph.nodes if n.op_type == "Sigmoid" and len(nm.graph.shape(n.outputs[0])) != 4]
+    assert rank3, "the head's class scores are a rank-3 Sigmoid"
+    _, dla = _on_dla(nm)
+    assert not {n.name for n in rank3} & dla
