@@ -350,8 +350,7 @@ def test_policy_reasons_codes_and_profiles():
     assert nomodel.action == "refuse" and nomodel.error_code == "unknown_model"
     down = decide(EscalationRequest("m", has_local_model=False), None, "normal", CloudHealth(False, "the breaker is open"), settings=S)
     assert down.error_code == "cloud_unavailable" and "the breaker is open" in down.reason
-    assert decide(EscalationRequest("m"), CONFIDENT, "warm", settings=S).prefer_profile == "c4"
-    assert decide(EscalationRequest("m"), CONFIDENT, "normal", settings=S).prefer_profile is None
+    assert decide(EscalationRequest("m"), CONFIDENT, "warm", settings=S).thermal_state == "warm"
     provisional = decide(EscalationRequest("m"), None, "normal", settings=S)
     assert provisional.action == "local" and provisional.provisional
     prompt_local = decide(EscalationRequest("m", prompt="hi"), CONFIDENT, "normal",
@@ -496,7 +495,6 @@ def test_hot_escalates_everything_offloadable_without_running_locally(k2, tmp_pa
 
     out = bridge.handle(BridgeRequest("r1", "digits"), run_local, 3.0, "hot")
     assert out.source == "cloud" and "thermal state hot" in out.reason and calls == []
-    assert out.decision.prefer_profile == "c4"
     kept = bridge.handle(BridgeRequest("r2", "digits", allow_cloud=False), run_local, 3.0, "hot")
     assert kept.source == "edge" and kept.text == "c0" and calls == [1] and "allow_cloud false" in kept.reason
     bridge.close()

@@ -56,8 +56,8 @@ def run(args) -> int:
 
 # check ---------------------------------------------------------------------------------------------
 def _settings(args):
-    from ..cloud_bridge.settings import CloudSettings
-    from ..telemetry.settings import validate_settings
+    from ..config.cloud import CloudSettings
+    from ..config.tables import validate_settings
 
     table_ = {}
     if args.config:

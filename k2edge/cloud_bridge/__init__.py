@@ -17,7 +17,7 @@ How the daemon uses it (from a worker thread, never the MQTT network thread)::
         lambda: LocalResult.from_logits(engine.infer(feeds)["logits"][0], engine.labels, k=top_k),
         deadline_s=deadline_ms / 1000)
     # outcome.source "edge" | "cloud", .text, .latency_ms, .reason, .degraded, .error_code,
-    # .deferred, .decision.prefer_profile, .decision.confidence, .local (the LocalResult, for top-k)
+    # .deferred, .decision.confidence, .local (the LocalResult, for top-k)
 
     threading.Thread(target=bridge.deliver_pending, args=(publish, stop_event), daemon=True).start()
     status["cloud"] = bridge.status()      # breaker, budget, outbox depth, last error, counters
@@ -66,7 +66,8 @@ from .errors import (
 from .image import PreparedImage, prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
 from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, LocalResult, confidence, decide
-from .settings import CloudSettings, EscalationSettings, resolve_api_key
+from ..config.cloud import CloudSettings, EscalationSettings
+from .apikey import resolve_api_key
 
 __all__ = [
     "CloudBridge", "BridgeRequest", "Outcome", "default_render",

@@ -19,7 +19,7 @@ from .image import prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
 from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, LocalResult
 from .retry import scrub
-from .settings import CloudSettings
+from ..config.cloud import CloudSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Outcome:
         cloud_model / attempts: who answered, HTTP attempts made.
         cloud_input: what K2 was given with the text: ``image``, or ``text`` (the edge's findings
             only: ``[cloud] vision = "off"``, or the server refused image content); None when not asked.
-        decision: the policy's decision (confidence, threshold, thermal state, prefer_profile).
+        decision: the policy's decision (confidence, threshold, thermal state).
         local: the local result used (computed here when the daemon passed a callable).
     """
 

@@ -35,7 +35,8 @@ from .errors import (
 )
 from .image import PreparedImage, prepare_image
 from .retry import RETRYABLE_STATUS, backoff_s, is_quota_error, parse_retry_after, scrub
-from .settings import CloudSettings, resolve_api_key
+from ..config.cloud import CloudSettings
+from .apikey import resolve_api_key
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ Rules, in order (first match wins):
 Then the guards: ``allow_cloud: false`` is always respected (the request is answered locally,
 or refused when there is nothing local to answer with); when the cloud is unavailable (breaker
 open, no budget left this minute) the local answer goes back with ``degraded: true`` and the
-reason, and a deferrable request is also marked for the outbox. In warm and hot the decision
-carries the model's DLA-heavier profile (``prefer_profile``) for the local work that remains.
+reason, and a deferrable request is also marked for the outbox. (Switching a model to its
+DLA-heavier ``warm_profile`` in warm and hot is the thermal governor's transition, not a decision.)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Mapping, Sequence
 
-from .settings import EscalationSettings
+from ..config.cloud import EscalationSettings
 
 __all__ = [
     "EscalationPolicy",
@@ -185,7 +185,6 @@ class Decision:
         provisional: made without the local result (not computed yet); run locally, then decide again.
         confidence / threshold / measure: the numbers judged, when confidence decided.
         thermal_state: the governor's state used.
-        prefer_profile: the DLA-heavier profile to run the model on (warm/hot), if configured.
         error_code: for ``refuse``: ``busy`` (thermal critical), ``unknown_model``, ``cloud_unavailable``.
     """
 
@@ -199,7 +198,6 @@ class Decision:
     threshold: float | None = None
     measure: str | None = None
     thermal_state: str = "unknown"
-    prefer_profile: str | None = None
     error_code: str | None = None
 
     def to_dict(self) -> dict:
@@ -223,14 +221,13 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
     state = getattr(thermal_state, "state", thermal_state) or "unknown"
     thermal_reason = getattr(thermal_state, "reason", "")
     allow = s.allow_cloud if request.allow_cloud is None else request.allow_cloud
-    prefer = s.warm_profile if state in ("warm", "hot") else None
     if not health.available:
         cloud_ok, cloud_why = False, health.reason or "the cloud is unavailable"
     elif budget_left is not None and budget_left <= 0:
         cloud_ok, cloud_why = False, "the cloud request budget for this minute is spent"
     else:
         cloud_ok, cloud_why = True, ""
-    base = {"thermal_state": state, "prefer_profile": prefer}
+    base = {"thermal_state": state}
     thermal_note = f" ({thermal_reason})" if thermal_reason else ""
 
     conf = thr = None

@@ -47,7 +47,8 @@ from pathlib import Path
 
 from .base import Sample, TelemetryError, TelemetrySource, UnavailableSource
 from .governor import STATES, GovernorState, ThermalGovernor, ThermalSampler, Transition
-from .settings import SettingsError, ThermalSettings, validate_settings
+from ..config.tables import SettingsError, validate_settings
+from ..config.thermal import ThermalSettings
 
 log = logging.getLogger(__name__)
 

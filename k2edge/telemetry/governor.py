@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Literal
 
 from .base import Sample, TelemetrySource
-from .settings import ThermalSettings
+from ..config.thermal import ThermalSettings
 
 log = logging.getLogger(__name__)
 

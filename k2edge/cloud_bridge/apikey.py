@@ -1,4 +1,4 @@
-"""Reading the K2 API key from where :class:`~k2edge.config.cloud.CloudSettings` says.
+"""Reading the K2 API key from where :class:`~k2edge.config.cloud.CloudSettings` says (file, systemd credential, environment).
 
 The key is read into a ``SecretStr``, whose ``repr``/``str`` are masked.
 """
@@ -13,12 +13,12 @@ from typing import Mapping
 
 from pydantic import SecretStr
 
-from ..config.cloud import K2_TEMPERATURE, MOONSHOT_BASE_URL, CloudSettings, EscalationSettings
+from ..config.cloud import CloudSettings
 from .errors import CloudConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CloudSettings", "EscalationSettings", "resolve_api_key", "MOONSHOT_BASE_URL", "K2_TEMPERATURE"]
+__all__ = ["resolve_api_key"]
 
 
 def resolve_api_key(settings: CloudSettings, environ: Mapping[str, str] | None = None) -> SecretStr | None:
