@@ -65,7 +65,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(answer))
     elif answer.get("status") == "ok":
-        best = ", ".join(f"{t['label']} {t['score']:.3f}" for t in answer.get("top_k", []))
+        if "detections" in answer:
+            best = f"{len(answer['detections'])} detection(s)" + "".join(
+                f"\n  {d['label']} {d['score']:.3f} [{', '.join(f'{v:.1f}' for v in d['box'])}]" for d in answer["detections"])
+        elif "outputs" in answer:
+            best = ", ".join(f"{name} {o['dtype']} {o['shape']}" for name, o in answer["outputs"].items())
+        else:
+            best = ", ".join(f"{t['label']} {t['score']:.3f}" for t in answer.get("top_k", []))
         print(f"{args.input}: {best or '(no local answer)'}  (source {answer.get('source')}, {elapsed_ms:.1f} ms round trip, "
               f"profile {answer.get('profile')}, device {answer.get('device')})")
         if answer.get("text"):

@@ -270,24 +270,32 @@ class CloudBridge:
             return "busy"
         return "deadline_exceeded" if isinstance(failure, CloudTimeout) else "cloud_unavailable"
 
+    def stored_request(self, req: BridgeRequest, computed: LocalResult | None) -> dict:
+        """What the outbox keeps of a request to ask the cloud later: prompt, the image downscaled as it
+        will be sent, and the edge's findings (boxes in that image's pixels).
+
+        Raises:
+            CloudRejected: an image the cloud cannot take.
+        """
+        image = mime = None
+        detections = list(computed.detections) if computed is not None and computed.detections is not None else None
+        if req.image:
+            prepared = prepare_image(req.image, self.settings.image_max_side)
+            image, mime = prepared.base64, prepared.mime
+            if detections:  # the stored image is the downscaled one: keep the boxes in its pixels
+                detections = [{**d, "box": b} for d, b in zip(detections, prepared.scale_boxes([d["box"] for d in detections]))]
+        return {"model": req.model, "prompt": req.prompt, "image_b64": image, "mime": mime,
+                "top_k": list(computed.top_k) if computed is not None else None, "detections": detections}
+
     def _defer(self, req: BridgeRequest, d: Decision, computed: LocalResult | None) -> bool:
         if not req.response_topic:
             log.warning("request %s is deferrable but has no response topic; not deferred", req.id)
             return False
-        image = mime = None
-        detections = list(computed.detections) if computed is not None and computed.detections is not None else None
-        if req.image:
-            try:
-                prepared = prepare_image(req.image, self.settings.image_max_side)
-            except CloudRejected:
-                return False
-            image, mime = prepared.base64, prepared.mime
-            if detections:  # the stored image is the downscaled one: keep the boxes in its pixels
-                detections = [{**d, "box": b} for d, b in zip(detections, prepared.scale_boxes([d["box"] for d in detections]))]
-        payload = {"request": {"model": req.model, "prompt": req.prompt, "image_b64": image, "mime": mime,
-                               "top_k": list(computed.top_k) if computed is not None else None,
-                               "detections": detections},
-                   "response": req.response or {}, "reason": d.reason, "request_id": req.id}
+        try:
+            stored = self.stored_request(req, computed)
+        except CloudRejected:
+            return False
+        payload = {"request": stored, "response": req.response or {}, "reason": d.reason, "request_id": req.id}
         # two requesters may use the same id: the outbox keys on where the answer goes as well
         if not self.outbox.put(outbox_key(req), req.response_topic, req.correlation_data, payload):
             log.info("request %s is already in the outbox (a redelivery); not stored twice", req.id)

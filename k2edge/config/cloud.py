@@ -181,6 +181,24 @@ class EscalationSettings(BaseModel):
         high = self.warm_high if self.warm_high is not None else self.high + (1.0 - self.high) / 2
         return low, high
 
+    def for_task(self, task: str, where: str = "escalation") -> "EscalationSettings":
+        """These settings for a model of ``task``: a detector left on the default measure judges
+        ``max_box_score``; a measure that does not fit the task is refused (naming ``where``).
+
+        Raises:
+            ValueError: a classifier measure for a detector, or a detection measure for a classifier.
+        """
+        detection_measure = self.measure in ("max_box_score", "uncertain_boxes")
+        if task == "detection" and not detection_measure:
+            if "measure" not in self.model_fields_set:
+                return self.model_copy(update={"measure": "max_box_score"})
+            raise ValueError(f"{where}.measure: {self.measure} judges a classifier; a detection model takes max_box_score "
+                             "or uncertain_boxes")
+        if task == "classification" and detection_measure:
+            raise ValueError(f"{where}.measure: {self.measure} judges boxes; a classification model takes max_softmax, "
+                             "margin or entropy")
+        return self
+
     @property
     def effective_warm_threshold(self) -> float:
         return self.warm_threshold if self.warm_threshold is not None else self.threshold + (1.0 - self.threshold) / 2

@@ -16,7 +16,7 @@ import threading
 import time
 
 from .. import __version__
-from ..config.schema import DaemonConfig, state_dir
+from ..config.schema import ConfigError, DaemonConfig, state_dir
 from . import topics
 from .answers import Answer, AnswerBook, AnswerKey
 from .escalation import Escalation
@@ -51,10 +51,14 @@ class Daemon:
 
         detected = detect_board()
         board = self.cfg.board or (detected.key if detected else DEFAULT_BOARD)
-        for m in self.cfg.models:
+        for i, m in enumerate(self.cfg.models):
             self.notify.notify(f"STATUS=building engines for {m.name}")
             log.info("model %s: building engines (profile %s, board %s)", m.name, m.profile, board)
             rt = ModelRuntime(m, self.cfg.service.max_batch, board, self.cfg.service.cache_dir)
+            try:  # the escalation measure must fit what the card says the model is
+                self.escalation.policy.models[m.name] = m.escalation.for_task(rt.task, f"models.{i}.escalation")
+            except ValueError as exc:
+                raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
             rt.activate()
             self.models[m.name] = rt
 
@@ -68,7 +72,7 @@ class Daemon:
             "state": state,
             "device": self.cfg.device_id,
             "version": __version__,
-            "models": [{"name": name, "profile": rt.profile_name, "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines),
+            "models": [{"name": name, "task": rt.task, "profile": rt.profile_name, "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines),
                         "warm_profile": rt.warm_profile} for name, rt in self.models.items()],
             "topics": {"requests": topics.request_filter(self.cfg.prefix),
                        "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},

@@ -25,9 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
-from ..cloud_bridge import (BridgeRequest, CloudBridge, CloudHealth, Decision, EscalationPolicy, EscalationRequest,
-                            LocalResult, Outcome, Postpone)
-from ..cloud_bridge.image import prepare_image
+from ..cloud_bridge import (BridgeRequest, CloudBridge, CloudHealth, CloudRejected, Decision, EscalationPolicy,
+                            EscalationRequest, LocalResult, Outcome, Postpone)
 from ..config.schema import DaemonConfig, state_dir
 from ..deadline import Deadline
 from ..telemetry import thermal_sampler
@@ -160,17 +159,12 @@ class Escalation:
         c = self.cfg.cloud
         budget = deadline.remaining() if deadline.set else c.timeout_s * (c.max_retries + 1) + 1.0
         oid = f"live-{uuid.uuid4().hex}"
-        image = mime = None
-        if req.image:
-            try:
-                prepared = prepare_image(req.image, c.image_max_side)
-                image, mime = prepared.base64, prepared.mime
-            except Exception:  # an image the cloud cannot take: the row keeps the rest
-                pass
+        try:
+            stored = self.bridge.stored_request(req, local if isinstance(local, LocalResult) else None)
+        except CloudRejected:  # an image the cloud cannot take: the row keeps the rest
+            stored = self.bridge.stored_request(replace(req, image=None), local if isinstance(local, LocalResult) else None)
         payload = {"live": True, "key": list(key) if key else None, "deadline_wall": time.time() + budget,
-                   "reason": d.reason, "request_id": req.id, "response": req.response or {},
-                   "request": {"model": req.model, "prompt": req.prompt, "image_b64": image, "mime": mime,
-                               "top_k": list(local.top_k) if isinstance(local, LocalResult) else None}}
+                   "reason": d.reason, "request_id": req.id, "response": req.response or {}, "request": stored}
         try:
             self.bridge.outbox.put(oid, req.response_topic or "", req.correlation_data, payload, claim_s=budget + 30.0)
         except Exception:
@@ -230,7 +224,8 @@ class Escalation:
         req = BridgeRequest(id=item.payload.get("request_id") or item.id, model=r.get("model"), prompt=r.get("prompt"),
                             image=image, mime=r.get("mime"), response_topic=item.response_topic,
                             correlation_data=item.correlation_data, response=item.payload.get("response"))
-        local = LocalResult(tuple(r["top_k"])) if r.get("top_k") else None
+        local = LocalResult(tuple(r.get("top_k") or ()), detections=tuple(r["detections"]) if r.get("detections") is not None
+                            else None) if r.get("top_k") or r.get("detections") is not None else None
         d = Decision("cloud", item.payload.get("reason") or "resumed after a restart", escalate=True)
         return self.bridge.carry_out(req, d, local, remaining)
 

@@ -263,9 +263,15 @@ def error_body(code: str, message: str, request_id: str | None, attempt: int, mo
             "error": {"code": code, "message": message}}
 
 
-def ok_body(req: Request, device: str, profile: str, top_k: list[dict], latency: dict, thermal_state: str,
+def ok_body(req: Request, device: str, profile: str, result: dict, latency: dict, thermal_state: str,
             confidence: float | None = None, source: str = "edge", text: str | None = None,
-            escalation_reason: str | None = None, degraded: bool = False, deferred: bool = False) -> dict:
+            escalation_reason: str | None = None, degraded: bool = False, deferred: bool = False,
+            cloud_input: str | None = None) -> dict:
+    """An ``ok`` answer. ``result`` is the task's fragment (``top_k``, ``detections`` or ``outputs``;
+    empty when the cloud answered without local work)."""
+    if confidence is None:
+        scores = [r["score"] for r in result.get("top_k") or result.get("detections") or ()]
+        confidence = max(scores) if scores else None
     body = {
         "id": req.id,
         "attempt": req.attempt,
@@ -274,14 +280,16 @@ def ok_body(req: Request, device: str, profile: str, top_k: list[dict], latency:
         "model": req.model,
         "profile": profile,
         "device": device,
-        "top_k": top_k,
-        "confidence": confidence if confidence is not None else (top_k[0]["score"] if top_k else None),
+        **result,
+        "confidence": confidence,
         "latency_ms": latency,
         "thermal_state": thermal_state,
         "degraded": degraded,
     }
     if text is not None:
         body["text"] = text
+    if cloud_input is not None:
+        body["cloud_input"] = cloud_input
     if escalation_reason:
         body["escalation_reason"] = escalation_reason
     if deferred:

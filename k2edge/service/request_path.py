@@ -61,6 +61,8 @@ class Work:
     tokens: list = field(default_factory=list)  # ack tokens of a request without an id (keyed ones: the answer book)
     timings: dict = field(default_factory=dict)
     sample: np.ndarray | None = None
+    geometry: object = None  # where an image landed in the sample (detection boxes are mapped back through it)
+    result: dict = field(default_factory=dict)  # the task's answer fragment: top_k, detections or outputs
     settled: bool = False  # answered, or handed to the cloud pool
 
     @property
@@ -203,7 +205,7 @@ class RequestPath:
             elif isinstance(sample, RequestError):
                 done.append((w, self.error(w, sample.code, sample.message)))
             else:
-                w.sample = sample
+                w.sample, w.geometry = sample
                 # the policy is asked before inference only in the hot and critical states
                 d = self.escalation.decide(w.req.model, w.req.prompt, w.req.allow_cloud, w.req.deferrable, None)
                 if d is None:
@@ -239,7 +241,7 @@ class RequestPath:
         def on_lanes_done(f: Future) -> None:  # on the lane that ran the batch's last segment
             release()
             try:
-                outputs = f.result()[rt.output_name][: len(live)]
+                outputs = f.result()
             except Exception as exc:
                 outputs = exc
             self.finish_batch(rt, live, outputs, staged)
@@ -263,8 +265,11 @@ class RequestPath:
 
     def _run_one(self, rt: ModelRuntime, w: Work) -> LocalResult:
         """The local answer computed late (a cloud worker's fallback in the hot state)."""
-        out = rt.infer([w.sample])
-        return self._local_result(rt, w, out[0])
+        result = rt.results(rt.infer([w.sample]), [w.geometry], [w.req.top_k or rt.cfg.top_k])[0]
+        if isinstance(result, Exception):
+            raise result
+        w.result, local = result
+        return local
 
     # 3. decide and answer -------------------------------------------------------------------------
     def finish_batch(self, rt: ModelRuntime, live: list[Work], outputs, started: float) -> None:
@@ -276,26 +281,19 @@ class RequestPath:
             return
         self.stats.batch(len(live))
         done: list[tuple[Work, dict]] = []
-        for i, w in enumerate(live):
+        results = rt.results(outputs, [w.geometry for w in live], [w.req.top_k or rt.cfg.top_k for w in live])
+        for w, result in zip(live, results):
             w.timings.update(infer=(now - started) * 1e3, batch=len(live))
-            try:
-                local = self._local_result(rt, w, outputs[i])
-            except RequestError as err:
-                done.append((w, self.error(w, err.code, err.message)))
+            if isinstance(result, Exception):
+                done.append((w, self.error(w, INTERNAL, str(result))))
                 continue
+            w.result, local = result
             d = self.escalation.decide(w.req.model, w.req.prompt, w.req.allow_cloud, w.req.deferrable, local)
             body = self._carry_out(w, d, local)
             if body is not None:
                 done.append((w, body))
         if done:
             self.answer(done)
-
-    def _local_result(self, rt: ModelRuntime, w: Work, row: np.ndarray) -> LocalResult:
-        if not np.isfinite(row).all():
-            raise RequestError(INTERNAL, f"model {rt.name!r} produced non-finite outputs (NaN or infinity) for this input; "
-                               "no answer can be read from them")
-        k = min(w.req.top_k or rt.cfg.top_k, max(1, row.size))
-        return LocalResult.from_logits(row, rt.labels, k)
 
     def _carry_out(self, w: Work, d, local) -> dict | None:
         """The answer body for a decision, or None when the request went to the cloud pool."""
@@ -329,14 +327,13 @@ class RequestPath:
             computed = local()
         below = d.confidence is not None and d.threshold is not None and d.confidence < d.threshold
         wanted = d.escalate or d.degraded or below  # (below and forbidden: the reason says so)
-        return ok_body(w.req, self.cfg.device_id, self._profile(w), list(computed.top_k), self._latency(w),
+        return ok_body(w.req, self.cfg.device_id, self._profile(w), w.result, self._latency(w),
                        self._thermal_name(), confidence=d.confidence, degraded=d.degraded,
                        escalation_reason=d.reason if wanted else None)
 
     def _bridge_request(self, w: Work, local: LocalResult | None) -> BridgeRequest:
         r = w.req
-        template = ok_body(r, self.cfg.device_id, self._profile(w), list(local.top_k) if local else [], self._latency(w),
-                           self._thermal_name())
+        template = ok_body(r, self.cfg.device_id, self._profile(w), w.result, self._latency(w), self._thermal_name())
         mime = w.content_type if w.content_type and w.content_type.startswith("image/") else None
         return BridgeRequest(id=r.id or f"anon-{id(w):x}", model=r.model, prompt=r.prompt, image=r.image, mime=mime,
                              allow_cloud=r.allow_cloud, deferrable=r.deferrable, response_topic=w.reply_topic,
@@ -353,13 +350,13 @@ class RequestPath:
     def body_from_outcome(self, w: Work, outcome: Outcome) -> dict:
         if outcome.error_code:
             return self.error(w, outcome.error_code, outcome.reason)
-        top = list(outcome.local.top_k) if outcome.local else []
         cloud_ms = outcome.latency_ms if outcome.source == "cloud" else None
-        return ok_body(w.req, self.cfg.device_id, self._profile(w), top, self._latency(w, cloud=cloud_ms), self._thermal_name(),
-                       confidence=outcome.decision.confidence if outcome.decision else None, source=outcome.source,
-                       text=outcome.text if outcome.source == "cloud" else None,
+        return ok_body(w.req, self.cfg.device_id, self._profile(w), w.result, self._latency(w, cloud=cloud_ms),
+                       self._thermal_name(), confidence=outcome.decision.confidence if outcome.decision else None,
+                       source=outcome.source, text=outcome.text if outcome.source == "cloud" else None,
                        escalation_reason=outcome.reason if outcome.escalated else None,
-                       degraded=outcome.degraded, deferred=outcome.deferred)
+                       degraded=outcome.degraded, deferred=outcome.deferred,
+                       cloud_input=outcome.cloud_input if outcome.source == "cloud" else None)
 
     # answers ----------------------------------------------------------------------------------------
     def answer(self, done: list[tuple[Work, dict]]) -> None:
@@ -373,8 +370,13 @@ class RequestPath:
             w.settled = True
             if body["status"] == "ok" and w.deadline.expired(now):
                 body = self.error(w, DEADLINE_EXCEEDED, f"the answer was ready after the {w.deadline.why}")
+            payload = encode(body)
+            if len(payload) > self.cfg.service.max_answer_bytes:
+                body = self.error(w, PAYLOAD_TOO_LARGE, f"the answer is {len(payload):,} bytes, over max_answer_bytes "
+                                  f"({self.cfg.service.max_answer_bytes:,})")
+                payload = encode(body)
             self._count(body, now, w)
-            answers.append(Answer(w.key, w.reply_topic, encode(body), w.correlation, w.tokens, on_delivered))
+            answers.append(Answer(w.key, w.reply_topic, payload, w.correlation, w.tokens, on_delivered))
         self.answers.answer(answers)
         if settle:
             self._settled(len(done))

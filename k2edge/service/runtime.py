@@ -1,4 +1,5 @@
-"""A served model: engines at the batch sizes the batcher uses, preprocessing, labels."""
+"""A served model: engines at the batch sizes the batcher uses, its card's preprocessing and the
+answer its task gives (top-k, detections or raw tensors)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from ..config.schema import ModelConfig
-from ..errors import InputError
+from ..errors import InferenceError, InputError
 from ..profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,14 @@ class ModelRuntime:
         self.engines = self.normal
         self.profile_name = self.normal_profile
         first = self.engines[1]
+        self.card = first.card
+        self.task = first.card.task
+        self.decoder = first.decoder
         self.preprocess = first.preprocess
         self.labels = first.labels
         self.input_name = first.input_name
         self.sample_shape = tuple(first.input_shape[1:])
         self.input_dtype = first.backend.inputs[0].dtype
-        self.output_name = first.output_names[0]
         self.max_batch = max_batch
 
     def _build(self, profile: Profile, max_batch: int, board, cache_dir) -> dict:
@@ -66,7 +69,7 @@ class ModelRuntime:
             # several engines per model plus staging, batching and network threads share the cores:
             # idle ONNX Runtime threads must sleep, not spin
             engine = Engine.build(self.cfg.onnx, p, self.cfg.calib, board=board, backend=self.cfg.backend,
-                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False)
+                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False, **self.cfg.card_args())
             engines[b] = engine
             log.info("model %s: %s engine for batch %d ready (%s)", self.cfg.name, profile.name, b,
                      ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
@@ -100,8 +103,9 @@ class ModelRuntime:
     def lanes(self) -> list[str]:
         return [f"{lane.label} [{lane.precision}]" for lane in self.engines[1].lanes()]
 
-    def stage(self, image: bytes | None, tensor: np.ndarray | None, max_pixels: int) -> np.ndarray:
-        """One sample (C, H, W) from an encoded image or a tensor.
+    def stage(self, image: bytes | None, tensor: np.ndarray | None, max_pixels: int):
+        """One sample (C, H, W) from an encoded image or a tensor, and where the image landed in it
+        (a :class:`~k2edge.tasks.preprocess.Geometry`; None for a tensor: boxes stay in input pixels).
 
         An image's size is read from its header and checked against ``max_pixels`` before anything
         is decoded; memory a large decode took is handed back to the system afterwards.
@@ -114,10 +118,10 @@ class ModelRuntime:
             if width * height > max_pixels:
                 raise InputError(f"image of {width}x{height} = {width * height:,} pixels exceeds max_image_pixels "
                                  f"({max_pixels:,}); send it downscaled")
-            sample = self.preprocess.stage(image)
+            staged = self.preprocess.stage_mapped(image)
             if width * height >= _TRIM_AFTER_PIXELS:
                 release_memory()
-            return sample
+            return staged
         arr = tensor
         if arr.shape == (1, *self.sample_shape):
             arr = arr[0]
@@ -126,7 +130,7 @@ class ModelRuntime:
                              f"expected {list(self.sample_shape)} or {[1, *self.sample_shape]}")
         if arr.dtype != self.input_dtype:
             raise InputError(f"tensor dtype {arr.dtype} does not fit model {self.name!r}: expected {self.input_dtype}")
-        return arr
+        return arr, None
 
     def _batch(self, samples: list[np.ndarray]):
         n = len(samples)
@@ -137,22 +141,57 @@ class ModelRuntime:
             batch[i] = samples[min(i, n - 1)]
         return engines[size], {self.input_name: batch}
 
-    def infer(self, samples: list[np.ndarray]) -> np.ndarray:
-        """Run a batch in the calling thread (padded to the next engine batch size); (n, ...) outputs."""
+    def infer(self, samples: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """Run a batch in the calling thread (padded to the next engine batch size): output name -> array."""
         engine, feeds = self._batch(samples)
-        return engine.infer(feeds)[self.output_name][: len(samples)]
+        return engine.infer(feeds)
 
     def submit(self, samples: list[np.ndarray]) -> Future:
-        """Queue a batch on the lanes; the future resolves to the outputs dict (padded rows included)."""
+        """Queue a batch on the lanes; the future resolves to output name -> array (padded rows included)."""
         engine, feeds = self._batch(samples)
         return engine.submit(feeds)
 
-    def run_one(self, image: bytes | None, tensor, k: int, max_pixels: int):
-        """Stage and run one request synchronously (a cloud worker's local fallback)."""
-        from ..cloud_bridge import LocalResult
+    def results(self, outputs: dict[str, np.ndarray], geometries: list, top_k: list[int]) -> list:
+        """Per sample of a batch: ``(answer fragment, LocalResult)`` by the card's task, or an
+        ``InferenceError`` when the model's output for it is not finite.
 
-        out = self.infer([self.stage(image, tensor, max_pixels)])
-        return LocalResult.from_logits(out[0], self.labels, k)
+        Args:
+            outputs: output name -> batch array (padded rows beyond ``len(geometries)`` ignored).
+            geometries: per sample, where its image landed (None: a tensor).
+            top_k: per sample, how many classes to answer (classifiers; clipped to the classes).
+        """
+        from ..cloud_bridge import LocalResult
+        from ..tasks.classification import top_k as best
+
+        n = len(geometries)
+        watched = self.decoder.output_names if self.task == "tensor" else (self.decoder.output,)
+        finite = np.ones(n, dtype=bool)
+        for name in watched:
+            finite &= np.isfinite(outputs[name][:n].reshape(n, -1)).all(axis=1)
+        out: list = []
+        if self.task == "classification":
+            for row, k, ok in zip(self.decoder.probabilities(outputs, n), top_k, finite):
+                top = best(row, self.labels, min(k, row.size)) if ok else None
+                out.append(({"top_k": top}, LocalResult(tuple(top), tuple(row.tolist()), int(row.size))) if ok else None)
+        elif self.task == "detection":
+            fragments = self.decoder.answers(outputs, n, geometries)
+            for frag, g, ok in zip(fragments, geometries, finite):
+                size = (g.width, g.height) if g is not None else (self.sample_shape[-1], self.sample_shape[-2])
+                out.append((frag, LocalResult.from_detections(frag["detections"], image_size=size)) if ok else None)
+        else:  # raw tensors carry no confidence: judged sure (only a prompt or the heat sends one to the cloud)
+            for frag, ok in zip(self.decoder.answers(outputs, n), finite):
+                out.append((frag, LocalResult((), (1.0,), 1)) if ok else None)
+        return [r if r is not None else InferenceError(
+            f"model {self.name!r} produced non-finite outputs (NaN or infinity) for this input; no answer can be read from them")
+            for r in out]
+
+    def run_one(self, image: bytes | None, tensor, k: int, max_pixels: int):
+        """Stage and run one request synchronously: its (fragment, LocalResult) (a cloud worker's fallback)."""
+        sample, geometry = self.stage(image, tensor, max_pixels)
+        result = self.results(self.infer([sample]), [geometry], [k])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
 
 _TRIM_AFTER_PIXELS = 4_000_000
