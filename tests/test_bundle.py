@@ -77,7 +77,7 @@ REFUSALS = {
     "a missing file": (lambda s, t, k: rebuild(s, t / "b.k2b", lambda m: [x for x in m if x[0].name != "labels.txt"]),
                        "missing_file", "labels.txt"),
     "an input shape that contradicts the card": (lambda s, t, k: _card_bundle(t, k, h=28, w=28),
-                                                 "structure_mismatch", "input.size [28, 28]"),
+                                                 "structure_mismatch", "input.size: [28, 28]"),
 }
 
 
@@ -289,7 +289,51 @@ def test_a_signed_but_invalid_manifest_is_bad_manifest(edit, fragment, signed, k
 def test_structure_follows_the_card_layout_and_output_name(keys, trust, tmp_path):
     nhwc = DIGITS_CARD.format(h=32, w=32).replace('color = "L"', 'color = "L"\nlayout = "NHWC"')
     create_bundle(small_model_dir(tmp_path / "a" / "m", card=nhwc), tmp_path / "a.k2b", key=keys["ops_key"])
-    assert "height 32 != 1" in verify_bundle(tmp_path / "a.k2b", trust).detail  # [N, 1, 32, 32] read as NHWC
+    assert "height is 1, not 32" in verify_bundle(tmp_path / "a.k2b", trust).detail  # [N, 1, 32, 32] read as NHWC
     named = DIGITS_CARD.format(h=32, w=32).replace('output = "logits"', 'output = "logits"\noutput_name = "probs"')
     create_bundle(small_model_dir(tmp_path / "b" / "m", card=named), tmp_path / "b.k2b", key=keys["ops_key"])
     assert "output_name 'probs' is not an output" in verify_bundle(tmp_path / "b.k2b", trust).detail
+
+
+def _resigned_with_card(src: Path, dst: Path, card: bytes, key: Path) -> Path:
+    """``src`` with its card replaced and the manifest updated and signed again (a signed, intact bundle)."""
+    import hashlib
+
+    from k2edge.bundle.keys import load_private_key, sign_manifest
+
+    members = replace_data(read_members(src), "card.toml", lambda _: card)
+    body = json.loads(members[0][1])
+    for entry in body["files"]:
+        if entry["path"] == "card.toml":
+            entry.update(size=len(card), sha256=hashlib.sha256(card).hexdigest())
+    manifest = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
+    sig = sign_manifest(manifest, load_private_key(key)).to_bytes()
+    members = replace_data(replace_data(members, "manifest.json", lambda _: manifest), "manifest.sig", lambda _: sig)
+    return write_members(dst, members)
+
+
+@pytest.mark.parametrize("card, fragment", [
+    (DIGITS_CARD.format(h=32, w=32).replace('resize = "stretch"', 'resize = "squash"'),
+     "card.toml: input.resize: must be one of"),
+    ("colour = 1\n" + DIGITS_CARD.format(h=32, w=32), "card.toml: colour: unknown key"),
+    (DIGITS_CARD.format(h=32, w=32).replace('name = "input"', 'name = "pixels"'), "input.name 'pixels' is not an input"),
+])
+def test_a_signed_card_is_checked_by_the_card_schema(card, fragment, keys, trust, tmp_path):
+    """The card inside a bundle gets the card's full validation (not a partial reading): refused as structure_mismatch."""
+    good = _card_bundle(tmp_path, keys)
+    bad = _resigned_with_card(good, tmp_path / "bad.k2b", card.encode(), keys["ops_key"])
+    result = verify_bundle(bad, trust)
+    assert result.status == "structure_mismatch" and fragment in result.detail, result.line
+
+
+def test_the_card_is_layered_over_the_model_metadata_as_at_load(keys, trust, tmp_path):
+    """A card without a size over a model whose own metadata contradicts its input: refused as the engine would."""
+    import onnx
+
+    folder = small_model_dir(tmp_path / "meta" / "m", card='task = "classification"\n[input]\ncolor = "L"\n')
+    model = onnx.load(str(folder / "model.onnx"))
+    onnx.helper.set_model_props(model, {"k2edge.preprocess": json.dumps({"size": [28, 28]})})
+    onnx.save(model, str(folder / "model.onnx"))
+    create_bundle(folder, tmp_path / "meta.k2b", key=keys["ops_key"])
+    result = verify_bundle(tmp_path / "meta.k2b", trust)
+    assert result.status == "structure_mismatch" and "input.size: [28, 28]" in result.detail, result.line

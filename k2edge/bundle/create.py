@@ -62,14 +62,14 @@ def _inside(folder: Path, path: Path, what: str) -> str:
         raise BundleError(f"the {what} {path} lies outside {folder}; copy it into the model folder") from None
 
 
-def _card_labels(card: Path) -> str | None:
-    import tomllib
+def _card_labels(card: Path) -> Path | None:
+    """The labels file the card names (resolved against the card's folder), after validating the card."""
+    from ..config.card import CardError, load_card
 
     try:
-        value = tomllib.loads(card.read_text(encoding="utf-8")).get("labels")
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise BundleError(f"{card}: not a readable TOML card ({first_line(exc)})") from None
-    return value if isinstance(value, str) else None
+        return load_card(card).labels_path
+    except CardError as exc:
+        raise BundleError(str(exc)) from None
 
 
 def collect_contents(model_dir: str | os.PathLike, profiles: list[str] = ()) -> BundleContents:
@@ -80,6 +80,7 @@ def collect_contents(model_dir: str | os.PathLike, profiles: list[str] = ()) -> 
     """
     import onnx
 
+    from ..config.card import find_card
     from ..engine.engine import find_calibration
     from ..errors import ProfileError
     from ..profile import find_profile, load_profile
@@ -87,16 +88,13 @@ def collect_contents(model_dir: str | os.PathLike, profiles: list[str] = ()) -> 
     folder, model = _find_model(Path(model_dir))
     c = BundleContents(model=model.name)
     c.files[model.name] = model
-    for candidate in (folder / f"{model.stem}.card.toml", folder / "card.toml"):
-        if candidate.is_file():
-            c.card = _inside(folder, candidate, "card")
-            c.files[c.card] = candidate
-            break
+    card = find_card(model)
+    if card is not None:
+        c.card = _inside(folder, card, "card")
+        c.files[c.card] = card
     labels = None
-    if c.card and (named := _card_labels(c.files[c.card])):
-        labels = c.files[c.card].parent / named
-        if not labels.is_file():
-            raise BundleError(f"the card {c.files[c.card]} names labels {named!r}, which does not exist")
+    if card is not None and (labels := _card_labels(card)) is not None and not labels.is_file():
+        raise BundleError(f"the card {card} names labels {str(labels)!r}, which does not exist")
     if labels is None:
         try:
             meta = {p.key: p.value for p in onnx.load(str(model), load_external_data=False).metadata_props}

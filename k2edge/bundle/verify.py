@@ -21,7 +21,7 @@ from .archive import ArchiveProblem, Limits, Member, iter_members, open_bundle, 
 from .keys import Signature, TrustStore
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, path_problem
 from .result import VERIFIED, BundleResult
-from .structure import CardFacts, card_facts, model_io, parse_labels, parse_profile, structure_problem
+from .structure import model_io, parse_labels, parse_profile, read_card, structure_problem
 
 __all__ = ["Verified", "verify_bundle", "verify_directory", "verify_stream"]
 
@@ -161,12 +161,14 @@ def _structure(manifest: Manifest, read: Callable[[Manifest, set[str]], dict[str
         io = model_io(data[manifest.model])
     except ValueError as exc:
         return f"{manifest.model}: {exc}"
-    card: CardFacts | None = None
+    card = None
     if manifest.card:
         try:
-            card = card_facts(data[manifest.card].decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            return f"{manifest.card}: {exc}"
+            card = read_card(data[manifest.card].decode("utf-8"), manifest.card)
+        except UnicodeDecodeError as exc:
+            return f"{manifest.card}: not UTF-8 text ({exc})"
+        except ValueError as exc:
+            return str(exc)
     labels = parse_labels(data[manifest.labels]) if manifest.labels else None
     profiles = {}
     for path in manifest.profiles:
