@@ -57,9 +57,9 @@ def test_install_activate_and_keep_two_versions(store, releases):
     assert store.activate("digits", "1.0.0").previous is None
     second = _deploy(store, releases["1.1.0"])
     assert second.previous == "1.0.0"
-    assert store.pointer("digits") == {"current": "1.1.0", "previous": "1.0.0"}
+    assert store.pointer("digits") == {"current": "1.1.0", "previous": "1.0.0", "rollback": None}
     _deploy(store, releases["1.2.0"])
-    assert store.pointer("digits") == {"current": "1.2.0", "previous": "1.1.0"}
+    assert store.pointer("digits") == {"current": "1.2.0", "previous": "1.1.0", "rollback": None}
     assert store.versions("digits") == ["1.1.0", "1.2.0"]  # 1.0.0 deleted: the last two stay
     assert store.load("digits").line == "loaded digits 1.2.0"
 
@@ -82,9 +82,29 @@ def test_rollback_swaps_current_and_previous(store, releases):
     _deploy(store, releases["1.1.0"])
     back = store.rollback("digits")
     assert back.line == "rolled_back digits 1.0.0" and back.previous == "1.1.0"
-    assert store.pointer("digits") == {"current": "1.0.0", "previous": "1.1.0"}
+    assert store.pointer("digits") == {"current": "1.0.0", "previous": "1.1.0", "rollback": None}
     assert back.paths["model"].parent.name == "1.0.0"
     assert store.rollback("digits").version == "1.1.0"  # and forward again
+
+
+def test_a_repeated_rollback_request_changes_nothing(store, releases):
+    """The request's id goes into the pointer with the change: the same request again (a redelivery) is done."""
+    _deploy(store, releases["1.0.0"])
+    _deploy(store, releases["1.1.0"])
+    back = store.rollback("digits", request="req-1")
+    assert back.line == "rolled_back digits 1.0.0" and store.pointer("digits")["rollback"] == "req-1"
+    again = store.rollback("digits", request="req-1")
+    assert again.line == "rolled_back digits 1.0.0" and "already" in again.detail and again.previous == "1.1.0"
+    assert store.pointer("digits") == {"current": "1.0.0", "previous": "1.1.0", "rollback": "req-1"}
+    assert store.rollback("digits", request="req-2").version == "1.1.0"  # another request rolls back again
+    _deploy(store, releases["1.2.0"])
+    assert store.pointer("digits")["rollback"] is None  # a deploy replaces the pointer without it
+
+
+def test_install_for_a_model_not_served(store, releases):
+    result = store.install(releases["1.0.0"], expected_name={"faces", "plates"})
+    assert result.status == "bad_manifest" and "not served here (served: faces, plates)" in result.detail
+    assert store.install(releases["1.0.0"], expected_name={"digits"}).status == "installed"
 
 
 def test_same_version_other_content_is_a_conflict(store, releases, ops, tmp_path):

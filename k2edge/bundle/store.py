@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Collection
 
 from ..errors import first_line
 from .archive import ArchiveProblem, Limits, extract_verified, fsync_dir, open_bundle
@@ -61,12 +62,13 @@ class ModelStore:
     # -- reading the pointer ------------------------------------------------------------------
 
     def pointer(self, name: str) -> dict:
-        """``{"current": VERSION | None, "previous": VERSION | None}`` for ``name``."""
+        """``{"current": VERSION | None, "previous": VERSION | None, "rollback": REQUEST | None}`` for
+        ``name``; ``rollback`` names the request of the last rollback, if the last change was one."""
         try:
             data = json.loads((self.root / name / POINTER).read_text())
         except (OSError, ValueError):
-            return {"current": None, "previous": None}
-        return {"current": data.get("current"), "previous": data.get("previous")}
+            return {"current": None, "previous": None, "rollback": None}
+        return {"current": data.get("current"), "previous": data.get("previous"), "rollback": data.get("rollback")}
 
     def current(self, name: str) -> str | None:
         """The version that runs, or None when none was ever activated."""
@@ -93,13 +95,14 @@ class ModelStore:
     # -- changing it ----------------------------------------------------------------------------
 
     def install(self, source: str | os.PathLike | bytes, allow_downgrade: bool = False,
-                expected_name: str | None = None) -> BundleResult:
+                expected_name: str | Collection[str] | None = None) -> BundleResult:
         """Verify a bundle and unpack it as a new version folder; the current version stays current.
 
         Args:
             source: the bundle's path or bytes.
             allow_downgrade: install a version that is not newer than the current one.
-            expected_name: refuse a bundle for another model (e.g. the config's entry name).
+            expected_name: refuse a bundle for another model: the config's entry name, or the names
+                a daemon serves.
 
         Returns:
             ``installed`` with ``paths`` and ``previous`` (the current version, which keeps running),
@@ -131,10 +134,13 @@ class ModelStore:
             return _with(result, status="installed", paths=_role_paths(target, m), previous=current,
                          detail=f"{result.detail}; unpacked into {target}")
 
-    def _admit(self, m: Manifest, result: BundleResult, allow_downgrade: bool, expected_name: str | None,
+    def _admit(self, m: Manifest, result: BundleResult, allow_downgrade: bool, expected_name: str | Collection[str] | None,
                manifest_bytes: bytes) -> BundleResult | None:
-        if expected_name is not None and m.name != expected_name:
+        if isinstance(expected_name, str) and m.name != expected_name:
             return _with(result, status="bad_manifest", detail=f"the bundle is for model {m.name!r}, not {expected_name!r}")
+        if expected_name is not None and not isinstance(expected_name, str) and m.name not in expected_name:
+            return _with(result, status="bad_manifest", detail=f"the bundle is for model {m.name!r}, which is not served "
+                                                              f"here (served: {', '.join(sorted(expected_name))})")
         current = self.current(m.name)
         if current is not None and not allow_downgrade and parse_version(m.version) <= parse_version(current):
             return _with(result, status="not_newer", detail=f"version {m.version} is not newer than the running {current} "
@@ -208,15 +214,26 @@ class ModelStore:
                                 name, version, paths=_role_paths(folder, Manifest.parse((folder / "manifest.json").read_bytes())),
                                 previous=previous)
 
-    def rollback(self, name: str) -> BundleResult:
+    def rollback(self, name: str, request: str | None = None) -> BundleResult:
         """Make the previous version current again, after re-verifying it (the two swap places).
 
+        Args:
+            name: the model.
+            request: what identifies the rollback request (a digest of the MQTT message). It is written
+                into the pointer with the change, in the same atomic replace, so the same request
+                seen again (a redelivery after a crash) changes nothing and reports the rollback done.
+
         Returns:
-            ``rolled_back`` with ``paths`` and ``previous`` (the version rolled back from),
-            ``no_previous``, a verification refusal of the previous version, or ``failed``.
+            ``rolled_back`` with ``paths`` and ``previous`` (the version rolled back from; the detail
+            says "already" for a repeated request), ``no_previous``, a verification refusal of the
+            previous version, or ``failed``.
         """
         with self._lock:
             ptr = self.pointer(name)
+            if request is not None and ptr["rollback"] == request and ptr["current"] is not None:
+                done = self._verify_installed(name, ptr["current"])
+                return _with(done, status="rolled_back", previous=ptr["previous"],
+                             detail=f"{name} was rolled back to {ptr['current']} by this request already") if done.ok else done
             prev = ptr["previous"]
             if prev is None or not (self.root / name / prev).is_dir():
                 return BundleResult("no_previous", f"{name} has no previous version to roll back to"
@@ -225,7 +242,7 @@ class ModelStore:
             if not checked.ok:
                 return checked
             try:
-                self._write_pointer(name, prev, ptr["current"])
+                self._write_pointer(name, prev, ptr["current"], rollback=request)
             except OSError as exc:
                 return BundleResult(FAILED, f"cannot write {self.root / name / POINTER}: {exc.strerror}", name, prev)
             return _with(checked, status="rolled_back", previous=ptr["current"],
@@ -258,9 +275,12 @@ class ModelStore:
         manifest = Manifest.parse((folder / "manifest.json").read_bytes())
         return _with(result, status="loaded", paths=_role_paths(folder, manifest))
 
-    def _write_pointer(self, name: str, current: str, previous: str | None) -> None:
+    def _write_pointer(self, name: str, current: str, previous: str | None, rollback: str | None = None) -> None:
         folder = self.root / name
-        body = json.dumps({"current": current, "previous": previous}, indent=2) + "\n"
+        state = {"current": current, "previous": previous}
+        if rollback is not None:
+            state["rollback"] = rollback
+        body = json.dumps(state, indent=2) + "\n"
         fd, tmp = tempfile.mkstemp(prefix=".state-", dir=folder)
         try:
             with os.fdopen(fd, "w") as f:
