@@ -12,7 +12,7 @@ import re
 import socket
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
@@ -72,10 +72,12 @@ class MqttConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """One served model."""
+    """One served model: a bare ``onnx`` file, or a signed ``bundle`` (exactly one of them)."""
 
     name: str
-    onnx: Path
+    onnx: Path | None = Field(None, description="the ONNX model (unsigned: with [trust], only when allow_unsigned)")
+    bundle: Path | None = Field(None, description="a signed bundle (.k2b): the model's first version; later ones "
+                                                  "are deployed over the air into the state directory")
     profile: str = "cpu-dev"
     labels: Path | None = None
     calib: Path | None = None
@@ -103,6 +105,24 @@ class ModelConfig(_Strict):
         if v is not None and not isinstance(v, (str, Path, ModelCard)):
             raise ValueError(f"must be a card file path or a card table, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _source(self):
+        if (self.onnx is None) == (self.bundle is None):
+            raise ValueError("give exactly one of onnx (a model file) or bundle (a signed .k2b)")
+        if self.bundle is not None:
+            given = sorted(k for k in ("labels", "calib") if getattr(self, k) is not None)
+            if isinstance(self.card, Path):
+                given.append("card (a file)")
+            if given:
+                raise ValueError(f"{', '.join(given)}: a bundle brings its own; a [models.card] table may still "
+                                 "override card keys")
+        return self
+
+    @property
+    def profile_set(self) -> bool:
+        """True when the config names a profile (which then wins over a bundle's)."""
+        return "profile" in self.model_fields_set
 
     def card_args(self) -> dict:
         """``Engine.build`` keywords for this model's card: a file replaces the card found beside the
@@ -168,13 +188,17 @@ class DaemonConfig(_Strict):
 
     @field_validator("models")
     @classmethod
-    def _models(cls, v):
+    def _models(cls, v, info: ValidationInfo):
         if not v:
             raise ValueError("at least one [[models]] entry is needed")
         names = [m.name for m in v]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"model names must be unique, repeated: {sorted(dup)}")
+        bundled = [m.name for m in v if m.bundle is not None]
+        if bundled and "trust" in info.data and info.data["trust"] is None:  # (a [trust] that failed is reported already)
+            raise ValueError(f"model {bundled[0]!r} names a bundle, which is loaded only with a [trust] table "
+                             "naming the keys that sign it (or allow_unsigned = true)")
         return v
 
     @property
@@ -206,7 +230,7 @@ def _resolve(data: dict, base: Path) -> dict:
         trust["keys"] = [str(base / k) if isinstance(k, str) and k and not os.path.isabs(k) else k for k in trust["keys"]]
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         if isinstance(m, dict):
-            fix(m, ("onnx", "labels", "calib", "card"))
+            fix(m, ("onnx", "bundle", "labels", "calib", "card"))
             if isinstance(m.get("card"), dict):
                 fix(m["card"], ("labels",))
             for holder, key in ((m, "profile"), (m.get("escalation") if isinstance(m.get("escalation"), dict) else {}, "warm_profile")):

@@ -1,10 +1,12 @@
 """``k2edge serve``: wires config, engines, the request path, the MQTT transport, health and sd_notify.
 
-Lifecycle: build (or load from the cache) every model's engines -> connect -> READY=1 -> serve,
+Lifecycle: decide which version of each model runs and build (or load from the cache) its engines
+(:mod:`k2edge.service.deploy`) -> connect -> READY=1 -> serve,
 sending WATCHDOG=1 only while every serving thread is looping -> on SIGTERM/SIGINT drain: status
 ``draining``, STOPPING=1, stop taking new requests (left un-acknowledged, so the broker keeps them
 for the next start), answer everything accepted, wait for the broker to acknowledge every answer,
-status ``offline``, exit 0. A request's own path is in :mod:`k2edge.service.request_path`.
+status ``offline``, exit 0. A request's own path is in :mod:`k2edge.service.request_path`; deploys,
+rollbacks and the audit trail in :mod:`k2edge.service.deploy`, on a second MQTT connection.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .. import __version__
 from ..config.schema import ConfigError, DaemonConfig, state_dir
 from . import topics
 from .answers import Answer, AnswerBook, AnswerKey
+from .deploy import MAX_WAITING, SWAP_TIMEOUT_S, Hooks, ModelLifecycle
 from .escalation import Escalation
 from .protocol import DEADLINE_EXCEEDED, encode, error_body
 from .request_path import RequestPath
@@ -44,23 +47,60 @@ class Daemon:
         self.answers: AnswerBook | None = None
         self.escalation: Escalation | None = None
         self.path: RequestPath | None = None
+        self.lifecycle: ModelLifecycle | None = None
+        self.control: MqttTransport | None = None
+        self.metrics = None
+        self._board: str | None = None
+        self._status_lock = threading.Lock()
 
     # setup ---------------------------------------------------------------------------------------
     def _build_models(self) -> None:
         from ..dla.boards import DEFAULT_BOARD, detect_board
 
         detected = detect_board()
-        board = self.cfg.board or (detected.key if detected else DEFAULT_BOARD)
-        for i, m in enumerate(self.cfg.models):
+        self._board = self.cfg.board or (detected.key if detected else DEFAULT_BOARD)
+        for m in self.cfg.models:
+            plan = self.lifecycle.initial(m)
             self.notify.notify(f"STATUS=building engines for {m.name}")
-            log.info("model %s: building engines (profile %s, board %s)", m.name, m.profile, board)
-            rt = ModelRuntime(m, self.cfg.service.max_batch, board, self.cfg.service.cache_dir)
-            try:  # the escalation measure must fit what the card says the model is
-                self.escalation.policy.models[m.name] = m.escalation.for_task(rt.task, f"models.{i}.escalation")
-            except ValueError as exc:
-                raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
-            rt.activate()
-            self.models[m.name] = rt
+            self.models[m.name] = self._runtime(plan.config, plan.version)
+            self.escalation.policy.models[m.name] = self._escalation_for(self.models[m.name])
+            self.lifecycle.started(plan)
+            if self.metrics is not None:
+                self.metrics.set_model(m.name, plan.version, self.models[m.name].profile_name)
+
+    def _escalation_for(self, rt: ModelRuntime):
+        """The model's escalation settings, checked against what its card says the model is."""
+        i = next(i for i, m in enumerate(self.cfg.models) if m.name == rt.name)
+        try:
+            return rt.cfg.escalation.for_task(rt.task, f"models.{i}.escalation")
+        except ValueError as exc:
+            raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
+
+    def _runtime(self, m, version: str | None) -> ModelRuntime:
+        """An activated runtime of one model version, its engines built through the cache (start, deploy)."""
+        log.info("model %s%s: building engines (profile %s, board %s)", m.name, f" {version}" if version else "",
+                 m.profile, self._board)
+        rt = ModelRuntime(m, self.cfg.service.max_batch, self._board, self.cfg.service.cache_dir, version=version)
+        self._escalation_for(rt)
+        rt.activate()
+        return rt
+
+    # the lifecycle's hooks (its worker thread) ----------------------------------------------------
+    def _deploy_build(self, m, version: str) -> ModelRuntime:
+        rt = self._runtime(m, version)
+        rt.prefer_warm(getattr(self.escalation.thermal, "prefer_dla", False))
+        return rt
+
+    def _deploy_swapped(self, name: str, rt: ModelRuntime) -> None:
+        self.escalation.policy.models[name] = self._escalation_for(rt)
+        if self.metrics is not None:
+            self.metrics.set_model(name, rt.version, rt.profile_name)
+        self._publish_status()
+
+    def _publish_status(self, state: str = "online") -> None:
+        if self.transport is not None and self.transport.connected.is_set():
+            with self._status_lock:  # retained: the last one published must be the newest
+                self.transport.publish(topics.status_topic(self.cfg.prefix), self.status_payload(state), qos=1, retain=True)
 
     @property
     def thermal_state(self) -> str:
@@ -68,16 +108,21 @@ class Daemon:
 
     def status_payload(self, state: str) -> bytes:
         cloud = self.escalation.bridge.status() if self.escalation and self.escalation.bridge else None
+        trust = self.cfg.trust
         return json.dumps({
             "state": state,
             "device": self.cfg.device_id,
             "version": __version__,
-            "models": [{"name": name, "task": rt.task, "profile": rt.profile_name, "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines),
-                        "warm_profile": rt.warm_profile} for name, rt in self.models.items()],
+            "models": [{"name": name, "model_version": rt.version, "task": rt.task, "profile": rt.profile_name,
+                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "warm_profile": rt.warm_profile,
+                        "cache": rt.cache} for name, rt in self.models.items()],
             "topics": {"requests": topics.request_filter(self.cfg.prefix),
                        "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},
             "thermal": self.thermal_state,
             "cloud": {"breaker": cloud["breaker"], "budget": cloud["budget"], "outbox": cloud["outbox"]} if cloud else None,
+            "trust": {"keys": len(trust.keys), "allow_unsigned": trust.allow_unsigned} if trust is not None else None,
+            "deploy": self.lifecycle.status() if self.lifecycle else None,
+            "metrics": f"{self.cfg.metrics.host}:{self.metrics.port}" if self.metrics is not None and self.metrics.port else None,
             "time": time.time(),
         }).encode()
 
@@ -118,7 +163,8 @@ class Daemon:
             body = b""  # answered already: the book re-publishes that answer if it was never delivered
         else:
             outcome = self.escalation.resume_outcome(item)
-            ids = (template.get("id"), template.get("attempt", 0), template.get("model"), self.cfg.device_id)
+            ids = (template.get("id"), template.get("attempt", 0), template.get("model"), self.cfg.device_id,
+                   template.get("model_version"))
             if outcome is None:
                 body = encode(error_body(DEADLINE_EXCEEDED, "the deadline passed while the daemon was not running", *ids))
             elif outcome.error_code:
@@ -146,12 +192,32 @@ class Daemon:
     def _on_thermal(self, st) -> None:
         for rt in self.models.values():
             rt.prefer_warm(st.prefer_dla)
-        if self.transport is not None and self.transport.connected.is_set():
-            self.transport.publish(topics.status_topic(self.cfg.prefix), self.status_payload("online"), qos=1, retain=True)
+            if self.metrics is not None:
+                self.metrics.set_model(rt.name, rt.version, rt.profile_name)
+        self._publish_status()
+
+    def _observe(self) -> None:
+        """The gauges of /metrics (serving loop, once a second)."""
+        m, esc = self.metrics, self.escalation
+        m.set_queue_depth(self.path.waiting() + esc.cloud_waiting)
+        sample = esc.sampler.latest_sample
+        m.set_thermal(self.thermal_state, sample.temperatures_c if sample is not None else None)
+        if esc.bridge is not None:
+            m.set_breaker(esc.bridge.breaker.state)
+            m.set_outbox_depth(esc.bridge.outbox.depth())
 
     # run -----------------------------------------------------------------------------------------
     def _on_connected(self) -> None:
-        self.transport.publish(topics.status_topic(self.cfg.prefix), self.status_payload("online"), qos=1, retain=True)
+        self._publish_status()
+
+    def _control_transport(self) -> MqttTransport:
+        """Deploys and rollbacks on a connection of their own: QoS 1 acknowledgements go in arrival
+        order per connection, so a deploy building engines for minutes would hold back every request's."""
+        cfg = self.cfg
+        ctl = cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"client_id": f"{cfg.client_id}-control"}),
+                                     "service": cfg.service.model_copy(update={"queue_size": MAX_WAITING})})
+        return MqttTransport(ctl, self.lifecycle.subscriptions(), self.lifecycle.on_message, self.lifecycle.on_connected,
+                             None, saturated=self.lifecycle.saturated)
 
     def request_drain(self, *_):
         if not self._draining.is_set():
@@ -172,10 +238,23 @@ class Daemon:
                                        saturated=lambda: self.path.saturated())
         self.answers = AnswerBook(state_dir(cfg), self._publish_answer, self.transport.done,
                                   retention_s=cfg.mqtt.session_expiry_s)
+        self.lifecycle = ModelLifecycle(cfg, state_dir(cfg))
+        self.control = self._control_transport()
+        self.lifecycle.attach(self.control, Hooks(build=self._deploy_build,
+                                                  swap=lambda name, rt: self.path.swap(name, rt, SWAP_TIMEOUT_S),
+                                                  swapped=self._deploy_swapped, running=lambda name: self.models.get(name)))
+        if cfg.metrics is not None:
+            from .metrics import Metrics
+
+            self.metrics = Metrics()
+            self.metrics.start(cfg.metrics.host, cfg.metrics.port)
         self._build_models()
-        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, wake=self.transport.wake)
+        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, wake=self.transport.wake,
+                                metrics=self.metrics)
         self.path.start()
         self.transport.start()
+        self.control.start()
+        self.lifecycle.start()
         self.escalation.start(resume=self._resume, publish_followup=self._publish_followup)
         ready = False
         watchdog = self.notify.watchdog_interval()
@@ -202,13 +281,15 @@ class Daemon:
                 last_dog = now
             if now - last_flush >= 1.0:
                 self.answers.flush()
+                if self.metrics is not None:
+                    self._observe()
                 last_flush = now
             if connected and now - last_telemetry >= cfg.service.telemetry_interval_s:
                 self.transport.publish(topics.telemetry_topic(cfg.prefix), self.telemetry_payload(), qos=0)
                 last_telemetry = now
                 summary = self._status_summary()
                 if summary != last_summary:  # keep the retained status true: breaker, outbox, thermal
-                    self.transport.publish(topics.status_topic(cfg.prefix), self.status_payload("online"), qos=1, retain=True)
+                    self._publish_status()
                     last_summary = summary
                 if self.escalation.bridge is not None and now - last_purge > 3600:
                     self.escalation.bridge.outbox.purge_delivered()
@@ -220,8 +301,8 @@ class Daemon:
         cfg = self.cfg
         self.path.draining.set()
         self.notify.notify("STOPPING=1", "STATUS=draining")
-        if self.transport.connected.is_set():
-            self.transport.publish(topics.status_topic(cfg.prefix), self.status_payload("draining"), qos=1, retain=True)
+        self._publish_status("draining")
+        self.lifecycle.stop(cfg.service.drain_timeout_s)  # a deploy not finished is redelivered at the next start
         if not self.path.wait_idle(cfg.service.drain_timeout_s):
             log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", cfg.service.drain_timeout_s)
         offline = self.status_payload("offline")  # before the bridge closes its outbox
@@ -234,8 +315,11 @@ class Daemon:
         self.transport.publish(topics.status_topic(cfg.prefix), offline, qos=1, retain=True, on_delivered=delivered.set)
         delivered.wait(2.0 if self.transport.connected.is_set() else 0.0)
         self.transport.stop()
+        self.control.stop()
         self.path.stop()
         self.answers.close()
+        if self.metrics is not None:
+            self.metrics.stop()
         for rt in self.models.values():
             rt.deactivate()
         log.info("drained; offline")

@@ -254,21 +254,23 @@ def _describe(exc: BaseException) -> str:
 
 
 # answers ----------------------------------------------------------------------------------------
-def error_body(code: str, message: str, request_id: str | None, attempt: int, model: str | None, device: str) -> dict:
+def error_body(code: str, message: str, request_id: str | None, attempt: int, model: str | None, device: str,
+               model_version: str | None = None) -> dict:
     """An error answer; a retryable one says how to retry (the same id and attempt is a redelivery)."""
     message = cap(message)
     if code in RETRYABLE and request_id is not None:
         message += f'; to retry, send it again with "attempt": {attempt + 1}'
-    return {"id": request_id, "attempt": attempt, "status": "error", "model": model, "device": device,
-            "error": {"code": code, "message": message}}
+    return {"id": request_id, "attempt": attempt, "status": "error", "model": model, "model_version": model_version,
+            "device": device, "error": {"code": code, "message": message}}
 
 
 def ok_body(req: Request, device: str, profile: str, result: dict, latency: dict, thermal_state: str,
             confidence: float | None = None, source: str = "edge", text: str | None = None,
             escalation_reason: str | None = None, degraded: bool = False, deferred: bool = False,
-            cloud_input: str | None = None) -> dict:
+            cloud_input: str | None = None, model_version: str | None = None) -> dict:
     """An ``ok`` answer. ``result`` is the task's fragment (``top_k``, ``detections`` or ``outputs``;
-    empty when the cloud answered without local work)."""
+    empty when the cloud answered without local work); ``model_version`` is the version of the model
+    that ran (None for a model loaded from a bare ONNX file)."""
     if confidence is None:
         scores = [r["score"] for r in result.get("top_k") or result.get("detections") or ()]
         confidence = max(scores) if scores else None
@@ -278,6 +280,7 @@ def ok_body(req: Request, device: str, profile: str, result: dict, latency: dict
         "status": "ok",
         "source": source,
         "model": req.model,
+        "model_version": model_version,
         "profile": profile,
         "device": device,
         **result,

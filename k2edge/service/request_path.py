@@ -64,6 +64,7 @@ class Work:
     geometry: object = None  # where an image landed in the sample (detection boxes are mapped back through it)
     result: dict = field(default_factory=dict)  # the task's answer fragment: top_k, detections or outputs
     settled: bool = False  # answered, or handed to the cloud pool
+    runtime: ModelRuntime | None = None  # the engines its batch ran on (a deploy may swap the line's since)
 
     @property
     def deadline(self) -> Deadline:
@@ -80,11 +81,13 @@ class RequestPath:
         escalation: thermal state, policy and cloud.
         stats: counters for status and telemetry.
         wake: wakes the network thread (room to read again after backpressure).
+        metrics: the Prometheus metrics, when ``[metrics]`` is configured.
     """
 
     def __init__(self, cfg: DaemonConfig, models: dict[str, ModelRuntime], answers: AnswerBook, escalation: Escalation,
-                 stats: ServiceStats, wake: Callable[[], None] = lambda: None) -> None:
+                 stats: ServiceStats, wake: Callable[[], None] = lambda: None, metrics=None) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.models = models
         self.answers = answers
         self.escalation = escalation
@@ -114,6 +117,18 @@ class RequestPath:
     def alive(self, max_age: float) -> bool:
         """True when every line lives and has looped within ``max_age`` seconds (the watchdog)."""
         return all(line.alive(max_age) for line in self.lines.values())
+
+    def swap(self, name: str, runtime: ModelRuntime, timeout: float) -> ModelRuntime | None:
+        """Between two batches, make ``runtime`` the engines of model ``name``'s line (a deploy).
+
+        Returns:
+            The runtime replaced (idle: no batch of it is in flight), or None when the line did not
+            come to rest within ``timeout`` (nothing changed).
+        """
+        old = self.lines[name].swap(runtime, timeout)
+        if old is not None:
+            self.models[name] = runtime
+        return old
 
     def waiting(self) -> int:
         """Requests admitted and not yet in a batch."""
@@ -199,6 +214,7 @@ class RequestPath:
         done: list[tuple[Work, dict]] = []
         live: list[Work] = []
         for w, sample in zip(batch, self._decode(rt, batch)):
+            w.runtime = rt
             w.timings["queue"] = (now - w.received) * 1e3
             if w.deadline.expired(now):
                 done.append((w, self.error(w, DEADLINE_EXCEEDED, f"{w.deadline.why} passed before the request could run")))
@@ -239,12 +255,14 @@ class RequestPath:
             return
 
         def on_lanes_done(f: Future) -> None:  # on the lane that ran the batch's last segment
-            release()
             try:
                 outputs = f.result()
             except Exception as exc:
                 outputs = exc
-            self.finish_batch(rt, live, outputs, staged)
+            try:
+                self.finish_batch(rt, live, outputs, staged)
+            finally:  # after the answers: a line with every slot free has no batch left to answer (a swap waits for that)
+                release()
 
         future.add_done_callback(on_lanes_done)
 
@@ -280,6 +298,8 @@ class RequestPath:
             self.answer([(w, self.error(w, INTERNAL, f"inference failed: {first_line(outputs)}")) for w in live])
             return
         self.stats.batch(len(live))
+        if self.metrics is not None:
+            self.metrics.observe_batch(rt.name, len(live))
         done: list[tuple[Work, dict]] = []
         results = rt.results(outputs, [w.geometry for w in live], [w.req.top_k or rt.cfg.top_k for w in live])
         for w, result in zip(live, results):
@@ -329,11 +349,12 @@ class RequestPath:
         wanted = d.escalate or d.degraded or below  # (below and forbidden: the reason says so)
         return ok_body(w.req, self.cfg.device_id, self._profile(w), w.result, self._latency(w),
                        self._thermal_name(), confidence=d.confidence, degraded=d.degraded,
-                       escalation_reason=d.reason if wanted else None)
+                       escalation_reason=d.reason if wanted else None, model_version=self._version(w))
 
     def _bridge_request(self, w: Work, local: LocalResult | None) -> BridgeRequest:
         r = w.req
-        template = ok_body(r, self.cfg.device_id, self._profile(w), w.result, self._latency(w), self._thermal_name())
+        template = ok_body(r, self.cfg.device_id, self._profile(w), w.result, self._latency(w), self._thermal_name(),
+                           model_version=self._version(w))
         mime = w.content_type if w.content_type and w.content_type.startswith("image/") else None
         return BridgeRequest(id=r.id or f"anon-{id(w):x}", model=r.model, prompt=r.prompt, image=r.image, mime=mime,
                              allow_cloud=r.allow_cloud, deferrable=r.deferrable, response_topic=w.reply_topic,
@@ -356,7 +377,7 @@ class RequestPath:
                        source=outcome.source, text=outcome.text if outcome.source == "cloud" else None,
                        escalation_reason=outcome.reason if outcome.escalated else None,
                        degraded=outcome.degraded, deferred=outcome.deferred,
-                       cloud_input=outcome.cloud_input if outcome.source == "cloud" else None)
+                       cloud_input=outcome.cloud_input if outcome.source == "cloud" else None, model_version=self._version(w))
 
     # answers ----------------------------------------------------------------------------------------
     def answer(self, done: list[tuple[Work, dict]]) -> None:
@@ -382,7 +403,7 @@ class RequestPath:
             self._settled(len(done))
 
     def error(self, w: Work, code: str, message: str) -> dict:
-        return error_body(code, message, w.req.id, w.req.attempt, w.req.model or None, self.cfg.device_id)
+        return error_body(code, message, w.req.id, w.req.attempt, w.req.model or None, self.cfg.device_id, self._version(w))
 
     def _count(self, body: dict, now: float, w: Work) -> None:
         if body["status"] == "ok":
@@ -392,6 +413,11 @@ class RequestPath:
                 self.stats.count("escalated")
         else:
             self.stats.failed(body["error"]["code"])
+        if self.metrics is not None:
+            self.metrics.observe_answer(w.req.model, body["status"] if body["status"] == "ok" else body["error"]["code"],
+                                        body.get("source"), body.get("latency_ms"))
+            if body.get("escalation_reason"):
+                self.metrics.observe_escalation(w.req.model, body["escalation_reason"])
 
     def _latency(self, w: Work, **extra) -> dict:
         latency = {k: round(v, 3) if isinstance(v, float) else v for k, v in w.timings.items()}
@@ -400,8 +426,12 @@ class RequestPath:
         return latency
 
     def _profile(self, w: Work) -> str:
-        rt = self.models.get(w.req.model)
+        rt = w.runtime or self.models.get(w.req.model)
         return rt.profile_name if rt else None
+
+    def _version(self, w: Work) -> str | None:
+        rt = w.runtime or self.models.get(w.req.model)
+        return rt.version if rt else None
 
     def _thermal_name(self) -> str:
         st = self.escalation.thermal
@@ -432,6 +462,7 @@ class _Line:
         self.items: deque[Work] = deque()
         self._cond = threading.Condition()
         self._free = self.slots
+        self._swapping = False  # a deploy waits for the batches in flight: form no new one meanwhile
         self._progress = time.monotonic()
         self._heartbeat = time.monotonic()
         self._stopping = False
@@ -461,6 +492,25 @@ class _Line:
     def alive(self, max_age: float) -> bool:
         return self.thread.is_alive() and time.monotonic() - self._heartbeat <= max_age
 
+    def swap(self, runtime: ModelRuntime, timeout: float) -> ModelRuntime | None:
+        """Wait until no batch is in flight or being answered (forming none meanwhile), then take
+        ``runtime`` for every later batch, under the lock the loop forms batches with: every answer
+        of the old engines is published before the first of the new. None on timeout."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            self._swapping = True
+            try:
+                while self._free != self.slots:
+                    if time.monotonic() >= end:
+                        return None
+                    self._cond.wait(0.05)  # release() wakes one waiter, perhaps the loop: poll
+                old, self.runtime, self.inline = self.runtime, runtime, runtime.single_lane
+                self.slots = self._free = 1 if self.inline else len(runtime.lanes()) + 1
+            finally:
+                self._swapping = False
+                self._cond.notify_all()
+        return old
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -468,7 +518,7 @@ class _Line:
                     now = time.monotonic()
                     if self._free == self.slots or now - self._progress < self.STUCK_AFTER_S:
                         self._heartbeat = now
-                    if self.items and self._free > 0:
+                    if self.items and self._free > 0 and not self._swapping:
                         hold = self.items[0].received + self.timeout - clock()
                         if self.timeout <= 0 or len(self.items) >= self.max_batch or hold <= 0 or self._stopping:
                             break

@@ -31,12 +31,15 @@ class ModelRuntime:
     """Engines of one model, one per batch size, all built through the engine cache.
 
     The DLA needs static shapes, so a dynamic batch becomes a few static engines; the batcher
-    pads a batch up to the next size.
+    pads a batch up to the next size. ``version`` is the bundle version these engines were built
+    from (None for a bare ONNX file); ``cache`` counts the engines the cache had ready.
     """
 
-    def __init__(self, cfg: ModelConfig, max_batch: int, board: str | None, cache_dir) -> None:
+    def __init__(self, cfg: ModelConfig, max_batch: int, board: str | None, cache_dir, version: str | None = None) -> None:
         self.cfg = cfg
         self.name = cfg.name
+        self.version = version
+        self.cache = {"engines": 0, "cached": 0}
         base: Profile = load_profile(cfg.profile)
         self.normal_profile = base.name
         self.normal = self._build(base, max_batch, board, cache_dir)
@@ -71,7 +74,10 @@ class ModelRuntime:
             engine = Engine.build(self.cfg.onnx, p, self.cfg.calib, board=board, backend=self.cfg.backend,
                                   cache_dir=cache_dir, labels=self.cfg.labels, spinning=False, **self.cfg.card_args())
             engines[b] = engine
-            log.info("model %s: %s engine for batch %d ready (%s)", self.cfg.name, profile.name, b,
+            self.cache["engines"] += 1
+            self.cache["cached"] += all(engine.info.cache_hits.values())
+            log.info("model %s%s: %s engine for batch %d ready (%s)", self.cfg.name, f" {self.version}" if self.version else "",
+                     profile.name, b,
                      ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
         return engines
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 POOL_PREFIX = "k2edge/pool"
+GROUP_PREFIX = "k2edge/group"
 
 
 def request_filter(prefix: str) -> str:
@@ -28,6 +29,40 @@ def result_topic(prefix: str, request_id: str) -> str:
 def errors_topic(prefix: str) -> str:
     """Where an error goes when a request gives neither a Response Topic nor a usable id."""
     return f"{prefix}/errors"
+
+
+def deploy_topic(prefix: str) -> str:
+    return f"{prefix}/models/deploy"
+
+
+def rollback_topic(prefix: str) -> str:
+    return f"{prefix}/models/rollback"
+
+
+def group_deploy_topic(group: str) -> str:
+    """A fleet group's deploys: every member subscribes normally (a shared subscription would reach one)."""
+    return f"{GROUP_PREFIX}/{group}/models/deploy"
+
+
+def group_rollback_topic(group: str) -> str:
+    return f"{GROUP_PREFIX}/{group}/models/rollback"
+
+
+def control_result_topic(prefix: str) -> str:
+    """Where a deploy or rollback answer goes when the request gives no Response Topic."""
+    return f"{prefix}/models/result"
+
+
+def audit_topic(prefix: str) -> str:
+    return f"{prefix}/audit"
+
+
+def control_kind(topic: str) -> str | None:
+    """``deploy`` or ``rollback`` for a model lifecycle topic (a device's or a group's), else None."""
+    for kind in ("deploy", "rollback"):
+        if topic.endswith(f"/models/{kind}"):
+            return kind
+    return None
 
 
 def model_of(topic: str) -> str | None:

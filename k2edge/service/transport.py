@@ -117,12 +117,12 @@ class MqttTransport:
         on_message: called in the network thread for each message with the message and an ack
             token to pass to :meth:`done` once it is answered; must not block.
         on_connected: called in the network thread after each successful connect.
-        will: (topic, payload) published retained by the broker if we vanish.
+        will: (topic, payload) published retained by the broker if we vanish (None: no will).
         saturated: ``saturated()`` — True while the daemon holds all the requests it should; the
             network thread then stops reading (the broker keeps the rest).
     """
 
-    def __init__(self, cfg: DaemonConfig, subscriptions: list[str], on_message, on_connected, will: tuple[str, bytes],
+    def __init__(self, cfg: DaemonConfig, subscriptions: list[str], on_message, on_connected, will: tuple[str, bytes] | None,
                  saturated: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
         self.subscriptions = subscriptions
@@ -145,7 +145,8 @@ class MqttTransport:
         c.max_queued_messages_set(0)
         c.max_inflight_messages_set(20)  # mosquitto's default, until a broker's CONNACK says how many it takes
         self._broker_receive_max: int | None = None
-        c.will_set(will[0], will[1], qos=1, retain=True)
+        if will is not None:
+            c.will_set(will[0], will[1], qos=1, retain=True)
         if m.username:
             password = read_secret(m.password_file, m.password_credential, "mqtt password")
             c.username_pw_set(m.username, password)

@@ -1,0 +1,99 @@
+"""What ``k2edge deploy`` and ``k2edge rollback`` share: the broker login, the target (a device or a
+fleet group), sending one control message and printing the answers as they arrive."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..errors import K2EdgeError
+
+OK_STATUSES = ("deployed", "rolled_back")
+
+
+def add_target(p: argparse.ArgumentParser, timeout: float) -> None:
+    p.add_argument("--broker", required=True, metavar="HOST[:PORT]", help="the fleet's broker")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--device", metavar="ID", help="one device (its device_id)")
+    who.add_argument("--group", metavar="G", help="every device of fleet group G (their [fleet] group)")
+    p.add_argument("--timeout", type=float, default=timeout, metavar="S",
+                   help=f"seconds to wait for answers (default {timeout:g}; building engines can take minutes)")
+    p.add_argument("--expect", type=int, metavar="N", help="with --group: stop waiting once N devices have answered")
+    p.add_argument("--username", metavar="USER", help="broker login")
+    p.add_argument("--password-file", metavar="FILE", help="file holding the broker password")
+    p.add_argument("--tls-ca", metavar="CA.pem", help="connect over TLS, verifying the broker against this CA")
+    p.add_argument("--reply-prefix", default="k2edge-client", metavar="TOPIC",
+                   help="first levels of the private reply topic (an ACL may grant yours, e.g. fleet-ops/replies)")
+    p.add_argument("--json", action="store_true", help="print each answer as a JSON line")
+
+
+def broker_address(text: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (default port 1883)."""
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    try:
+        port_n = int(port) if port else 1883
+        if not 1 <= port_n <= 65535:
+            raise ValueError
+    except ValueError:
+        raise K2EdgeError(f"--broker {text!r}: expected HOST[:PORT] with a port in 1..65535") from None
+    return host or "127.0.0.1", port_n
+
+
+def target_topic(args, kind: str) -> str:
+    from ..service import topics
+
+    if args.device is not None:
+        if not topics.valid_level(args.device):
+            raise K2EdgeError(f"--device {args.device!r} cannot be a topic level (no '+', '#' or '/')")
+        prefix = f"k2edge/{args.device}"
+        return topics.deploy_topic(prefix) if kind == "deploy" else topics.rollback_topic(prefix)
+    if not topics.valid_level(args.group):
+        raise K2EdgeError(f"--group {args.group!r} cannot be a topic level (no '+', '#' or '/')")
+    return topics.group_deploy_topic(args.group) if kind == "deploy" else topics.group_rollback_topic(args.group)
+
+
+def describe(answer: dict) -> str:
+    """One line per device's answer."""
+    who = answer.get("device") or "?"
+    what = " ".join(str(v) for v in (answer.get("model"), answer.get("version")) if v)
+    status = answer.get("status")
+    if status in OK_STATUSES:
+        was = f" (was {answer['previous']})" if answer.get("previous") else ""
+        note = f"; {answer['reason']}" if answer.get("check") == "already_current" else ""
+        return f"{who}: {status} {what}{was}{note}"
+    versions = answer.get("running") or {}
+    running = ", ".join(f"{name} {version or 'unversioned'}" for name, version in versions.items())
+    running = f" [running: {running}]" if running else ""
+    return f"{who}: {status} {what + ': ' if what else ''}{answer.get('check') or 'error'}: {answer.get('reason')}{running}"
+
+
+def send(args, kind: str, payload: bytes, content_type: str, user_properties: dict | None = None) -> int:
+    """Publish one control message and print every answer within the timeout; 0 when all succeeded."""
+    from ..service.client import RequestClient
+
+    if args.timeout <= 0:
+        raise K2EdgeError(f"--timeout must be > 0, got {args.timeout:g}")
+    if args.expect is not None and (args.expect < 1 or args.device is not None):
+        raise K2EdgeError("--expect N takes a number >= 1, with --group")
+    topic = target_topic(args, kind)
+    host, port = broker_address(args.broker)
+    password = None
+    if args.password_file:
+        try:
+            with open(args.password_file, encoding="utf-8") as f:
+                password = f.read().rstrip("\r\n")
+        except OSError as exc:
+            raise K2EdgeError(f"--password-file {args.password_file!r}: {exc.strerror}") from None
+
+    def show(answer: dict) -> None:
+        print(json.dumps(answer) if args.json else describe(answer), flush=True)
+
+    with RequestClient(host, port, username=args.username, password=password, tls_ca=args.tls_ca,
+                       reply_prefix=args.reply_prefix) as client:
+        corr, _ = client.send(topic, payload, content_type, user_properties)
+        answers = client.collect(corr, args.timeout, expect=1 if args.device is not None else args.expect, on_answer=show)
+    if not answers:
+        target = f"device {args.device}" if args.device is not None else f"group {args.group}"
+        raise K2EdgeError(f"no answer from {target} within {args.timeout:g} s (is it running, and is {topic} "
+                          "its topic? A device that is down gets the message when it returns)")
+    return 0 if all(a.get("status") in OK_STATUSES for a in answers) else 1

@@ -1,0 +1,43 @@
+"""``k2edge deploy``: send a signed model bundle to a device or a fleet group over MQTT 5."""
+
+from __future__ import annotations
+
+from .control import add_target
+
+COMMAND = "deploy"
+HELP = "deploy a signed model bundle to a device or a fleet group over MQTT and print each answer"
+ORDER = 117
+
+
+def register(p) -> None:
+    p.add_argument("bundle", metavar="FILE.k2b", help="the signed bundle (k2edge bundle create ... --key)")
+    p.add_argument("--allow-downgrade", action="store_true", help="deploy even if the version is not newer than the running one")
+    p.add_argument("--url", metavar="HTTPS_URL",
+                   help="send this URL instead of the bytes: the device fetches it over HTTPS and checks it against "
+                        "FILE.k2b's sha256 (for bundles larger than the broker carries)")
+    add_target(p, timeout=600.0)
+
+
+def run(args) -> int:
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from ..errors import K2EdgeError
+    from .control import send
+
+    path = Path(args.bundle)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise K2EdgeError(f"bundle {args.bundle!r} does not exist") from None
+    except OSError as exc:
+        raise K2EdgeError(f"bundle {args.bundle!r}: cannot read ({exc.strerror})") from None
+    if args.url is not None:
+        if not args.url.startswith("https://"):
+            raise K2EdgeError(f"--url must be https://, got {args.url!r}")
+        body = {"url": args.url, "sha256": hashlib.sha256(data).hexdigest(), "allow_downgrade": args.allow_downgrade}
+        return send(args, "deploy", json.dumps(body).encode(), "application/json")
+    ctype = "application/gzip" if data[:2] == b"\x1f\x8b" else "application/x-tar"
+    props = {"allow_downgrade": "true"} if args.allow_downgrade else None
+    return send(args, "deploy", data, ctype, props)

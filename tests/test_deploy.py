@@ -1,0 +1,342 @@
+"""Over-the-air model lifecycle against a real mosquitto: verified loading, deploy under load, hot
+swap, refusals, rollback, group deploys, HTTPS URLs, restarts, audit and /metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bundles import flip_byte, rebuild, replace_data, small_model_dir
+from k2edge.bundle import create_bundle, generate_keys
+from mqtt_support import ROOT, SAMPLES, Broker, Client, DaemonProcess, free_port, image_request, write_config
+
+pytestmark = pytest.mark.slow
+LIMIT = 64 << 20
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """mosquitto carrying messages as large as the daemons' max_bundle_bytes (overrides conftest's)."""
+    b = Broker(tmp_path / "broker", extra_conf=f"message_size_limit {LIMIT + 65536}\n").start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    base = tmp_path_factory.mktemp("keys")
+    ops, rogue = generate_keys(base / "ops"), generate_keys(base / "rogue")
+    return {"key": ops[0], "pub": ops[1], "rogue_key": rogue[0]}
+
+
+@pytest.fixture(scope="module")
+def releases(keys, tmp_path_factory) -> dict[str, Path]:
+    """digits 1.0.0 (cpu-dev, labels 0..9), 1.1.0 (c2, INT8 on three lanes, labels d0..d9), 1.2.0 tampered
+    (a flipped byte in model.onnx after signing), 1.3.0 signed by a key nobody trusts."""
+    base = tmp_path_factory.mktemp("releases")
+    plain = small_model_dir(base / "plain" / "digits")
+    renamed = small_model_dir(base / "renamed" / "digits", labels="".join(f"d{i}\n" for i in range(10)))
+    out = {v: base / f"digits-{v}.k2b" for v in ("1.0.0", "1.1.0", "1.2.0", "1.3.0")}
+    create_bundle(plain, out["1.0.0"], version="1.0.0", profiles=["cpu-dev"], key=keys["key"])
+    create_bundle(renamed, out["1.1.0"], version="1.1.0", profiles=["c2"], key=keys["key"])
+    create_bundle(plain, base / "good-1.2.0.k2b", version="1.2.0", profiles=["cpu-dev"], key=keys["key"])
+    rebuild(base / "good-1.2.0.k2b", out["1.2.0"], lambda m: replace_data(m, "model.onnx", flip_byte))
+    create_bundle(plain, out["1.3.0"], version="1.3.0", profiles=["cpu-dev"], key=keys["rogue_key"])
+    return out
+
+
+def _config(tmp_path, broker, keys, first: Path | None, device="t1", metrics_port=None, fleet=None, cache=None,
+            extra_tables=None, model=None, trust=None):
+    tables = {"trust": trust or {"keys": [str(keys["pub"])]}}
+    if metrics_port is not None:
+        tables["metrics"] = {"port": metrics_port}
+    tables.update(extra_tables or {})
+    service = {"max_batch": 4}
+    if cache is not None:
+        service["cache_dir"] = str(cache)
+    entry = model or {"name": "digits", "bundle": first, "top_k": 1}
+    return write_config(tmp_path / f"{device}.toml", broker.port, [entry], device=device, service=service, fleet=fleet,
+                        tables=tables)
+
+
+def _daemon(cfg: Path, tmp_path, broker, device="t1") -> DaemonProcess:
+    """``k2edge serve`` with ``cfg``, once its status says online."""
+    since = time.time()
+    d = DaemonProcess(cfg, tmp_path / f"{device}.log").start()
+    watcher = Client(broker.port).connect()
+    try:
+        watcher.wait_for(lambda c: any(s.get("state") == "online" and s.get("device") == device and s.get("time", 0) >= since
+                                       for s in c.statuses), 180)
+    except TimeoutError:
+        raise AssertionError(d.output()) from None
+    finally:
+        watcher.close()
+    return d
+
+
+def _k2edge(*args, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "k2edge", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=timeout)
+
+
+def _status(port: int, device="t1") -> dict:
+    c = Client(port).connect()
+    try:
+        c.wait_for(lambda c: any(s.get("device") == device for s in c.statuses), 10)
+        return [s for s in c.statuses if s.get("device") == device][-1]
+    finally:
+        c.close()
+
+
+def _ask(client: Client, rid: str, timeout=30) -> dict:
+    corr = client.publish("k2edge/t1/infer/digits", image_request(SAMPLES[0], rid=rid))
+    client.wait_for(lambda c: any(k == corr for _, k in c.answers), timeout)
+    return next(a for a, k in client.answers if k == corr)
+
+
+def _audit_watcher(port: int, device="t1") -> Client:
+    c = Client(port).connect()
+    c.c.subscribe(f"k2edge/{device}/audit", qos=1)
+    time.sleep(0.2)
+    return c
+
+
+def _audits(c: Client) -> list[dict]:
+    return [body for topic, body in c.other if topic.endswith("/audit")]
+
+
+def _scrape(port: int) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp_path, broker, keys, releases):
+    """A steady stream of requests while 1.1.0 is deployed over 1.0.0 (its INT8 engines built from a cold cache):
+    0 lost, 0 answered twice, model_version switches once and never goes back, the answers show the new profile
+    and labels; requests keep being answered while the engines build; /metrics counts what was answered; after a
+    restart 1.1.0 serves from the cache without a rebuild."""
+    metrics_port = free_port()
+    cfg = _config(tmp_path, broker, keys, releases["1.0.0"], metrics_port=metrics_port, cache=tmp_path / "cache")
+    daemon = _daemon(cfg, tmp_path, broker)
+    audit = _audit_watcher(broker.port)
+    client = Client(broker.port).connect()
+    stop, sent = threading.Event(), []
+
+    def stream():
+        i = 0
+        while not stop.is_set():
+            rid = f"s{i}"
+            client.publish("k2edge/t1/infer/digits", image_request(SAMPLES[i % len(SAMPLES)], rid=rid))
+            sent.append(rid)
+            i += 1
+            time.sleep(0.02)
+
+    sender = threading.Thread(target=stream)
+    sender.start()
+    try:
+        time.sleep(1.0)
+        began = len(client.answers)
+        proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", str(releases["1.1.0"]),
+                       "--timeout", "240")
+        during = len(client.answers) - began
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        sender.join()
+    assert proc.returncode == 0, proc.stdout + proc.stderr + daemon.output()
+    assert proc.stdout.strip() == "t1: deployed digits 1.1.0 (was 1.0.0)"
+    client.wait_answers(len(sent), timeout=60)
+    time.sleep(0.5)
+    answers = [a for a, _ in client.answers]
+    assert Counter(a["id"] for a in answers) == Counter(sent)  # none lost, none twice
+    assert all(a["status"] == "ok" for a in answers), [a for a in answers if a["status"] != "ok"][:3]
+    versions = [a["model_version"] for a in answers]
+    switch = versions.index("1.1.0")
+    assert set(versions[:switch]) == {"1.0.0"} and set(versions[switch:]) == {"1.1.0"}  # once, never back
+    assert 0 < switch < len(versions) - 10
+    before, after = answers[switch - 1], answers[switch]
+    assert (before["profile"], after["profile"]) == ("cpu-dev", "c2")
+    assert before["top_k"][0]["label"] in "0123456789" and after["top_k"][0]["label"].startswith("d")
+    assert during >= 20, f"only {during} answers while the engines were built: requests were held back"
+
+    samples = _scrape(metrics_port)
+    ok = sum(1 for a in answers)
+    assert samples[("k2edge_requests_total", (("model", "digits"), ("source", "edge"), ("status", "ok")))] == ok
+    assert samples[("k2edge_model_info", (("model", "digits"), ("profile", "c2"), ("version", "1.1.0")))] == 1
+    assert samples[("k2edge_batch_size_count", (("model", "digits"),))] >= 1
+
+    status = _status(broker.port)
+    model = status["models"][0]
+    assert model["model_version"] == "1.1.0" and model["profile"] == "c2" and status["deploy"]["state"] == "idle"
+    assert status["trust"] == {"keys": 1, "allow_unsigned": False}
+    records = _audits(audit)
+    assert [(r["action"], r["status"], r["version"]) for r in records] == [("install", "installed", "1.1.0"),
+                                                                            ("activate", "activated", "1.1.0")]
+    log = [json.loads(line) for line in (tmp_path / "state-t1" / "audit.log").read_text().splitlines()]
+    assert [(r["action"], r["status"], r["version"]) for r in log] == [
+        ("install", "installed", "1.0.0"), ("activate", "activated", "1.0.0"),
+        ("install", "installed", "1.1.0"), ("activate", "activated", "1.1.0")]
+    pointer = json.loads((tmp_path / "state-t1" / "models" / "digits" / "state.json").read_text())
+    assert pointer == {"current": "1.1.0", "previous": "1.0.0"}
+
+    assert daemon.terminate() == 0
+    restarted = _daemon(cfg, tmp_path, broker)
+    model = _status(broker.port)["models"][0]
+    assert model["model_version"] == "1.1.0" and model["cache"]["cached"] == model["cache"]["engines"] == 3, model
+    answer = _ask(client, "after-restart")
+    assert answer["model_version"] == "1.1.0" and answer["profile"] == "c2"
+    load = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])
+    assert (load["action"], load["status"], load["version"]) == ("load", "loaded", "1.1.0")
+    assert restarted.terminate() == 0
+    client.close()
+    audit.close()
+
+
+def test_refused_deploys_are_audited_and_the_running_version_keeps_serving(tmp_path, broker, keys, releases):
+    """Tampered, untrusted and older bundles are refused with their check, audited (file and MQTT), and change
+    nothing; the same bundle again is already current; allow_downgrade and rollback move the version; a
+    rollback message seen again (a redelivery) changes nothing."""
+    cfg = _config(tmp_path, broker, keys, releases["1.1.0"])
+    daemon = _daemon(cfg, tmp_path, broker)
+    audit = _audit_watcher(broker.port)
+    client = Client(broker.port).connect()
+    target = ["--broker", f"127.0.0.1:{broker.port}", "--device", "t1", "--timeout", "120"]
+
+    for version, check in (("1.2.0", "hash_mismatch"), ("1.3.0", "untrusted_key"), ("1.0.0", "not_newer")):
+        proc = _k2edge("deploy", *target, str(releases[version]))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        line = proc.stdout.strip()
+        assert line.startswith("t1: refused ") and f"{check}: " in line and line.endswith("[running: digits 1.1.0]"), line
+        assert _ask(client, f"after-{version}")["model_version"] == "1.1.0"
+    same = _k2edge("deploy", *target, str(releases["1.1.0"]))
+    assert same.returncode == 0 and "runs already" in same.stdout, same.stdout
+    refusals = [(r["status"], r["action"]) for r in _audits(audit)]
+    assert refusals == [("hash_mismatch", "install"), ("untrusted_key", "install"), ("not_newer", "install"),
+                        ("not_newer", "install")]
+    tampered = next(r for r in _audits(audit) if r["status"] == "hash_mismatch")
+    assert "model.onnx" in tampered["detail"] and tampered["ok"] is False and tampered["device"] == "t1"
+    assert sorted(p.name for p in (tmp_path / "state-t1" / "models" / "digits").iterdir()) == ["1.1.0", "state.json"]
+
+    down = _k2edge("deploy", *target, str(releases["1.0.0"]), "--allow-downgrade")
+    assert down.returncode == 0 and down.stdout.strip() == "t1: deployed digits 1.0.0 (was 1.1.0)", down.stdout
+    assert _ask(client, "downgraded")["model_version"] == "1.0.0"
+
+    # a rollback message, then the very same message again (what the broker redelivers after a crash)
+    corr = b"rollback-1"
+    for _ in range(2):
+        client.publish("k2edge/t1/models/rollback", {"model": "digits"}, correlation=corr)
+    client.wait_for(lambda c: sum(k == corr for _, k in c.answers) == 2, 120)
+    first, again = [a for a, k in client.answers if k == corr]
+    assert (first["status"], first["version"], first["previous"]) == ("rolled_back", "1.1.0", "1.0.0")
+    assert again["status"] == "rolled_back" and "by this request already" in again["reason"]
+    assert _ask(client, "rolled-back")["model_version"] == "1.1.0"
+    back = _k2edge("rollback", *target, "--model", "digits")  # a new request rolls back again
+    assert back.returncode == 0 and back.stdout.strip() == "t1: rolled_back digits 1.0.0 (was 1.1.0)", back.stdout
+    unknown = _k2edge("rollback", *target, "--model", "faces")
+    assert unknown.returncode == 1 and "unknown_model" in unknown.stdout
+    assert daemon.terminate() == 0
+    client.close()
+    audit.close()
+
+
+def test_a_group_deploy_reaches_every_member(tmp_path, broker, keys, releases):
+    """k2edge/group/{group}/models/deploy is a plain subscription: both members deploy, each answers."""
+    daemons = [_daemon(_config(tmp_path, broker, keys, releases["1.0.0"], device=d, fleet="line3"), tmp_path, broker, d)
+               for d in ("g1", "g2")]
+    proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--group", "line3", "--expect", "2",
+                   "--timeout", "240", str(releases["1.1.0"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["g1: deployed digits 1.1.0 (was 1.0.0)",
+                                                "g2: deployed digits 1.1.0 (was 1.0.0)"]
+    for d in ("g1", "g2"):
+        assert _status(broker.port, d)["models"][0]["model_version"] == "1.1.0"
+    back = _k2edge("rollback", "--broker", f"127.0.0.1:{broker.port}", "--group", "line3", "--expect", "2",
+                   "--model", "digits", "--json", "--timeout", "120")
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert sorted((a["device"], a["status"], a["version"]) for a in map(json.loads, back.stdout.splitlines())) == [
+        ("g1", "rolled_back", "1.0.0"), ("g2", "rolled_back", "1.0.0")]
+    for d in daemons:
+        assert d.terminate() == 0
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_a_bundle_fetched_over_https_from_a_private_ca(tmp_path, broker, keys, releases):
+    """{"url", "sha256"}: fetched with httpx trusting [deploy] ca_file; a sha256 that does not match is refused."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=fleet-ca", "-keyout", "ca.key",
+             "-out", "ca.crt", cwd=pki)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "srv.key", "-out", "srv.csr", cwd=pki)
+    (pki / "san.ext").write_text("subjectAltName = IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+             "-extfile", "san.ext", "-out", "srv.crt", cwd=pki)
+    served = tmp_path / "www"
+    served.mkdir()
+    (served / "digits-1.1.0.k2b").write_bytes(releases["1.1.0"].read_bytes())
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(served)))
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki / "srv.crt", pki / "srv.key")
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_address[1]}/digits-1.1.0.k2b"
+    try:
+        cfg = _config(tmp_path, broker, keys, releases["1.0.0"], extra_tables={"deploy": {"ca_file": str(pki / "ca.crt")}})
+        daemon = _daemon(cfg, tmp_path, broker)
+        client = Client(broker.port).connect()
+        corr = client.publish("k2edge/t1/models/deploy", {"url": url, "sha256": "0" * 64})
+        client.wait_for(lambda c: any(k == corr for _, k in c.answers), 60)
+        wrong = next(a for a, k in client.answers if k == corr)
+        assert (wrong["status"], wrong["check"], wrong["running"]) == ("refused", "hash_mismatch", {"digits": "1.0.0"}), wrong
+        proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", "--url", url,
+                       str(releases["1.1.0"]), "--timeout", "240")
+        assert proc.returncode == 0 and proc.stdout.strip() == "t1: deployed digits 1.1.0 (was 1.0.0)", proc.stdout + proc.stderr
+        records = [json.loads(x) for x in (tmp_path / "state-t1" / "audit.log").read_text().splitlines()]
+        assert [(r["action"], r["status"], r["source"]) for r in records[-3:]] == [
+            ("fetch", "hash_mismatch", url), ("install", "installed", url), ("activate", "activated", url)]
+        assert _ask(client, "fetched")["model_version"] == "1.1.0"
+        assert daemon.terminate() == 0
+        client.close()
+    finally:
+        server.shutdown()
+
+
+def test_a_bare_onnx_is_refused_at_start_unless_unsigned_models_are_allowed(tmp_path, broker, keys):
+    """[trust] keys + onnx = ...: one line and exit 1, audited; allow_unsigned serves it and status says so."""
+    onnx_entry = {"name": "digits", "onnx": str(ROOT / "models" / "digits" / "model.onnx")}
+    cfg = _config(tmp_path, broker, keys, None, model=onnx_entry)
+    proc = _k2edge("serve", "--config", str(cfg), timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]  # (log lines come before it)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert last.startswith("k2edge serve: error: model digits: a bare onnx path is refused") and "allow_unsigned" in last
+    record = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])
+    assert (record["action"], record["status"], record["ok"]) == ("load", "unsigned", False)
+
+    cfg = _config(tmp_path, broker, keys, None, model=onnx_entry, trust={"keys": [str(keys["pub"])], "allow_unsigned": True})
+    daemon = _daemon(cfg, tmp_path, broker)
+    status = _status(broker.port)
+    assert status["trust"] == {"keys": 1, "allow_unsigned": True} and status["models"][0]["model_version"] is None
+    client = Client(broker.port).connect()
+    assert _ask(client, "unsigned")["model_version"] is None
+    assert daemon.terminate() == 0
+    client.close()
