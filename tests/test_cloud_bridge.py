@@ -732,3 +732,26 @@ def test_cloud_curve_on_the_demo_model():
     text = k2edge_cli("cloud", "curve", str(ROOT / "models/digits/model.onnx"), "--profile", "cpu-dev", "--dataset",
                       str(ROOT / "models/digits/eval.npz"), "--limit", "50", "--shares", "0,10,100", "--measure", "margin")
     assert text.returncode == 0 and "confidence by margin" in text.stdout and "100 %" in text.stdout
+
+
+def test_reason_kind_labels_every_reason_the_policy_writes():
+    """The metrics' closed escalation labels come from the policy's own sentences (a rewording fails here)."""
+    from k2edge.cloud_bridge.policy import reason_kind
+
+    det = LocalResult.from_detections([{"index": 0, "label": "car", "score": 0.45, "box": [0.0, 0.0, 1.0, 1.0]}],
+                                      image_size=(10, 10))
+    cases = {
+        "low_confidence": [decide(EscalationRequest("m"), UNSURE, "normal", settings=S),
+                           decide(EscalationRequest("m"), UNSURE, "normal", CloudHealth(False, "down"), settings=S),
+                           decide(EscalationRequest("m", allow_cloud=False), UNSURE, "warm", settings=S),
+                           decide(EscalationRequest("d"), det, "normal",
+                                  settings=EscalationSettings(measure="uncertain_boxes", low=0.3, high=0.6))],
+        "thermal": [decide(EscalationRequest("m"), CONFIDENT, "hot", settings=S),
+                    decide(EscalationRequest("m", allow_cloud=False), CONFIDENT, "critical", settings=S)],
+        "prompt": [decide(EscalationRequest("m", prompt="why?"), CONFIDENT, "normal", settings=S)],
+        "no_edge_model": [decide(EscalationRequest("m", has_local_model=False), None, "normal", settings=S)],
+    }
+    for kind, decisions in cases.items():
+        for d in decisions:
+            assert reason_kind(d.reason) == kind, (kind, d.reason)
+    assert reason_kind("a sentence nobody wrote") == "other" and reason_kind(None) == "other"

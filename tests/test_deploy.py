@@ -183,6 +183,8 @@ def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp
     assert samples[("k2edge_model_info", (("model", "digits"), ("profile", "c2"), ("version", "1.1.0")))] == 1
     assert samples[("k2edge_batch_size_count", (("model", "digits"),))] >= 1
 
+    progress = [(s.get("deploy") or {}).get("state") for s in client.statuses if (s.get("deploy") or {}).get("version") == "1.1.0"]
+    assert "building" in progress and "swapping" in progress, progress  # the build's progress, in the retained status
     status = _status(broker.port)
     model = status["models"][0]
     assert model["model_version"] == "1.1.0" and model["profile"] == "c2" and status["deploy"]["state"] == "idle"

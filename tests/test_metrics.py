@@ -142,3 +142,41 @@ def test_grafana_dashboard_uses_only_metrics_that_exist():
                 .removesuffix("_info") for n in exposed if not n.endswith("_created")}
     assert families <= {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
                         .removesuffix("_info") for n in used}, "a metric no panel shows"
+
+
+@pytest.mark.slow
+def test_the_daemons_metrics_count_the_answers_it_sent_over_mqtt(run_daemon, broker):
+    """[metrics] port: /metrics parses, and its counters equal the answers the broker carried, by status."""
+    import base64
+    import time
+
+    from mqtt_support import SAMPLES, Client, free_port, image_request
+
+    port = free_port()
+    run_daemon(tables={"metrics": {"port": port}})
+    client = Client(broker.port).connect()
+    bad_tensor = {"id": "t-bad", "tensor": {"dtype": "float32", "shape": [1, 3, 3],
+                                            "data": base64.b64encode(b"\0" * 36).decode()}}
+    for i in range(7):
+        client.publish("k2edge/t1/infer/digits", image_request(SAMPLES[i % len(SAMPLES)], rid=f"ok{i}"))
+    client.publish("k2edge/t1/infer/digits", bad_tensor)
+    client.publish("k2edge/t1/infer/digits", {"id": "junk", "image": "not base64!"})
+    client.publish("k2edge/t1/infer/faces", image_request(SAMPLES[0], rid="nobody"))
+    answers = client.wait_answers(10, timeout=60)
+    time.sleep(1.5)  # the serving loop sets the gauges once a second
+    samples, _ = _scrape(port)
+    by_status = Counter(a["status"] if a["status"] == "ok" else a["error"]["code"] for a in answers)
+    assert by_status == {"ok": 7, "bad_request": 2, "unknown_model": 1}, by_status
+    assert _sample(samples, "k2edge_requests_total", model="digits", status="ok", source="edge") == 7
+    assert _sample(samples, "k2edge_requests_total", model="digits", status="bad_request", source="none") == 2
+    assert _sample(samples, "k2edge_requests_total", model="(unknown)", status="unknown_model", source="none") == 1
+    total = sum(v for k, v in samples.items() if k.startswith("k2edge_requests_total["))
+    assert total == len(answers)
+    assert _sample(samples, "k2edge_latency_seconds_count", model="digits", stage="total") == 7
+    batches = _sample(samples, "k2edge_batch_size_count", model="digits")
+    assert 1 <= batches <= 7 and _sample(samples, "k2edge_batch_size_sum", model="digits") == 7
+    assert _sample(samples, "k2edge_model_info", model="digits", version="unversioned", profile="cpu-dev") == 1
+    assert _sample(samples, "k2edge_queue_depth") == 0
+    assert _sample(samples, "k2edge_thermal_state", k2edge_thermal_state="unknown") == 1
+    assert all(a.get("model_version", "missing") is None for a in answers)  # a bare onnx has no version
+    client.close()

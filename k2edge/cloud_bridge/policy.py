@@ -37,6 +37,7 @@ __all__ = [
     "CloudHealth",
     "Decision",
     "decide",
+    "reason_kind",
     "confidence",
     "MEASURES",
     "DETECTION_MEASURES",
@@ -282,6 +283,21 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
         code = "cloud_unavailable" if not request.has_local_model else "busy"
         return Decision("refuse", f"{why}, and {cloud_why}", escalate=True, error_code=code, **numbers, **base)
     return Decision("local", f"{why}; {cloud_why}: answered locally", degraded=True, escalate=True, **numbers, **base)
+
+
+def reason_kind(reason: str | None) -> str:
+    """What an escalation reason written by :func:`decide` is about, as a closed set for metrics
+    labels: ``no_edge_model``, ``thermal``, ``prompt``, ``low_confidence`` or ``other``."""
+    text = reason or ""
+    if text.startswith("no edge model"):
+        return "no_edge_model"
+    if text.startswith("thermal state"):
+        return "thermal"
+    if text.startswith("the prompt"):
+        return "prompt"
+    if text.startswith("confidence") or " score within the " in text:
+        return "low_confidence"
+    return "other"
 
 
 @dataclass

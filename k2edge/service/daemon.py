@@ -242,7 +242,8 @@ class Daemon:
         self.control = self._control_transport()
         self.lifecycle.attach(self.control, Hooks(build=self._deploy_build,
                                                   swap=lambda name, rt: self.path.swap(name, rt, SWAP_TIMEOUT_S),
-                                                  swapped=self._deploy_swapped, running=lambda name: self.models.get(name)))
+                                                  swapped=self._deploy_swapped, running=lambda name: self.models.get(name),
+                                                  progress=self._publish_status))
         if cfg.metrics is not None:
             from .metrics import Metrics
 

@@ -73,12 +73,14 @@ class Hooks:
         swap: ``swap(name, runtime)`` -> the runtime replaced, or None when the line did not come to rest.
         swapped: ``swapped(name, runtime)``: after a swap was committed (policy, metrics, status).
         running: ``running(name)`` -> the ModelRuntime serving ``name``.
+        progress: ``progress()``: the worker's state changed (the daemon republishes its status).
     """
 
     build: Callable
     swap: Callable
     swapped: Callable
     running: Callable
+    progress: Callable = lambda: None
 
 
 @dataclass(frozen=True)
@@ -268,9 +270,11 @@ class ModelLifecycle:
             finally:
                 self._progress = {"state": "idle"}
             self._answer(job, body)
+            self.hooks.progress()
 
     def _set_progress(self, state: str, **what) -> None:
         self._progress = {"state": state, **what, "since": time.time()}
+        self.hooks.progress()
 
     def _running_version(self, name: str | None) -> str | None:
         rt = self.hooks.running(name) if name in self._names() else None

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ..cloud_bridge import BridgeRequest, LocalResult, Outcome
+from ..cloud_bridge.policy import reason_kind
 from ..config.schema import DaemonConfig
 from ..deadline import Deadline, clock
 from ..errors import InputError, first_line
@@ -417,7 +418,7 @@ class RequestPath:
             self.metrics.observe_answer(w.req.model, body["status"] if body["status"] == "ok" else body["error"]["code"],
                                         body.get("source"), body.get("latency_ms"))
             if body.get("escalation_reason"):
-                self.metrics.observe_escalation(w.req.model, body["escalation_reason"])
+                self.metrics.observe_escalation(w.req.model, reason_kind(body["escalation_reason"]))
 
     def _latency(self, w: Work, **extra) -> dict:
         latency = {k: round(v, 3) if isinstance(v, float) else v for k, v in w.timings.items()}
