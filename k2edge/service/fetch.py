@@ -49,12 +49,15 @@ def fetch_bundle(url: str, sha256: str, max_bytes: int, ca_file: str | os.PathLi
     except (OSError, ssl.SSLError) as exc:
         raise FetchError("failed", f"deploy.ca_file {str(ca_file)!r}: {first_line(exc)}") from None
     digest, body = hashlib.sha256(), bytearray()
+
+    def https_only(request) -> None:  # every request, redirects included, before it is sent
+        if request.url.scheme != "https":
+            raise FetchError("failed", f"{url} redirects to {str(request.url)[:80]}, which is not https")
+
     try:
         with httpx.Client(verify=verify, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 15.0)),
-                          follow_redirects=True, max_redirects=5) as client:
+                          follow_redirects=True, max_redirects=5, event_hooks={"request": [https_only]}) as client:
             with client.stream("GET", url) as resp:
-                if resp.url.scheme != "https":
-                    raise FetchError("failed", f"{url} redirected to {str(resp.url)[:80]}, which is not https")
                 if resp.status_code != 200:
                     raise FetchError("failed", f"{url}: HTTP {resp.status_code} {resp.reason_phrase}")
                 length = resp.headers.get("content-length", "")
