@@ -342,3 +342,57 @@ def test_a_bare_onnx_is_refused_at_start_unless_unsigned_models_are_allowed(tmp_
     assert _ask(client, "unsigned")["model_version"] is None
     assert daemon.terminate() == 0
     client.close()
+
+
+def test_the_readmes_broker_acls_let_operators_deploy_and_nobody_else(tmp_path, keys, releases):
+    """mosquitto with the README's acl_file: the device (username = device id) takes a deploy from fleet-ops,
+    answering on fleet-ops/replies/...; another login may not publish to models/deploy."""
+    pw = tmp_path / "passwd"
+    secrets = {"t1": "device-secret", "fleet-ops": "ops-secret", "mallory": "m-secret"}
+    for i, (user, secret) in enumerate(secrets.items()):
+        subprocess.run(["mosquitto_passwd", *(["-c"] if i == 0 else []), "-b", str(pw), user, secret], check=True,
+                       capture_output=True)
+        (tmp_path / f"{user}.pw").write_text(secret + "\n")
+    acl = tmp_path / "acl"
+    acl.write_text("pattern readwrite k2edge/%u/#\n\n"
+                   "user t1\ntopic read k2edge/group/line-3/models/deploy\ntopic read k2edge/group/line-3/models/rollback\n"
+                   "topic write fleet-ops/replies/#\n\n"
+                   "user fleet-ops\ntopic write k2edge/+/models/deploy\ntopic write k2edge/+/models/rollback\n"
+                   "topic write k2edge/group/+/models/deploy\ntopic write k2edge/group/+/models/rollback\n"
+                   "topic read k2edge/+/audit\ntopic read k2edge/+/status\ntopic read fleet-ops/replies/#\n\n"
+                   "user mallory\ntopic read mallory/#\n")
+    secured = Broker(tmp_path / "secured", extra_conf=f"message_size_limit {LIMIT + 65536}\n")
+    secured.conf.write_text(secured.conf.read_text().replace("allow_anonymous true",
+                                                             f"allow_anonymous false\npassword_file {pw}\nacl_file {acl}"))
+    secured.start()
+    try:
+        cfg = write_config(tmp_path / "t1.toml", secured.port, [{"name": "digits", "bundle": releases["1.0.0"]}],
+                           fleet="line-3", mqtt_extra={"username": "t1", "password_file": str(tmp_path / "t1.pw")},
+                           tables={"trust": {"keys": [str(keys["pub"])]}})
+        daemon = DaemonProcess(cfg, tmp_path / "t1.log").start()
+        watcher = Client(secured.port)
+        watcher.c.username_pw_set("fleet-ops", secrets["fleet-ops"])
+        watcher.connect()
+        try:
+            watcher.wait_state("online", timeout=120)
+        except TimeoutError:
+            raise AssertionError(daemon.output()) from None
+        login = ["--broker", f"127.0.0.1:{secured.port}", "--timeout", "120"]
+        ops = [*login, "--username", "fleet-ops", "--password-file", str(tmp_path / "fleet-ops.pw"),
+               "--reply-prefix", "fleet-ops/replies"]
+        proc = _k2edge("deploy", *ops, "--group", "line-3", "--expect", "1", str(releases["1.1.0"]))
+        assert proc.returncode == 0 and proc.stdout.strip() == "t1: deployed digits 1.1.0 (was 1.0.0)", \
+            proc.stdout + proc.stderr + daemon.output()
+        back = _k2edge("rollback", *ops, "--device", "t1", "--model", "digits")
+        assert back.returncode == 0 and back.stdout.strip() == "t1: rolled_back digits 1.0.0 (was 1.1.0)", back.stdout + back.stderr
+        rogue = [*login, "--username", "mallory", "--password-file", str(tmp_path / "mallory.pw")]
+        denied = _k2edge("deploy", *rogue, "--reply-prefix", "mallory", "--device", "t1", str(releases["1.1.0"]))
+        assert denied.returncode == 1 and "the broker refused the message (Not authorized)" in denied.stderr, denied.stderr
+        undo = _k2edge("rollback", *rogue, "--reply-prefix", "mallory", "--device", "t1", "--model", "digits")
+        assert undo.returncode == 1 and "the broker refused the message (Not authorized)" in undo.stderr, undo.stderr
+        status = [s for s in watcher.statuses if s.get("device") == "t1"][-1]
+        assert status["models"][0]["model_version"] == "1.0.0"  # mallory changed nothing
+        assert daemon.terminate() == 0
+        watcher.close()
+    finally:
+        secured.stop()
