@@ -396,3 +396,76 @@ def test_the_readmes_broker_acls_let_operators_deploy_and_nobody_else(tmp_path, 
         watcher.close()
     finally:
         secured.stop()
+
+
+def test_a_daemon_killed_mid_deploy_finishes_it_from_the_redelivered_message(tmp_path, broker, keys, releases):
+    """kill -9 while the engines build (as a power loss would): the restarted daemon runs 1.0.0, the broker
+    redelivers the unacknowledged deploy on the control connection, and it completes; the operator's
+    command, still waiting, gets the one answer."""
+    cfg = _config(tmp_path, broker, keys, releases["1.0.0"], cache=tmp_path / "cache")
+    daemon = _daemon(cfg, tmp_path, broker)
+    watcher = Client(broker.port).connect()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    operator = subprocess.Popen([sys.executable, "-m", "k2edge", "deploy", "--broker", f"127.0.0.1:{broker.port}",
+                                 "--device", "t1", str(releases["1.1.0"]), "--timeout", "240"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    watcher.wait_for(lambda c: any((s.get("deploy") or {}).get("state") == "building" for s in c.statuses), 120)
+    daemon.kill()
+    pointer = json.loads((tmp_path / "state-t1" / "models" / "digits" / "state.json").read_text())
+    assert pointer["current"] == "1.0.0"  # the deploy had not been committed
+    restarted = _daemon(cfg, tmp_path, broker)
+    out, err = operator.communicate(timeout=240)
+    assert operator.returncode == 0 and out.strip() == "t1: deployed digits 1.1.0 (was 1.0.0)", out + err + restarted.output()
+    assert _status(broker.port)["models"][0]["model_version"] == "1.1.0"
+    assert _ask(watcher, "after-redelivery")["model_version"] == "1.1.0"
+    records = [json.loads(x) for x in (tmp_path / "state-t1" / "audit.log").read_text().splitlines()]
+    assert [(r["action"], r["status"], r["version"]) for r in records][-4:] == [
+        ("install", "installed", "1.1.0"), ("load", "loaded", "1.0.0"),  # the first try, then the restart
+        ("install", "installed", "1.1.0"), ("activate", "activated", "1.1.0")]
+    assert restarted.terminate() == 0
+    watcher.close()
+
+
+def test_a_pointer_that_cannot_be_written_swaps_the_old_engines_back(tmp_path, broker, keys, releases):
+    """The last step of a deploy fails (state.json cannot be replaced): answered failed, 1.0.0 serves on."""
+    cfg = _config(tmp_path, broker, keys, releases["1.0.0"])
+    daemon = _daemon(cfg, tmp_path, broker)
+    pointer = tmp_path / "state-t1" / "models" / "digits" / "state.json"
+    pointer.unlink()
+    pointer.mkdir()
+    (pointer / "blocker").write_text("a folder where the pointer file goes: os.replace fails, as on a broken disk\n")
+    proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", str(releases["1.1.0"]),
+                   "--timeout", "240")
+    assert proc.returncode == 1 and proc.stdout.startswith("t1: failed digits 1.1.0: failed: cannot write"), proc.stdout
+    assert proc.stdout.strip().endswith("[running: digits 1.0.0]")
+    client = Client(broker.port).connect()
+    answer = _ask(client, "after-failure")
+    assert (answer["model_version"], answer["profile"], answer["top_k"][0]["label"]) == ("1.0.0", "cpu-dev", "0")
+    assert daemon.terminate() == 0
+    client.close()
+
+
+def test_the_cli_speaks_tls_to_the_broker(tmp_path):
+    """--tls-ca: the broker's certificate is verified (a wrong CA is one line); over TLS a device that never
+    answers is reported as such."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    for ca in ("ca", "other"):
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={ca}", "-keyout", f"{ca}.key",
+                 "-out", f"{ca}.crt", cwd=pki)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "srv.key", "-out", "srv.csr", cwd=pki)
+    (pki / "san.ext").write_text("subjectAltName = IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+             "-extfile", "san.ext", "-out", "srv.crt", cwd=pki)
+    tls = Broker(tmp_path / "tls", extra_conf=f"cafile {pki / 'ca.crt'}\ncertfile {pki / 'srv.crt'}\nkeyfile {pki / 'srv.key'}\n")
+    tls.start()
+    try:
+        base = ["rollback", "--broker", f"127.0.0.1:{tls.port}", "--device", "nobody", "--model", "m", "--timeout", "1"]
+        proc = _k2edge(*base, "--tls-ca", str(pki / "ca.crt"))
+        assert proc.returncode == 1 and "no answer from device nobody within 1 s" in proc.stderr, proc.stderr
+        wrong = _k2edge(*base, "--tls-ca", str(pki / "other.crt"))
+        assert wrong.returncode == 1 and "cannot reach the broker" in wrong.stderr and "CERTIFICATE_VERIFY_FAILED" in wrong.stderr, \
+            wrong.stderr
+        assert len(wrong.stderr.strip().splitlines()) == 1
+    finally:
+        tls.stop()
