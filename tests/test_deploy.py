@@ -398,10 +398,11 @@ def test_the_readmes_broker_acls_let_operators_deploy_and_nobody_else(tmp_path, 
         secured.stop()
 
 
-def test_a_daemon_killed_mid_deploy_finishes_it_from_the_redelivered_message(tmp_path, broker, keys, releases):
-    """kill -9 while the engines build (as a power loss would): the restarted daemon runs 1.0.0, the broker
-    redelivers the unacknowledged deploy on the control connection, and it completes; the operator's
-    command, still waiting, gets the one answer."""
+@pytest.mark.parametrize("stop", ["kill", "terminate"])
+def test_a_daemon_stopped_mid_deploy_finishes_it_from_the_redelivered_message(stop, tmp_path, broker, keys, releases):
+    """kill -9 while the engines build (as a power loss would), or SIGTERM (a drain drops a deploy not yet
+    committed, unanswered): the restarted daemon runs 1.0.0, the broker redelivers the unacknowledged deploy
+    on the control connection, and it completes; the operator's command, still waiting, gets the one answer."""
     cfg = _config(tmp_path, broker, keys, releases["1.0.0"], cache=tmp_path / "cache")
     daemon = _daemon(cfg, tmp_path, broker)
     watcher = Client(broker.port).connect()
@@ -410,9 +411,12 @@ def test_a_daemon_killed_mid_deploy_finishes_it_from_the_redelivered_message(tmp
                                  "--device", "t1", str(releases["1.1.0"]), "--timeout", "240"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     watcher.wait_for(lambda c: any((s.get("deploy") or {}).get("state") == "building" for s in c.statuses), 120)
-    daemon.kill()
+    if stop == "kill":
+        daemon.kill()
+    else:
+        assert daemon.terminate() == 0
     pointer = json.loads((tmp_path / "state-t1" / "models" / "digits" / "state.json").read_text())
-    assert pointer["current"] == "1.0.0"  # the deploy had not been committed
+    assert pointer["current"] == "1.0.0", daemon.output()  # the deploy had not been committed
     restarted = _daemon(cfg, tmp_path, broker)
     out, err = operator.communicate(timeout=240)
     assert operator.returncode == 0 and out.strip() == "t1: deployed digits 1.1.0 (was 1.0.0)", out + err + restarted.output()

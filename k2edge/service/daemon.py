@@ -92,6 +92,7 @@ class Daemon:
         return rt
 
     def _deploy_swapped(self, name: str, rt: ModelRuntime) -> None:
+        rt.prefer_warm(getattr(self.escalation.thermal, "prefer_dla", False))  # a transition during the build
         self.escalation.policy.models[name] = self._escalation_for(rt)
         if self.metrics is not None:
             self.metrics.set_model(name, rt.version, rt.profile_name)
@@ -303,7 +304,7 @@ class Daemon:
         self.path.draining.set()
         self.notify.notify("STOPPING=1", "STATUS=draining")
         self._publish_status("draining")
-        self.lifecycle.stop(cfg.service.drain_timeout_s)  # a deploy not finished is redelivered at the next start
+        self.lifecycle.stop(5.0)  # a deploy not committed is dropped unanswered: redelivered at the next start
         if not self.path.wait_idle(cfg.service.drain_timeout_s):
             log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", cfg.service.drain_timeout_s)
         offline = self.status_payload("offline")  # before the bridge closes its outbox

@@ -118,6 +118,10 @@ def version_config(m: ModelConfig, paths: dict) -> ModelConfig:
     return m.model_copy(update=update)
 
 
+class _Stopping(Exception):
+    """The daemon drains: a deploy not committed yet is dropped unanswered (the broker redelivers it)."""
+
+
 class ModelLifecycle:
     """Verified loading, deploys, rollbacks and the audit trail of one daemon.
 
@@ -143,6 +147,7 @@ class ModelLifecycle:
         self._audit_lock = threading.Lock()
         self._unpublished: list[dict] = []
         self._progress: dict = {"state": "idle"}
+        self._stopping = threading.Event()
         self.last: dict | None = None
 
     # -- wiring -----------------------------------------------------------------------------------
@@ -162,7 +167,9 @@ class ModelLifecycle:
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
-        """Stop after the job in hand (waiting at most ``timeout``); messages not answered stay with the broker."""
+        """Stop taking jobs; a deploy still building is dropped before its swap (waiting at most
+        ``timeout`` for the worker). Messages not answered stay with the broker for the next start."""
+        self._stopping.set()
         if self._thread is not None:
             while True:  # jobs not started are dropped: unacknowledged, the broker redelivers them
                 try:
@@ -264,6 +271,10 @@ class ModelLifecycle:
                 return
             try:
                 body = self._deploy(job) if job.kind == "deploy" else self._rollback(job)
+            except _Stopping:
+                log.warning("%s on %s left unanswered: the daemon is stopping (the broker redelivers it)", job.kind, job.topic)
+                self._progress = {"state": "idle"}
+                return
             except Exception as exc:  # a bug must not end the worker; the running version stays
                 log.exception("%s on %s failed", job.kind, job.topic)
                 body = self._answer_body(FAILED, reason=f"internal error: {type(exc).__name__}: {first_line(exc)}")
@@ -383,6 +394,9 @@ class ModelLifecycle:
             result = BundleResult(FAILED, f"building the engines of {name} {version} failed: {first_line(exc)}", name, version)
             self.audit(result, "build", source)
             return self._answer_body(FAILED, name, version, result.detail, "build_failed")
+        if self._stopping.is_set():  # nothing committed yet: the next start carries the redelivered message out
+            rt.deactivate()
+            raise _Stopping
         self._set_progress("swapping", kind=action, model=name, version=version)
         old = self.hooks.swap(name, rt)
         if old is None:
