@@ -123,7 +123,7 @@ def measure(gen: LoadGenerator, target: str, n: int, window: int, warmup: int, p
     cpu = {name: (cpu_seconds(pid) - cpu0[name]) * 1e3 / n for name, pid in pids.items()}
     cpu["loadgen"] = r.pop("loadgen_cpu_s") * 1e3 / n  # its own clock over the timed part only
     r["cpu_ms_per_request"] = cpu
-    r["warmup_failures"] = failures
+    r["warmup"], r["warmup_failures"] = warmup, failures
     return r
 
 
@@ -143,7 +143,9 @@ def summarise(rounds: list[dict]) -> dict:
                                               for p in runs[0]["cpu_ms_per_request"]}
             batches = [x["mean_batch"] for x in runs if x.get("mean_batch") is not None]
             t[phase]["mean_batch"] = statistics.median(batches) if batches else None
-        t["requests"] = sum(x["n"] for r in rounds for x in r[target].values())
+            t[phase]["reported_p50_ms"] = {key: statistics.median([x["reported_p50_ms"][key] for x in runs])
+                                           for key in runs[0]["reported_p50_ms"]}
+        t["requests"] = sum(x["n"] + x["warmup"] for r in rounds for x in r[target].values())  # every answer checked
         t["failures"] = sum(x["failures"] + x["warmup_failures"] for r in rounds for x in r[target].values())
         t["errors"] = dict(sum((Counter(x["errors"]) for r in rounds for x in r[target].values()), Counter()))
     ratio = [r["k2edge"]["throughput"]["throughput_per_s"] / r["peer"]["throughput"]["throughput_per_s"] for r in rounds]
@@ -166,14 +168,14 @@ def py_spy() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
-def profile_run(gen: LoadGenerator, target: str, pid: int, n: int, out: Path, spy: str) -> dict:
-    """Sample ``pid`` with py-spy (per thread) during one unmeasured 16-in-flight run."""
-    raw = out / f"{target}.raw.txt"
-    log = open(out / f"{target}.py-spy.log", "wb")
+def profile_run(gen: LoadGenerator, target: str, pid: int, n: int, window: int, out: Path, spy: str) -> dict:
+    """Sample ``pid`` with py-spy (per thread) during one unmeasured run with ``window`` in flight."""
+    raw = out / f"{target}-{window}.raw.txt"
+    log = open(out / f"{target}-{window}.py-spy.log", "wb")
     proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", *PY_SPY_FLAGS,
                              "-o", str(raw)], stdout=log, stderr=subprocess.STDOUT)
     time.sleep(1.0)  # attached before the load starts
-    r = gen.command(cmd="run", topic=TOPICS[target], n=n, window=16)
+    r = gen.command(cmd="run", topic=TOPICS[target], n=n, window=window)
     proc.send_signal(signal.SIGINT)  # py-spy writes its samples on Ctrl-C
     try:
         proc.wait(timeout=30)
@@ -184,7 +186,8 @@ def profile_run(gen: LoadGenerator, target: str, pid: int, n: int, out: Path, sp
     if not raw.exists():
         raise BenchError(f"py-spy wrote no samples for {target}; see {log.name} in {out}")
     prof = collapse(raw.read_text())
-    prof.update(throughput_per_s=r["throughput_per_s"], failures=r["failures"], raw=str(raw))
+    prof.update(target=target, window=window, throughput_per_s=r["throughput_per_s"], p50_ms=r["p50_ms"],
+                failures=r["failures"], raw=str(raw))
     return prof
 
 
@@ -225,55 +228,67 @@ def _function(frame: str) -> str:
 
 
 # report ---------------------------------------------------------------------------------------------
-def _fmt_spread(s: dict, fmt: str, unit: str = "") -> str:
+def _spread_text(s: dict, fmt: str, unit: str = "") -> str:
     return f"{fmt.format(s['median'])}{unit} [{fmt.format(s['min'])}..{fmt.format(s['max'])}]"
 
 
+def _row(*cells: str, widths: tuple[int, ...] = (30, 28, 28, 28)) -> str:
+    """Cells padded to their column (at least two spaces apart); the last one as it is."""
+    return "".join(c.ljust(w - 2) + "  " for c, w in zip(cells, widths)) + "".join(cells[len(widths):])
+
+
 def report(args, summary: dict, startup: dict) -> str:
+    """The comparison table and the CPU table."""
     k, p, g = summary["k2edge"], summary["peer"], summary["goals"]
     tr, pa = g["throughput_ratio"], g["p50_added_ms"]
     batch = k["throughput"]["mean_batch"]
+
+    def both(phase: str, metric: str, fmt: str, unit: str) -> tuple[str, str]:
+        return _spread_text(p[phase][metric], fmt, unit), _spread_text(k[phase][metric], fmt, unit)
+
+    errors = k["errors"] | p["errors"] if k["failures"] or p["failures"] else {}
     lines = [
         f"k2edge serve vs the peer (bench/peer_loop.py): digits, profile {args.profile}, max_batch {args.max_batch}, "
-        f"queue_size 256",
+        "queue_size 256",
         f"{args.rounds} round(s) x {args.requests} requests per phase (warm-up {args.warmup} not counted), A/B interleaved; "
         f"one mosquitto (set_tcp_nodelay), one load generator; {os.cpu_count()} cores shared by all",
         f"answering {startup['k2edge']:.1f} s (k2edge) and {startup['peer']:.1f} s (peer) after their start; "
         "figures: median over rounds [min..max]",
         "",
-        f"{'measurement':<30}{'peer':<27}{'k2edge':<27}{'k2edge vs peer':<26}goal",
-        f"{'throughput, 16 in flight':<30}{_fmt_spread(p['throughput']['throughput_per_s'], '{:,.0f}', '/s'):<26}"
-        f"{_fmt_spread(k['throughput']['throughput_per_s'], '{:,.0f}', '/s'):<26}"
-        f"{tr['value']:.2f}x [{tr['per_round']['min']:.2f}..{tr['per_round']['max']:.2f}]".ljust(110)
-        + f"{tr['goal']}: {'met' if tr['met'] else 'NOT met'}",
-        f"{'p50 round trip, 1 in flight':<30}{_fmt_spread(p['latency']['p50_ms'], '{:.3f}', ' ms'):<26}"
-        f"{_fmt_spread(k['latency']['p50_ms'], '{:.3f}', ' ms'):<26}"
-        f"{pa['value']:+.3f} ms [{pa['per_round']['min']:+.3f}..{pa['per_round']['max']:+.3f}]".ljust(110)
-        + f"{pa['goal']}: {'met' if pa['met'] else 'NOT met'}",
-        f"{'p90 round trip, 1 in flight':<30}{_fmt_spread(p['latency']['p90_ms'], '{:.3f}', ' ms'):<26}"
-        f"{_fmt_spread(k['latency']['p90_ms'], '{:.3f}', ' ms'):<26}",
-        f"{'p50 round trip, 16 in flight':<30}{_fmt_spread(p['throughput']['p50_ms'], '{:.3f}', ' ms'):<26}"
-        f"{_fmt_spread(k['throughput']['p50_ms'], '{:.3f}', ' ms'):<26}"
-        + (f"k2edge mean batch {batch:.1f}" if batch is not None else ""),
-        f"{'answers not ok':<30}{p['failures']:,} of {p['requests']:,}".ljust(56) + f"{k['failures']:,} of {k['requests']:,}"
-        + (f"   {k['errors'] | p['errors']}" if k["failures"] or p["failures"] else ""),
+        _row("measurement", "peer", "k2edge", "k2edge vs peer", "goal"),
+        _row("throughput, 16 in flight", *both("throughput", "throughput_per_s", "{:,.0f}", "/s"),
+             f"{tr['value']:.2f}x [{tr['per_round']['min']:.2f}..{tr['per_round']['max']:.2f}]",
+             f"{tr['goal']}: {'met' if tr['met'] else 'NOT met'}"),
+        _row("p50 round trip, 1 in flight", *both("latency", "p50_ms", "{:.3f}", " ms"),
+             f"{pa['value']:+.3f} ms [{pa['per_round']['min']:+.3f}..{pa['per_round']['max']:+.3f}]",
+             f"{pa['goal']}: {'met' if pa['met'] else 'NOT met'}"),
+        _row("p90 round trip, 1 in flight", *both("latency", "p90_ms", "{:.3f}", " ms")),
+        _row("p50 round trip, 16 in flight", *both("throughput", "p50_ms", "{:.3f}", " ms"),
+             f"k2edge mean batch {batch:.1f}" if batch is not None else ""),
+        _row("answers not ok", f"{p['failures']:,} of {p['requests']:,}", f"{k['failures']:,} of {k['requests']:,}",
+             str(errors) if errors else ""),
         "",
         f"{'CPU ms per request (median)':<30}{'k2edge':>9}{'peer':>9}{'broker':>9}{'loadgen':>9}{'all':>9}",
     ]
     for target in ("peer", "k2edge"):
         for phase, window in PHASES:
             cpu = summary[target][phase]["cpu_ms_per_request"]
-            lines.append(f"{target + f' at {window} in flight':<30}" + "".join(f"{cpu[x]:>9.3f}" for x in
-                                                                               ("k2edge", "peer", "broker", "loadgen"))
+            lines.append(f"{f'{target} at {window} in flight':<30}"
+                         + "".join(f"{cpu[x]:>9.3f}" for x in ("k2edge", "peer", "broker", "loadgen"))
                          + f"{sum(cpu.values()):>9.3f}")
-    return "\n".join(lines)
+    own = k["latency"]["reported_p50_ms"]
+    if own:
+        lines += ["", "k2edge's own account at 1 in flight (latency_ms in its answers, p50): "
+                  + ", ".join(f"{key} {v:.3f}" for key, v in own.items()) + " ms; the rest of its "
+                  f"{k['latency']['p50_ms']['median']:.3f} ms round trip is MQTT (both ways), the broker, recording and publishing"]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def report_profile(prof: dict) -> str:
     lines = []
     for target, p in prof.items():
-        lines += ["", f"py-spy, {target} at 16 in flight: {p['samples']:,} samples of busy Python threads, "
-                      f"{p['throughput_per_s']:,.0f}/s while sampled; threads "
+        lines += ["", f"py-spy, {target}: {p['samples']:,} samples of busy Python threads; "
+                      f"{p['throughput_per_s']:,.0f}/s, p50 {p['p50_ms']:.3f} ms while sampled; threads "
                       + ", ".join(f"{t['thread']} {t['share']:.0%}" for t in p["threads"][:6]),
                   f"  {'own time by function':<72}{'share':>6}   own time by line"]
         for a, b in zip(p["own"], p["own_lines"] + [None] * len(p["own"])):
@@ -325,8 +340,8 @@ def run(args) -> dict:
         if args.profile_dir:
             out = Path(args.profile_dir)
             out.mkdir(parents=True, exist_ok=True)
-            results["profile"] = {t: profile_run(gen, t, pids[t], args.profile_requests, out, args.py_spy)
-                                 for t in ("k2edge", "peer")}
+            results["profile"] = {f"{t} at {w} in flight": profile_run(gen, t, pids[t], args.profile_requests, w, out, args.py_spy)
+                                  for w in (16, 1) for t in ("k2edge", "peer")}
         if args.keep_logs:
             for name in ("daemon.log", "peer.log", "loadgen.log"):
                 shutil.copy(tmp / name, Path(args.keep_logs) / name)

@@ -26,7 +26,7 @@ def test_bench_peer_runs_and_prints_the_comparison(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     for target in ("k2edge", "peer"):
         assert summary[target]["failures"] == 0, summary[target]["errors"]
-        assert summary[target]["requests"] == 100  # 50 at 16 in flight + 50 at one in flight
+        assert summary[target]["requests"] == 120  # (10 warm-up + 50) at 16 in flight and at one in flight
         assert summary[target]["throughput"]["throughput_per_s"]["median"] > 0
         assert summary[target]["latency"]["p50_ms"]["median"] > 0
         assert set(summary[target]["throughput"]["cpu_ms_per_request"]) == {"k2edge", "peer", "broker", "loadgen"}
