@@ -69,7 +69,8 @@ def engine_side(profile: str, inputs: list[np.ndarray], rounds: int) -> dict:
     return {"p50_ms": statistics.median(lat), "throughput_per_s": statistics.median(thr)}
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -87,7 +88,7 @@ def daemon_side(port: int, inputs: list[np.ndarray], rounds: int, pids: dict) ->
                 _, ms = client.request(topic, p, timeout=30)
                 times.append(ms)
             lat.append(statistics.median(times))
-            cpu0 = {k: _cpu_seconds(p) for k, p in pids.items()}
+            cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
             own0 = time.process_time()
             t0 = time.perf_counter()
             pending = []
@@ -99,7 +100,7 @@ def daemon_side(port: int, inputs: list[np.ndarray], rounds: int, pids: dict) ->
             for corr in pending:
                 client.wait(corr, 30)
             thr.append(len(payloads) / (time.perf_counter() - t0))
-            cpu = {k: (_cpu_seconds(p) - cpu0[k]) / len(payloads) * 1e3 for k, p in pids.items()}
+            cpu = {k: (cpu_seconds(p) - cpu0[k]) / len(payloads) * 1e3 for k, p in pids.items()}
             cpu["client"] = (time.process_time() - own0) / len(payloads) * 1e3
     return {"p50_ms": statistics.median(lat), "throughput_per_s": statistics.median(thr),
             "mean_batch_16_in_flight": sum(batches) / len(batches), "cpu_ms_per_request": cpu}
