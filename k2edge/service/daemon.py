@@ -173,7 +173,8 @@ class Daemon:
         self.answers = AnswerBook(state_dir(cfg), self._publish_answer, self.transport.done,
                                   retention_s=cfg.mqtt.session_expiry_s)
         self._build_models()
-        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, wake=self.transport.wake)
+        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, wake=self.transport.wake,
+                                input_pending=self.transport.input_pending)
         self.path.start()
         self.transport.start()
         self.escalation.start(resume=self._resume, publish_followup=self._publish_followup)

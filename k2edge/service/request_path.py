@@ -6,7 +6,8 @@
    model; a request refused here is answered here.
 2. **a model's line** (one thread per model): take everything waiting, up to ``max_batch``, as
    soon as the engine has room (``batch_timeout_ms`` may hold a batch for companions), then for
-   that batch, in that thread:
+   that batch, in that thread (a lone request for an idle, quick, one-lane engine, with nothing else
+   waiting to be read, is run the same way by the network thread itself — one thread, no hand-off):
    a. drop what passed its deadline (``deadline_exceeded``), decode each input into a sample,
       and ask the escalation policy early only in the hot and critical thermal states;
    b. infer: inline when the engine has one lane, else on the lanes (finishing on the lane that
@@ -80,16 +81,20 @@ class RequestPath:
         escalation: thermal state, policy and cloud.
         stats: counters for status and telemetry.
         wake: wakes the network thread (room to read again after backpressure).
+        input_pending: True while more requests wait to be read (then a request never runs on the
+            network thread: it goes to its line, where it can batch with the others).
     """
 
     def __init__(self, cfg: DaemonConfig, models: dict[str, ModelRuntime], answers: AnswerBook, escalation: Escalation,
-                 stats: ServiceStats, wake: Callable[[], None] = lambda: None) -> None:
+                 stats: ServiceStats, wake: Callable[[], None] = lambda: None,
+                 input_pending: Callable[[], bool] = lambda: True) -> None:
         self.cfg = cfg
         self.models = models
         self.answers = answers
         self.escalation = escalation
         self.stats = stats
         self._wake = wake
+        self._input_pending = input_pending
         s = cfg.service
         self.hold = s.queue_size  # above this many waiting, the network thread stops reading
         self.hard_limit = 2 * s.queue_size + 64  # the broker overshot: beyond this, busy
@@ -186,7 +191,11 @@ class RequestPath:
         if error is not None:
             self.answer([(work, self.error(work, error.code, error.message))])
             return
-        self.lines[model].put(work)
+        line = self.lines[model]
+        if not self._input_pending() and line.take_idle():
+            line.run([work])  # alone, and the engine idle and quick: answered here, no hand-off to wait for
+        else:
+            line.put(work)
 
     # 2. a batch, on its model's line ----------------------------------------------------------------
     def run_batch(self, line: "_Line", batch: list[Work], release: Callable[[], None]) -> None:
@@ -420,6 +429,7 @@ class _Line:
     """
 
     STUCK_AFTER_S = 30.0  # a batch in flight this long means a wedged lane: stop the heartbeat
+    QUICK_S = 0.005  # a lone request runs on the network thread only on a model that answers it this fast
 
     def __init__(self, path: RequestPath, runtime: ModelRuntime) -> None:
         self.path = path
@@ -428,6 +438,7 @@ class _Line:
         self.max_batch = s.max_batch
         self.timeout = s.batch_timeout_ms / 1e3
         self.inline = runtime.single_lane
+        self.quick = runtime.batch1_s < self.QUICK_S
         self.slots = 1 if self.inline else len(runtime.lanes()) + 1
         self.items: deque[Work] = deque()
         self._cond = threading.Condition()
@@ -483,18 +494,35 @@ class _Line:
                 self._progress = now
             if was_saturated and not self.path.saturated():
                 self.path._wake()  # the network thread may read again
-            released = []
+            self.run(batch)
 
-            def release() -> None:
-                if not released:
-                    released.append(True)
-                    self.release()
+    def take_idle(self) -> bool:
+        """Take the engine for one request when nothing waits or runs and the model is quick
+        (called by the network thread, which then runs the request itself: no hand-off)."""
+        if not (self.inline and self.quick):
+            return False
+        with self._cond:
+            if self.items or self._free != self.slots or self._stopping:
+                return False
+            self._free -= 1
+            self._progress = time.monotonic()
+            return True
 
-            try:
-                self.path.run_batch(self, batch, release)
-            except Exception as exc:  # one bad batch never stops the line, and no request is left unanswered
-                log.exception("model %s: a batch of %d failed", self.runtime.name, len(batch))
-                left = [w for w in batch if not w.settled]
-                if left:
-                    self.path.answer([(w, self.path.error(w, INTERNAL, f"internal error: {type(exc).__name__}")) for w in left])
-                release()
+    def run(self, batch: list[Work]) -> None:
+        """Run a batch whose room was taken, in the calling thread; never raises, never leaves a
+        request unanswered."""
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.release()
+
+        try:
+            self.path.run_batch(self, batch, release)
+        except Exception as exc:  # one bad batch never stops the line
+            log.exception("model %s: a batch of %d failed", self.runtime.name, len(batch))
+            left = [w for w in batch if not w.settled]
+            if left:
+                self.path.answer([(w, self.path.error(w, INTERNAL, f"internal error: {type(exc).__name__}")) for w in left])
+            release()

@@ -304,6 +304,18 @@ class MqttTransport:
                 return rc
         return c.loop_misc()
 
+    def input_pending(self) -> bool:
+        """True when more bytes wait to be read (another request is coming: let requests batch)."""
+        sock = self.client.socket()
+        if sock is None:
+            return False
+        if hasattr(sock, "pending") and sock.pending():
+            return True
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (ValueError, TypeError, OSError):
+            return False
+
     def _socket_open(self) -> bool:
         return self.client.socket() is not None
 
