@@ -198,7 +198,10 @@ class MqttTransport:
         return self._thread is not None and self._thread.is_alive()
 
     def wake(self) -> None:
-        """Interrupt the network thread's wait (a packet to write, or room to read again)."""
+        """Interrupt the network thread's wait (a packet to write, or room to read again); the network
+        thread itself needs no waking."""
+        if self._thread is not None and threading.get_ident() == self._thread.ident:
+            return
         try:
             self._wake_w.send(b"x")
         except (BlockingIOError, OSError):  # already awake, or closed
