@@ -31,11 +31,11 @@ def read_card(text: str, source: str = "card.toml") -> ModelCard:
     Raises:
         ValueError: not TOML, or a key is invalid (the message names the file and the key).
     """
-    import tomllib
+    from ..config.toml import TOMLDecodeError, loads
 
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+        data = loads(text)
+    except TOMLDecodeError as exc:
         raise ValueError(f"{source}: not valid TOML ({exc})") from None
     try:
         return card_from_dict(data, source)

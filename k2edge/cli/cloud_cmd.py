@@ -61,21 +61,10 @@ def _settings(args):
 
     table_ = {}
     if args.config:
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            try:
-                import tomli as tomllib
-            except ModuleNotFoundError:
-                raise K2EdgeError("reading a TOML config needs Python 3.11+ or: pip install tomli") from None
+        from ..config.toml import read_toml
+
         path = Path(args.config)
-        try:
-            with path.open("rb") as f:
-                doc = tomllib.load(f)
-        except FileNotFoundError:
-            raise K2EdgeError(f"config {str(path)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise K2EdgeError(f"config {str(path)!r} is not valid TOML: {exc}") from None
+        doc = read_toml(path, K2EdgeError, f"config {str(path)!r} does not exist")
         table_ = dict(doc.get("cloud") or {})
         if not table_:
             raise K2EdgeError(f"config {str(path)!r} has no [cloud] table")

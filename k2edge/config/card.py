@@ -279,19 +279,10 @@ def load_card(path: str | os.PathLike) -> ModelCard:
     Raises:
         CardError: the file is missing, not TOML, or a key is invalid (the message names it).
     """
-    import tomllib
+    from .toml import read_toml
 
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise CardError(f"card {str(p)!r} does not exist") from None
-    except OSError as exc:
-        raise CardError(f"card {str(p)!r}: cannot read ({exc.strerror or exc})") from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise CardError(f"{p}: not valid TOML ({exc})") from None
+    data = read_toml(p, CardError, f"card {str(p)!r} does not exist")
     return card_from_dict(data, str(p), p.resolve().parent)
 
 

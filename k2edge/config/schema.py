@@ -246,22 +246,10 @@ def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
     Raises:
         ConfigError: missing file, TOML syntax error (with line), or invalid keys (with field paths).
     """
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+    from .toml import read_toml
 
     p = Path(path) if path else DEFAULT_PATH
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist (an example ships as config/k2edge.toml)") from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read ({exc.strerror})") from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    data = read_toml(p, ConfigError, f"config file {str(p)!r} does not exist (an example ships as config/k2edge.toml)")
     data = _resolve(data, p.resolve().parent)
     try:
         cfg = DaemonConfig.model_validate(data)

@@ -113,7 +113,10 @@ class AnswerBook:
         # WAL + NORMAL: a commit survives the process dying (kill -9); an OS crash or power cut may
         # lose the last commits, whose requests the broker then redelivers and we answer afresh
         self._db.execute("PRAGMA synchronous=NORMAL")
+        # checkpoints (which fsync) run in flush(), on their own connection, never on a request's path
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.executescript(_SCHEMA)
+        self._maintenance = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
         self._db_failed = False
 
     # admission ------------------------------------------------------------------------------------
@@ -291,27 +294,28 @@ class AnswerBook:
         return True
 
     def flush(self) -> None:
-        """Write delivery marks, prune the database, then forget old delivered keys in memory
-        (they are looked up in the database from then on). Call periodically."""
+        """Write delivery marks, prune, checkpoint the WAL, then forget old delivered keys in memory
+        (they are looked up in the database from then on). Call periodically, off the request path."""
         with self._lock:
             marks, self._marks = self._marks, []
         cut = self._clock() - self.retention_s
-        with self._db_lock:
+        db = self._maintenance
+        try:
+            db.execute("BEGIN")
+            if marks:
+                db.executemany("UPDATE answers SET delivered = ? WHERE key = ?", marks)
+            db.execute("DELETE FROM answers WHERE created < ?", (cut,))
+            db.execute("COMMIT")
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as exc:
             try:
-                self._db.execute("BEGIN")
-                if marks:
-                    self._db.executemany("UPDATE answers SET delivered = ? WHERE key = ?", marks)
-                self._db.execute("DELETE FROM answers WHERE created < ?", (cut,))
-                self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                try:
-                    self._db.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-                log.error("answers database %s: %s", self.path, exc)
-                with self._lock:
-                    self._marks[:0] = marks
-                return
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            log.error("answers database %s: %s", self.path, exc)
+            with self._lock:
+                self._marks[:0] = marks
+            return
         with self._lock:
             excess = len(self._live) - self._memory_keys
             if excess > 0:  # delivered keys whose mark is in the database; the oldest first
@@ -325,3 +329,4 @@ class AnswerBook:
         self.flush()
         with self._db_lock:
             self._db.close()
+        self._maintenance.close()

@@ -252,7 +252,7 @@ class Daemon:
             self.metrics.start(cfg.metrics.host, cfg.metrics.port)
         self._build_models()
         self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, wake=self.transport.wake,
-                                metrics=self.metrics)
+                                input_pending=self.transport.input_pending, metrics=self.metrics)
         self.path.start()
         self.transport.start()
         self.control.start()

@@ -6,7 +6,8 @@
    model; a request refused here is answered here.
 2. **a model's line** (one thread per model): take everything waiting, up to ``max_batch``, as
    soon as the engine has room (``batch_timeout_ms`` may hold a batch for companions), then for
-   that batch, in that thread:
+   that batch, in that thread (a lone request for an idle, quick, one-lane engine, with nothing else
+   waiting to be read, is run the same way by the network thread itself — one thread, no hand-off):
    a. drop what passed its deadline (``deadline_exceeded``), decode each input into a sample,
       and ask the escalation policy early only in the hot and critical thermal states;
    b. infer: inline when the engine has one lane, else on the lanes (finishing on the lane that
@@ -82,11 +83,14 @@ class RequestPath:
         escalation: thermal state, policy and cloud.
         stats: counters for status and telemetry.
         wake: wakes the network thread (room to read again after backpressure).
+        input_pending: True while more requests wait to be read (then a request never runs on the
+            network thread: it goes to its line, where it can batch with the others).
         metrics: the Prometheus metrics, when ``[metrics]`` is configured.
     """
 
     def __init__(self, cfg: DaemonConfig, models: dict[str, ModelRuntime], answers: AnswerBook, escalation: Escalation,
-                 stats: ServiceStats, wake: Callable[[], None] = lambda: None, metrics=None) -> None:
+                 stats: ServiceStats, wake: Callable[[], None] = lambda: None,
+                 input_pending: Callable[[], bool] = lambda: True, metrics=None) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.models = models
@@ -94,6 +98,7 @@ class RequestPath:
         self.escalation = escalation
         self.stats = stats
         self._wake = wake
+        self._input_pending = input_pending
         s = cfg.service
         self.hold = s.queue_size  # above this many waiting, the network thread stops reading
         self.hard_limit = 2 * s.queue_size + 64  # the broker overshot: beyond this, busy
@@ -202,7 +207,11 @@ class RequestPath:
         if error is not None:
             self.answer([(work, self.error(work, error.code, error.message))])
             return
-        self.lines[model].put(work)
+        line = self.lines[model]
+        if not self._input_pending() and line.take_idle():
+            line.run([work])  # alone, and the engine idle and quick: answered here, no hand-off to wait for
+        else:
+            line.put(work)
 
     # 2. a batch, on its model's line ----------------------------------------------------------------
     def run_batch(self, line: "_Line", batch: list[Work], release: Callable[[], None]) -> None:
@@ -451,6 +460,7 @@ class _Line:
     """
 
     STUCK_AFTER_S = 30.0  # a batch in flight this long means a wedged lane: stop the heartbeat
+    QUICK_S = 0.005  # a lone request runs on the network thread only on a model that answers it this fast
 
     def __init__(self, path: RequestPath, runtime: ModelRuntime) -> None:
         self.path = path
@@ -459,11 +469,13 @@ class _Line:
         self.max_batch = s.max_batch
         self.timeout = s.batch_timeout_ms / 1e3
         self.inline = runtime.single_lane
+        self.quick = runtime.batch1_s < self.QUICK_S
         self.slots = 1 if self.inline else len(runtime.lanes()) + 1
         self.items: deque[Work] = deque()
         self._cond = threading.Condition()
         self._free = self.slots
         self._swapping = False  # a deploy waits for the batches in flight: form no new one meanwhile
+        self._running = 0  # batches whose run() has not returned (an inline batch's answers are out by then)
         self._progress = time.monotonic()
         self._heartbeat = time.monotonic()
         self._stopping = False
@@ -501,11 +513,12 @@ class _Line:
         with self._cond:
             self._swapping = True
             try:
-                while self._free != self.slots:
+                while self._free != self.slots or self._running:
                     if time.monotonic() >= end:
                         return None
                     self._cond.wait(0.05)  # release() wakes one waiter, perhaps the loop: poll
                 old, self.runtime, self.inline = self.runtime, runtime, runtime.single_lane
+                self.quick = runtime.batch1_s < self.QUICK_S
                 self.slots = self._free = 1 if self.inline else len(runtime.lanes()) + 1
             finally:
                 self._swapping = False
@@ -531,21 +544,45 @@ class _Line:
                 was_saturated = self.path.saturated()
                 batch = [self.items.popleft() for _ in range(min(len(self.items), self.max_batch))]
                 self._free -= 1
+                self._running += 1
                 self._progress = now
             if was_saturated and not self.path.saturated():
                 self.path._wake()  # the network thread may read again
-            released = []
+            self.run(batch)
 
-            def release() -> None:
-                if not released:
-                    released.append(True)
-                    self.release()
+    def take_idle(self) -> bool:
+        """Take the engine for one request when nothing waits or runs and the model is quick
+        (called by the network thread, which then runs the request itself: no hand-off)."""
+        if not (self.inline and self.quick):
+            return False
+        with self._cond:
+            if self.items or self._free != self.slots or self._stopping or self._swapping:
+                return False
+            self._free -= 1
+            self._running += 1
+            self._progress = time.monotonic()
+            return True
 
-            try:
-                self.path.run_batch(self, batch, release)
-            except Exception as exc:  # one bad batch never stops the line, and no request is left unanswered
-                log.exception("model %s: a batch of %d failed", self.runtime.name, len(batch))
-                left = [w for w in batch if not w.settled]
-                if left:
-                    self.path.answer([(w, self.path.error(w, INTERNAL, f"internal error: {type(exc).__name__}")) for w in left])
-                release()
+    def run(self, batch: list[Work]) -> None:
+        """Run a batch whose room was taken, in the calling thread; never raises, never leaves a
+        request unanswered."""
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.release()
+
+        try:
+            self.path.run_batch(self, batch, release)
+        except Exception as exc:  # one bad batch never stops the line
+            log.exception("model %s: a batch of %d failed", self.runtime.name, len(batch))
+            left = [w for w in batch if not w.settled]
+            if left:
+                self.path.answer([(w, self.path.error(w, INTERNAL, f"internal error: {type(exc).__name__}")) for w in left])
+            release()
+        finally:
+            with self._cond:
+                self._running -= 1
+                if self._swapping:
+                    self._cond.notify_all()

@@ -61,6 +61,7 @@ class ModelRuntime:
         self.sample_shape = tuple(first.input_shape[1:])
         self.input_dtype = first.backend.inputs[0].dtype
         self.max_batch = max_batch
+        self.batch1_s = float("inf")  # measured by activate()
 
     def _build(self, profile: Profile, max_batch: int, board, cache_dir) -> dict:
         from ..engine.engine import Engine
@@ -85,8 +86,19 @@ class ModelRuntime:
         return [*self.normal.values(), *(self.warm.values() if self.warm else ())]
 
     def activate(self) -> None:
+        """Activate every engine and run each once (the first run of a session pays its set-up);
+        ``batch1_s`` is what the batch-1 engine took for one request."""
+        import time
+
         for e in self._all():
             e.activate()
+            feeds = {e.input_name: np.zeros(e.input_shape, dtype=e.backend.inputs[0].dtype)}
+            for _ in range(2):
+                t0 = time.perf_counter()
+                e.infer(feeds)
+                took = time.perf_counter() - t0
+            if e is self.normal[1]:
+                self.batch1_s = took
 
     def deactivate(self) -> None:
         for e in self._all():

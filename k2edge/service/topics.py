@@ -73,9 +73,10 @@ def model_of(topic: str) -> str | None:
 
 def valid_level(value: str) -> bool:
     """True when ``value`` can be one topic level: non-empty, no wildcards, no separator, no NUL."""
-    return bool(value) and not any(c in value for c in "+#/\x00") and len(value.encode()) <= 256
+    return (bool(value) and "+" not in value and "#" not in value and "/" not in value and "\x00" not in value
+            and len(value.encode("utf-8", "surrogatepass")) <= 256)
 
 
 def publishable(topic: str) -> bool:
     """True when ``topic`` is a topic name one can publish to: non-empty, no wildcards, no NUL."""
-    return bool(topic) and not any(c in topic for c in "+#\x00") and len(topic.encode("utf-8", "surrogatepass")) <= 65535
+    return bool(topic) and "+" not in topic and "#" not in topic and "\x00" not in topic and len(topic) <= 16383

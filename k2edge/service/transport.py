@@ -199,7 +199,10 @@ class MqttTransport:
         return self._thread is not None and self._thread.is_alive()
 
     def wake(self) -> None:
-        """Interrupt the network thread's wait (a packet to write, or room to read again)."""
+        """Interrupt the network thread's wait (a packet to write, or room to read again); the network
+        thread itself needs no waking."""
+        if self._thread is not None and threading.get_ident() == self._thread.ident:
+            return
         try:
             self._wake_w.send(b"x")
         except (BlockingIOError, OSError):  # already awake, or closed
@@ -304,6 +307,18 @@ class MqttTransport:
             if rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_AGAIN):
                 return rc
         return c.loop_misc()
+
+    def input_pending(self) -> bool:
+        """True when more bytes wait to be read (another request is coming: let requests batch)."""
+        sock = self.client.socket()
+        if sock is None:
+            return False
+        if hasattr(sock, "pending") and sock.pending():
+            return True
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (ValueError, TypeError, OSError):
+            return False
 
     def _socket_open(self) -> bool:
         return self.client.socket() is not None

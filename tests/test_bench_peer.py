@@ -1,0 +1,57 @@
+"""bench/bench_peer.py (k2edge against the hand-written peer) still runs end to end, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "bench_peer.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+@pytest.mark.slow
+def test_bench_peer_runs_and_prints_the_comparison(tmp_path):
+    """A tiny run: both targets answer every request ok, the table and the JSON carry both sides."""
+    out = tmp_path / "peer.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--requests", "50", "--rounds", "1", "--warmup", "10",
+                           "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("throughput, 16 in flight", "p50 round trip, 1 in flight", "answers not ok", "CPU ms per request"):
+        assert row in proc.stdout, proc.stdout
+    summary = json.loads(out.read_text())["summary"]
+    for target in ("k2edge", "peer"):
+        assert summary[target]["failures"] == 0, summary[target]["errors"]
+        assert summary[target]["requests"] == 120  # (10 warm-up + 50) at 16 in flight and at one in flight
+        assert summary[target]["throughput"]["throughput_per_s"]["median"] > 0
+        assert summary[target]["latency"]["p50_ms"]["median"] > 0
+        assert set(summary[target]["throughput"]["cpu_ms_per_request"]) == {"k2edge", "peer", "broker", "loadgen"}
+    assert summary["k2edge"]["throughput"]["mean_batch"] >= 1  # k2edge's answers say their batch size
+    assert isinstance(summary["goals"]["throughput_ratio"]["met"], bool)
+
+
+def test_bench_peer_refuses_bad_arguments_in_one_line():
+    """Bad input: exit 1 and one line, before any broker or daemon starts."""
+    proc = subprocess.run([sys.executable, str(BENCH), "--requests", "0"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "bench_peer: --requests must be at least 1, got 0"
+
+
+def test_collapse_counts_own_time_per_function_and_thread():
+    """py-spy's raw stacks: the innermost frame gets the own time; every frame once gets inclusive time."""
+    from bench_peer import collapse
+
+    raw = ("thread (1): net;loop (t.py:3);read (t.py:9) 6\n"
+           "thread (1): net;loop (t.py:3);read (t.py:10) 2\n"
+           "thread (2): line;run (r.py:5);loop (t.py:4) 2\n")
+    prof = collapse(raw)
+    assert prof["samples"] == 10
+    assert prof["own"][0] == {"function": "read (t.py)", "samples": 8, "share": 0.8}
+    assert prof["own_lines"][0] == {"line": "read (t.py:9)", "samples": 6, "share": 0.6}
+    assert {r["function"]: r["samples"] for r in prof["inclusive"]}["loop (t.py)"] == 10
+    assert prof["threads"] == [{"thread": "net", "samples": 8, "share": 0.8}, {"thread": "line", "samples": 2, "share": 0.2}]
