@@ -39,7 +39,7 @@ def broker(tmp_path):
 def keys(tmp_path_factory):
     base = tmp_path_factory.mktemp("keys")
     ops, rogue = generate_keys(base / "ops"), generate_keys(base / "rogue")
-    return {"key": ops[0], "pub": ops[1], "rogue_key": rogue[0]}
+    return {"key": ops[0], "pub": ops[1], "rogue_key": rogue[0], "rogue_pub": rogue[1]}
 
 
 @pytest.fixture(scope="module")
@@ -473,3 +473,18 @@ def test_the_cli_speaks_tls_to_the_broker(tmp_path):
         assert len(wrong.stderr.strip().splitlines()) == 1
     finally:
         tls.stop()
+
+
+def test_removing_a_key_revokes_the_installed_version_it_signed(tmp_path, broker, keys, releases):
+    """The version in the state directory is verified again at every start: with its signer's key no longer
+    trusted, the daemon does not start (one line naming the version and the check), and the trail says why."""
+    cfg = _config(tmp_path, broker, keys, releases["1.0.0"])
+    assert _daemon(cfg, tmp_path, broker).terminate() == 0
+    revoked = _config(tmp_path, broker, keys, releases["1.0.0"], trust={"keys": [str(keys["rogue_pub"])]})
+    proc = _k2edge("serve", "--config", str(revoked), timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert last.startswith("k2edge serve: error: model digits: the installed version 1.0.0 is refused: untrusted_key: "), last
+    record = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])
+    assert (record["action"], record["status"], record["ok"]) == ("load", "untrusted_key", False), record
+    assert record["source"].endswith("models/digits/1.0.0")

@@ -98,8 +98,10 @@ class Daemon:
             self.metrics.set_model(name, rt.version, rt.profile_name)
         self._publish_status()
 
-    def _publish_status(self, state: str = "online") -> None:
+    def _publish_status(self) -> None:
+        """The retained status, now (from any thread: a deploy's progress, a thermal transition)."""
         if self.transport is not None and self.transport.connected.is_set():
+            state = "draining" if self._draining.is_set() else "online"
             with self._status_lock:  # retained: the last one published must be the newest
                 self.transport.publish(topics.status_topic(self.cfg.prefix), self.status_payload(state), qos=1, retain=True)
 
@@ -303,7 +305,7 @@ class Daemon:
         cfg = self.cfg
         self.path.draining.set()
         self.notify.notify("STOPPING=1", "STATUS=draining")
-        self._publish_status("draining")
+        self._publish_status()  # draining
         self.lifecycle.stop(5.0)  # a deploy not committed is dropped unanswered: redelivered at the next start
         if not self.path.wait_idle(cfg.service.drain_timeout_s):
             log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", cfg.service.drain_timeout_s)
