@@ -3,7 +3,6 @@ swap, refusals, rollback, group deploys, HTTPS URLs, restarts, audit and /metric
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import ssl
