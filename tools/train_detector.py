@@ -71,7 +71,7 @@ JPEG_QUALITY_EVAL = 85
 JPEG_QUALITY_TRAIN = (60, 95)
 
 # data set sizes
-TRAIN_SCENES = 10000
+TRAIN_SCENES = 8000
 EVAL_SCENES = 200
 CALIB_SCENES = 64
 EVAL_FRACTION = 0.3  # digit split, as tools/train_digits.py
@@ -516,12 +516,37 @@ def export_onnx(model: DigitDetector, path: Path) -> None:
         # scope names come out as "/backbone/c3/c3.1/Conv": drop the leading "/" so that the
         # decoding is findable by the prefix "head/" (INT8 keeps it out; see the README)
         node.name = node.name.lstrip("/")
+    tidy(proto)
     onnx.helper.set_model_props(proto, {"k2edge.labels": "labels.txt"})
     onnx.checker.check_model(proto, full_check=True)
     ops = {n.op_type for n in proto.graph.node}
     assert "BatchNormalization" not in ops, f"BatchNorm was not folded: {sorted(ops)}"
     assert all(o.domain in ("", "ai.onnx") for o in proto.opset_import), proto.opset_import
     onnx.save(proto, str(path))
+
+
+def tidy(proto: onnx.ModelProto) -> None:
+    """Constant nodes become initializers and ``output0`` gets its static shape [N, 14, anchors].
+
+    The exporter leaves the Resize scales and the head's Slice bounds as Constant nodes and names
+    the output's dims after the Concat; neither changes what the model computes.
+    """
+    nodes = []
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and [a.name for a in node.attribute] == ["value"]:
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(node.attribute[0].t)
+            tensor.name = node.output[0]
+            proto.graph.initializer.append(tensor)
+        else:
+            nodes.append(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    dims = proto.graph.output[0].type.tensor_type.shape.dim
+    dims[1].dim_value = 4 + NUM_CLASSES
+    dims[2].dim_value = sum((INPUT // s) ** 2 for s in STRIDES)
+    inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    assert inferred.graph.output[0] == proto.graph.output[0], inferred.graph.output[0]
 
 
 CARD = f"""\
@@ -711,7 +736,7 @@ def verify(out: Path, model: DigitDetector) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("models/detector"), help="output directory")
-    parser.add_argument("--epochs", type=int, default=30, help="training epochs")
+    parser.add_argument("--epochs", type=int, default=24, help="training epochs")
     parser.add_argument("--scenes", type=int, default=TRAIN_SCENES, help="training scenes")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
     args = parser.parse_args()
