@@ -61,7 +61,7 @@ OPSET = 17
 # scenes
 SCENE_SIZES = ((160, 160), (160, 160), (192, 128), (224, 144), (128, 192), (144, 208))  # (width, height)
 DIGITS_PER_SCENE = (2, 6)              # inclusive
-DIGIT_HEIGHT = (14, 56)                # px at a 160-pixel scene side, log-uniform
+DIGIT_HEIGHT = (20, 64)                # px at a 160-pixel scene side, log-uniform
 MAX_IOU = 0.35                         # between two digits of a scene: some overlap, none hidden
 MAX_COVERED = 0.5                      # share of an earlier digit a later one may cover
 MIN_CONTRAST = 45                      # a digit's ink is at least this much darker (grey level) than under it
