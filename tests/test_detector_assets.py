@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import tomllib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 from PIL import Image
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # a runtime dependency below 3.11
+    import tomli as tomllib
 
 DETECTOR = Path(__file__).resolve().parents[1] / "models" / "detector"
 LABELS = [str(d) for d in range(10)]
