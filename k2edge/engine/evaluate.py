@@ -35,6 +35,7 @@ def open_eval_set(engine, path, limit: int | None = None) -> Dataset | CocoDatas
 
 
 EVAL_SCORE_THRESHOLD = 0.001
+EVAL_MAX_DETECTIONS = 300
 
 
 def _results(engine, samples: list):
@@ -46,36 +47,35 @@ def _results(engine, samples: list):
         yield result
 
 
-def run_detector(engine, samples: list, advance: Callable[[int], None] | None = None,
-                 score_threshold: float | None = None) -> list:
-    """The decoded detections (original-image pixels) of every sample, through the lanes, at the
-    card's score threshold or ``score_threshold``."""
+def run_detector(engine, samples: list, advance: Callable[[int], None] | None = None, evaluation: bool = False) -> list:
+    """The decoded detections (original-image pixels) of every sample, through the lanes: as the card
+    serves them, or with ``evaluation`` as mAP is measured (see :func:`evaluate_detector`)."""
     from ..tasks.detection import decode
 
     spec = engine.card.detection
-    if score_threshold is not None:
-        spec = spec.model_copy(update={"score_threshold": score_threshold})
+    if evaluation:
+        spec = spec.model_copy(update={"score_threshold": EVAL_SCORE_THRESHOLD,
+                                       "max_detections": max(spec.max_detections, EVAL_MAX_DETECTIONS)})
     out = []
     for result in _results(engine, samples):
         n = len(result.items)
-        out.extend(decode(result.outputs[engine.decoder.output], spec, result.geometries[:n]))
+        out.extend(decode(result.outputs[engine.decoder.output], spec, result.geometries[:n], multi_label=evaluation))
         if advance:
             advance(n)
     return out
 
 
-def evaluate_detector(engine, dataset: CocoDataset, advance: Callable[[int], None] | None = None,
-                      score_threshold: float = EVAL_SCORE_THRESHOLD) -> dict:
+def evaluate_detector(engine, dataset: CocoDataset, advance: Callable[[int], None] | None = None) -> dict:
     """COCO mAP of ``engine`` on ``dataset``: ``map50``, ``map`` (fractions), images, detections, throughput.
 
-    Boxes are kept down to ``score_threshold`` (0.001, as Ultralytics' validation does): mAP
-    integrates precision over the whole recall range, which the card's serving threshold would cut
-    short. NMS and ``max_detections`` are the card's.
+    Decoded as Ultralytics' validation decodes for mAP: scores down to 0.001, every class of an
+    anchor above it (multi-label), up to 300 boxes an image — mAP integrates precision over the whole
+    recall range, which the card's serving threshold would cut short. The NMS IoU is the card's.
     """
     from ..tasks.coco_eval import coco_map, coco_results
 
     t0 = time.perf_counter()
-    detections = run_detector(engine, list(dataset.samples), advance, score_threshold)
+    detections = run_detector(engine, list(dataset.samples), advance, evaluation=True)
     elapsed = time.perf_counter() - t0
     scores = coco_map(dataset.ground_truth, coco_results(dataset.image_ids, detections, dataset.category_ids))
     return {**scores, "images": len(detections), "detections": int(sum(len(d) for d in detections)),

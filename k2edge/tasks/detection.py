@@ -81,16 +81,23 @@ def layout_classes(shape: Sequence, fmt: str) -> int:
     raise ValueError(f"unknown detection format {fmt!r}")
 
 
-def _candidates(p: np.ndarray, fmt: str, threshold: float):
-    """(boxes cx cy w h (k, 4), scores (k,), classes (k,)) of the anchors above ``threshold``."""
+def _candidates(p: np.ndarray, fmt: str, threshold: float, multi_label: bool = False):
+    """(boxes cx cy w h (k, 4), scores (k,), classes (k,)) of the anchors above ``threshold``: each
+    anchor's best class, or with ``multi_label`` every class of it above the threshold."""
     if fmt == "yolov8":
         cls_scores = p[4:]
+        if multi_label:
+            classes, idx = np.nonzero(cls_scores > threshold)
+            return p[:4, idx].T, cls_scores[classes, idx], classes
         best = cls_scores.max(axis=0)
         idx = np.flatnonzero(best > threshold)
         return p[:4, idx].T, best[idx], cls_scores[:, idx].argmax(axis=0)
     obj = p[:, 4]
     idx = np.flatnonzero(obj > threshold)
     scores = p[idx, 5:] * obj[idx, None]
+    if multi_label:
+        rows, classes = np.nonzero(scores > threshold)
+        return p[idx[rows], :4], scores[rows, classes], classes
     classes = scores.argmax(axis=1)
     best = scores[np.arange(len(idx)), classes]
     keep = best > threshold
@@ -147,16 +154,18 @@ def nms(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float, classes: np
     return order[np.asarray(keep, dtype=np.int64)]
 
 
-def decode_one(pred: np.ndarray, spec: DetectionSpec, geometry: Geometry | None = None) -> Detections:
+def decode_one(pred: np.ndarray, spec: DetectionSpec, geometry: Geometry | None = None,
+               multi_label: bool = False) -> Detections:
     """Decode one image's prediction (``[4 + C, anchors]`` or ``[anchors, 5 + C]``).
 
     Boxes come back in the original image's pixels through ``geometry`` (clipped to it), or in
-    input pixels when ``geometry`` is None.
+    input pixels when ``geometry`` is None. ``multi_label``: an anchor may give a box for each class
+    above the threshold (evaluation), not only for its best.
     """
     p = np.asarray(pred)
     if p.dtype != np.float32:
         p = p.astype(np.float32)
-    cxcywh, scores, classes = _candidates(p, spec.format, spec.score_threshold)
+    cxcywh, scores, classes = _candidates(p, spec.format, spec.score_threshold, multi_label)
     if len(scores) > spec.max_candidates:
         top = np.argpartition(-scores, spec.max_candidates - 1)[: spec.max_candidates]
         cxcywh, scores, classes = cxcywh[top], scores[top], classes[top]
@@ -169,7 +178,8 @@ def decode_one(pred: np.ndarray, spec: DetectionSpec, geometry: Geometry | None 
     return Detections(boxes.astype(np.float32), scores.astype(np.float32), classes)
 
 
-def decode(pred: np.ndarray, spec: DetectionSpec, geometries: Sequence[Geometry | None] | None = None) -> list[Detections]:
+def decode(pred: np.ndarray, spec: DetectionSpec, geometries: Sequence[Geometry | None] | None = None,
+           multi_label: bool = False) -> list[Detections]:
     """Decode a batch: one :class:`Detections` per image, each independent of the others.
 
     Args:
@@ -182,4 +192,4 @@ def decode(pred: np.ndarray, spec: DetectionSpec, geometries: Sequence[Geometry 
         p = p[None]
     layout_classes(p.shape, spec.format)
     n = len(p) if geometries is None else min(len(p), len(geometries))
-    return [decode_one(p[i], spec, None if geometries is None else geometries[i]) for i in range(n)]
+    return [decode_one(p[i], spec, None if geometries is None else geometries[i], multi_label) for i in range(n)]
