@@ -197,8 +197,9 @@ class Engine:
             board: ``orin-agx`` (default), ``orin-nx-16``, ``orin-nx-8`` or ``orin-nano``.
             backend: ``auto`` (TensorRT where it exists, else ONNX Runtime), ``onnxruntime`` or ``tensorrt``.
             cache_dir: engine cache directory (default ``~/.cache/k2edge``).
-            threads_per_lane / spinning: ONNX Runtime lanes' intra-op threads and whether idle ones
-                spin (lowest latency for one engine; off where many engines share the cores).
+            threads_per_lane / spinning: ONNX Runtime lanes' intra-op threads and whether they spin
+                between runs (lowest latency for one engine; off where many engines share the cores:
+                they then spin only within a run).
             card: the model card (a file or a :class:`ModelCard`); default the ``<stem>.card.toml``
                 or ``card.toml`` beside the model, if any.
             card_overrides: card keys that override the card (the daemon config's card table).
