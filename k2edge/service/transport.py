@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import select
@@ -41,6 +42,8 @@ from ..config.schema import DaemonConfig, read_secret
 log = logging.getLogger(__name__)
 
 STABLE_AFTER_S = 10.0
+_JSON_PROPERTIES = Properties(PacketTypes.PUBLISH)  # copied per answer: building one from names is slow in paho
+_JSON_PROPERTIES.ContentType = "application/json"
 
 
 class AckSequencer:
@@ -106,6 +109,27 @@ class _Client(mqtt.Client):
             if rc == mqtt.MQTTErrorCode.MQTT_ERR_AGAIN or not self._more():
                 return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
         return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def _packet_write(self) -> mqtt.MQTTErrorCode:
+        # Send what is queued in one write, not one send() — and, with TCP_NODELAY, one segment the
+        # broker must read — per packet. Packets paho acts on once written (QoS 0 publishes: their
+        # on_publish; DISCONNECT) and a packet already half sent are left to paho's own loop.
+        q = self._out_packet
+        if len(q) > 1 and q[0]["pos"] == 0:
+            batch = []
+            while q and len(batch) < 256:
+                p = q[0]
+                kind = p["command"] & 0xF0
+                if p["pos"] or kind == mqtt.DISCONNECT or (kind == mqtt.PUBLISH and p["qos"] == 0):
+                    break
+                batch.append(q.popleft())
+            if len(batch) == 1:
+                q.appendleft(batch[0])
+            elif batch:
+                data = b"".join(p["packet"] for p in batch)
+                q.appendleft({"command": 0, "mid": 0, "qos": 1, "pos": 0, "to_process": len(data), "packet": data,
+                              "info": None})
+        return super()._packet_write()
 
 
 class MqttTransport:
@@ -381,8 +405,9 @@ class MqttTransport:
                 on_delivered: Callable[[], None] | None = None):
         """Queue a publish; ``on_delivered()`` runs once the broker acknowledged it (QoS 1/2), or
         once it was written (QoS 0). Queued while disconnected, it goes out on reconnect."""
-        props = Properties(PacketTypes.PUBLISH)
-        props.ContentType = content_type
+        props = copy.copy(_JSON_PROPERTIES) if content_type == "application/json" else Properties(PacketTypes.PUBLISH)
+        if content_type != "application/json":
+            props.ContentType = content_type
         if correlation is not None:
             props.CorrelationData = correlation
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=props)
