@@ -148,6 +148,8 @@ class ModelRuntime:
                              f"expected {list(self.sample_shape)} or {[1, *self.sample_shape]}")
         if arr.dtype != self.input_dtype:
             raise InputError(f"tensor dtype {arr.dtype} does not fit model {self.name!r}: expected {self.input_dtype}")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise InputError("tensor.data holds NaN or infinite values")
         return arr, None
 
     def _batch(self, samples: list[np.ndarray]):
