@@ -1,7 +1,7 @@
-"""A detector and the digits classifier served side by side over MQTT, against a real mosquitto and the K2
-stand-in: detection answers carry ``detections`` (the boxes `k2edge infer` gives), classifier answers
-``top_k``; batching, deadlines and escalation work for both; a raw-tensor model answers ``outputs`` and an
-answer over ``max_answer_bytes`` is refused."""
+"""The demo detector (models/detector) and the digits classifier served side by side over MQTT, against a
+real mosquitto and the K2 stand-in: detection answers carry ``detections`` (the boxes `k2edge infer` gives),
+classifier answers ``top_k``; batching, deadlines and escalation work for both; a raw-tensor model answers
+``outputs`` and an answer over ``max_answer_bytes`` is refused."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from PIL import Image
-
-from detect_scenes import LABELS, scene
 from graphs import grid_detector
 from k2_server import K2StandIn, answer
 from mqtt_support import DIGITS, ROOT, SAMPLES, TOPIC, Client, image_request, tensor_request
@@ -23,25 +20,21 @@ from mqtt_support import DIGITS, ROOT, SAMPLES, TOPIC, Client, image_request, te
 pytestmark = pytest.mark.slow
 H, W = 64, 96
 DET_TOPIC = "k2edge/t1/infer/boxes"
+DETECTOR = ROOT / "models" / "detector"
+BOXES = {"name": "boxes", "onnx": DETECTOR / "model.onnx", "profile": "cpu-dev"}  # its card.toml lies beside it
+SCENES = sorted((DETECTOR / "samples").glob("*.jpg"))
 
 
 @pytest.fixture(scope="module")
 def det_dir(tmp_path_factory):
+    """A small hand-weighted YOLOv8-layout graph, served as raw tensors."""
     d = tmp_path_factory.mktemp("detd")
     onnx.save(grid_detector(H, W), str(d / "boxes.onnx"))
-    (d / "labels.txt").write_text("\n".join(LABELS) + "\n")
-    (d / "card.toml").write_text(f'task = "detection"\nlabels = "labels.txt"\n[input]\nsize = [{H}, {W}]\n'
-                                 'resize = "letterbox"\npad_value = 114\ncolor = "RGB"\nscale = 0.00392156862745098\n'
-                                 '[detection]\nscore_threshold = 0.5\n')
-    rng = np.random.default_rng(11)
-    for i, (w, h) in enumerate([(300, 170), (150, 260), (96, 64), (240, 160)]):
-        arr, _ = scene(rng, w, h, n=4)
-        Image.fromarray(arr).save(d / f"scene{i}.png")
     return d
 
 
-def _infer_json(det_dir, image) -> dict:
-    out = subprocess.run([sys.executable, "-m", "k2edge", "infer", str(det_dir / "boxes.onnx"), "-p", "cpu-dev", "--json",
+def _infer_json(image) -> dict:
+    out = subprocess.run([sys.executable, "-m", "k2edge", "infer", str(DETECTOR / "model.onnx"), "-p", "cpu-dev", "--json",
                           str(image)], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     return json.loads(out.splitlines()[0])
 
@@ -52,18 +45,17 @@ def _same_boxes(got: list[dict], want: list[dict]) -> None:
         assert g["label"] == w["label"] and np.allclose(g["box"], w["box"], atol=1e-3) and g["score"] == pytest.approx(w["score"])
 
 
-def test_detector_and_classifier_side_by_side(run_daemon, broker, det_dir):
+def test_detector_and_classifier_side_by_side(run_daemon, broker):
     """Detections equal `k2edge infer`'s; classifier answers are unchanged; both batch; both honour deadlines."""
-    boxes = {"name": "boxes", "onnx": det_dir / "boxes.onnx", "profile": "cpu-dev"}
-    d = run_daemon(models=[DIGITS, boxes], service={"max_batch": 4})
+    d = run_daemon(models=[DIGITS, BOXES], service={"max_batch": 4})
     client = Client(broker.port).connect()
-    scenes = sorted(det_dir.glob("scene*.png"))
+    scenes = SCENES
     det = {client.publish(DET_TOPIC, image_request(p, rid=f"det-{i}")): p for i, p in enumerate(scenes * 3)}
     cls = {client.publish(TOPIC, image_request(p, rid=f"cls-{i}")): p for i, p in enumerate(SAMPLES * 2)}
     late = client.publish(DET_TOPIC, image_request(scenes[0], rid="det-late", deadline_ms=1))
     client.wait_answers(len(det) + len(cls) + 1, timeout=60)
     answers = {c: a for a, c in client.answers}
-    want = {p: _infer_json(det_dir, p)["detections"] for p in scenes}
+    want = {p: _infer_json(p)["detections"] for p in scenes}
     for corr, p in det.items():
         a = answers[corr]
         assert a["status"] == "ok" and "top_k" not in a and a["model"] == "boxes", a
@@ -77,17 +69,16 @@ def test_detector_and_classifier_side_by_side(run_daemon, broker, det_dir):
     client.close()
 
 
-def test_a_detector_escalates_when_nothing_is_found_confidently(run_daemon, broker, det_dir, tmp_path):
+def test_a_detector_escalates_when_nothing_is_found_confidently(run_daemon, broker, tmp_path):
     """max_box_score below the threshold: K2 gets the image and the edge's boxes; the answer keeps the boxes."""
     with K2StandIn() as k2:
         k2.fallback = answer("two white squares and a red one")
-        boxes = {"name": "boxes", "onnx": det_dir / "boxes.onnx", "profile": "cpu-dev",
-                 "escalation": {"measure": "max_box_score", "threshold": 0.999999}}
+        boxes = {**BOXES, "escalation": {"measure": "max_box_score", "threshold": 0.999999}}
         run_daemon(models=[boxes], env={"K2_TEST_KEY": "k"},
                    tables={"cloud": {"base_url": k2.url, "model": "kimi-k2.5", "api_key_env": "K2_TEST_KEY",
                                      "timeout_s": 5.0, "max_retries": 0}})
         client = Client(broker.port).connect()
-        client.publish(DET_TOPIC, image_request(det_dir / "scene0.png", rid="esc"))
+        client.publish(DET_TOPIC, image_request(SCENES[0], rid="esc"))
         a = client.wait_answers(1, timeout=30)[0]
         assert a["status"] == "ok" and a["source"] == "cloud" and a["text"] == "two white squares and a red one", a
         assert a["detections"] and a["cloud_input"] == "image"
@@ -98,10 +89,10 @@ def test_a_detector_escalates_when_nothing_is_found_confidently(run_daemon, brok
         client.close()
 
 
-def test_a_classifier_measure_on_a_detector_is_refused_at_start(tmp_path, broker, det_dir):
+def test_a_classifier_measure_on_a_detector_is_refused_at_start(tmp_path, broker):
     from mqtt_support import DaemonProcess, write_config
 
-    boxes = {"name": "boxes", "onnx": det_dir / "boxes.onnx", "profile": "cpu-dev", "escalation": {"measure": "margin"}}
+    boxes = {**BOXES, "escalation": {"measure": "margin"}}
     cfg = write_config(tmp_path / "bad.toml", broker.port, [boxes])
     d = DaemonProcess(cfg, tmp_path / "bad.log").start()
     assert d.proc.wait(timeout=120) == 1
