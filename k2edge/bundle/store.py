@@ -180,18 +180,7 @@ class ModelStore:
             return
         # the temporary file lies beside the version folder, not in it: if we die before the rename,
         # a stray file inside would make the version fail its next verification (unexpected_file)
-        fd, tmp = tempfile.mkstemp(prefix=".sig-", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(signature)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o640)
-            os.replace(tmp, sig)
-            fsync_dir(target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _replace_durably(sig, signature, target.parent, ".sig-")
 
     def activate(self, name: str, version: str) -> BundleResult:
         """Make an installed version current (the old current becomes previous) and delete the rest.
@@ -280,19 +269,7 @@ class ModelStore:
         state = {"current": current, "previous": previous}
         if rollback is not None:
             state["rollback"] = rollback
-        body = json.dumps(state, indent=2) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=".state-", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o640)
-            os.replace(tmp, folder / POINTER)
-            fsync_dir(folder)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _replace_durably(folder / POINTER, (json.dumps(state, indent=2) + "\n").encode(), folder, ".state-")
 
     def _prune(self, name: str, keep: set) -> None:
         for p in (self.root / name).iterdir():
@@ -314,3 +291,20 @@ def _with(result: BundleResult, **changes) -> BundleResult:
     from dataclasses import replace
 
     return replace(result, **changes)
+
+
+def _replace_durably(path: Path, data: bytes, tmp_dir: Path, prefix: str) -> None:
+    """Replace ``path`` with ``data`` so that a power loss leaves the old file or the new one: write a
+    temporary file in ``tmp_dir``, fsync it, rename it over ``path``, fsync the folder."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=tmp_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o640)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
