@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..cloud_bridge import (BridgeRequest, CloudBridge, CloudHealth, CloudRejected, Decision, EscalationPolicy,
-                            EscalationRequest, LocalResult, Outcome, Postpone)
+                            EscalationRequest, LocalResult, Outcome)
 from ..config.schema import DaemonConfig, state_dir
 from ..deadline import Deadline
 from ..telemetry import thermal_sampler
@@ -194,24 +194,13 @@ class Escalation:
 
     # the outbox loop: deferred answers, and cloud work an earlier run did not finish ---------------
     def _outbox_loop(self, resume: Callable, publish_followup: Callable) -> None:
-        outbox = self.bridge.outbox
-        while not self._stop.is_set():
-            try:
-                for item in outbox.claim(16):
-                    try:
-                        if item.payload.get("live"):
-                            resume(item)
-                        else:
-                            self.bridge.deliver_item(item, publish_followup)
-                    except Exception as exc:
-                        wait = exc.retry_in_s if isinstance(exc, Postpone) else min(300.0, 2.0 * 2 ** max(0, item.attempts - 1))
-                        log.info("outbox %s: not delivered (%s); next try in %.0f s", item.id, exc, wait)
-                        outbox.release(item.id, str(exc), wait)
-                        continue
-                    outbox.mark_delivered(item.id)
-            except Exception:
-                log.exception("outbox delivery pass failed")
-            self._stop.wait(1.0)
+        def send(item) -> None:
+            if item.payload.get("live"):
+                resume(item)
+            else:
+                self.bridge.deliver_item(item, publish_followup)
+
+        self.bridge.outbox.deliver_pending(send, self._stop)
 
     def resume_outcome(self, item) -> Outcome | None:
         """For an outbox row the cloud pool had taken: the cloud's outcome, or None when its

@@ -223,12 +223,16 @@ class RequestPath:
         now = clock()
         done: list[tuple[Work, dict]] = []
         live: list[Work] = []
-        for w, sample in zip(batch, self._decode(rt, batch)):
+        timely = []
+        for w in batch:
             w.runtime = rt
             w.timings["queue"] = (now - w.received) * 1e3
-            if w.deadline.expired(now):
+            if w.deadline.expired(now):  # not decoded: nothing will be done with it
                 done.append((w, self.error(w, DEADLINE_EXCEEDED, f"{w.deadline.why} passed before the request could run")))
-            elif isinstance(sample, RequestError):
+            else:
+                timely.append(w)
+        for w, sample in zip(timely, self._decode(rt, timely)):
+            if isinstance(sample, RequestError):
                 done.append((w, self.error(w, sample.code, sample.message)))
             else:
                 w.sample, w.geometry = sample

@@ -205,14 +205,6 @@ class ModelRuntime:
             f"model {self.name!r} produced non-finite outputs (NaN or infinity) for this input; no answer can be read from them")
             for r in out]
 
-    def run_one(self, image: bytes | None, tensor, k: int, max_pixels: int):
-        """Stage and run one request synchronously: its (fragment, LocalResult) (a cloud worker's fallback)."""
-        sample, geometry = self.stage(image, tensor, max_pixels)
-        result = self.results(self.infer([sample]), [geometry], [k])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
-
 
 _TRIM_AFTER_PIXELS = 4_000_000
 _libc = None
