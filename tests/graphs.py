@@ -8,13 +8,17 @@ from onnx import TensorProto, helper, numpy_helper
 
 
 def conv_chain(n_convs: int = 6, channels: int = 8, size: int = 16, opset: int = 13, gap_head: bool = True,
-               seed: int = 0) -> onnx.ModelProto:
-    """Conv/Relu chain with an optional GlobalAveragePool + Flatten + Gemm head; dynamic batch."""
+               seed: int = 0, he_init: bool = False) -> onnx.ModelProto:
+    """Conv/Relu chain with an optional GlobalAveragePool + Flatten + Gemm head; dynamic batch.
+
+    ``he_init`` scales each conv's weights by sqrt(2 / fan_in) so activations keep their size through any
+    depth (the fixed 0.2 of the shallow chains overflows to infinity after a few dozen wide layers)."""
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
     prev, cin = "x", 3
     for i in range(n_convs):
-        w = numpy_helper.from_array((rng.standard_normal((channels, cin, 3, 3)) * 0.2).astype(np.float32), f"w{i}")
+        std = np.sqrt(2.0 / (cin * 9)) if he_init else 0.2
+        w = numpy_helper.from_array((rng.standard_normal((channels, cin, 3, 3)) * std).astype(np.float32), f"w{i}")
         b = numpy_helper.from_array(np.zeros(channels, np.float32), f"b{i}")
         inits += [w, b]
         nodes.append(helper.make_node("Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], pads=[1, 1, 1, 1], name=f"conv{i}"))

@@ -168,6 +168,7 @@ class Client:
         self.reply_topic = f"test/{uuid.uuid4().hex[:8]}/reply"
         self.answers: list[tuple[dict, object]] = []
         self.statuses: list[dict] = []
+        self.status_times: list[float] = []  # when each status arrived (time.monotonic)
         self.other: list[tuple[str, dict]] = []
         self.dups: list[bool] = []  # MQTT DUP flag of each answer: a broker retransmission, not a second answer
         self.raw: list[tuple[bytes, float]] = []  # each answer's exact bytes and when it arrived (time.monotonic)
@@ -178,12 +179,29 @@ class Client:
         self.c.on_socket_open = lambda c, u, s: s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.c.reconnect_delay_set(0.1, 0.5)
         self.persistent = persistent
-        self._subscribed = threading.Event()
+        self._subscribed = threading.Event()  # the SUBACK of the subscriptions made at connect has come
+        self._subacks: set[int] = set()
+        self._awaited_subacks: set[int] = set()
         self.c.on_connect = self._on_connect
+        self.c.on_subscribe = self._on_subscribe
 
     def _on_connect(self, client, userdata, flags, rc, props):
-        client.subscribe([(self.reply_topic, 1), ("k2edge/+/status", 1), ("k2edge/+/result/#", 1), ("k2edge/+/errors", 1)])
-        self._subscribed.set()
+        _, mid = client.subscribe([(self.reply_topic, 1), ("k2edge/+/status", 1), ("k2edge/+/result/#", 1),
+                                   ("k2edge/+/errors", 1)])
+        with self._cond:
+            self._awaited_subacks.add(mid)
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, props):
+        with self._cond:
+            self._subacks.add(mid)
+            if mid in self._awaited_subacks:
+                self._subscribed.set()
+            self._cond.notify_all()
+
+    def subscribe(self, topic: str, qos: int = 1, timeout: float = 30.0) -> None:
+        """Subscribe and wait for the broker's SUBACK: what is published after this returns reaches us."""
+        _, mid = self.c.subscribe(topic, qos=qos)
+        self.wait_for(lambda c: mid in c._subacks, timeout)
 
     def connect(self) -> "Client":
         props = Properties(PacketTypes.CONNECT)
@@ -191,8 +209,7 @@ class Client:
             props.SessionExpiryInterval = 3600
         self.c.connect("127.0.0.1", self.port, keepalive=10, clean_start=not self.persistent, properties=props)
         self.c.loop_start()
-        assert self._subscribed.wait(10)
-        time.sleep(0.2)  # let SUBACK land before anything is published
+        assert self._subscribed.wait(30), "no SUBACK from the broker"
         return self
 
     def close(self) -> None:
@@ -207,6 +224,7 @@ class Client:
         with self._cond:
             if msg.topic.endswith("/status"):
                 self.statuses.append(body)
+                self.status_times.append(time.monotonic())
             elif msg.topic == self.reply_topic:
                 self.answers.append((body, getattr(msg.properties, "CorrelationData", None)))
                 self.dups.append(bool(msg.dup))
@@ -243,6 +261,18 @@ class Client:
     def wait_answers(self, n: int, timeout: float = 30.0) -> list[dict]:
         self.wait_for(lambda c: len(c.answers) >= n, timeout)
         return [a for a, _ in self.answers]
+
+    def settle(self, *topics: str, timeout: float = 60.0) -> None:
+        """Send a marker request (a digits image, run like any other) to each request topic and wait for its
+        answer: anything the daemon behind it was still going to send (a second copy, a late answer) would
+        have come before it. Marker answers are removed again, so what a test counts is its own."""
+        marks = {self.publish(topic, image_request(SAMPLES[0], rid=f"settle-{uuid.uuid4().hex[:8]}")) for topic in topics}
+        self.wait_for(lambda c: marks <= {corr for _, corr in c.answers}, timeout)
+        with self._cond:
+            keep = [i for i, (_, corr) in enumerate(self.answers) if corr not in marks]
+            self.answers[:] = [self.answers[i] for i in keep]
+            self.dups[:] = [self.dups[i] for i in keep]
+            self.raw[:] = [self.raw[i] for i in keep]
 
     def wait_state(self, state: str, device: str = "t1", timeout: float = 60.0) -> None:
         self.wait_for(lambda c: any(s.get("state") == state and s.get("device") == device for s in c.statuses), timeout)

@@ -194,11 +194,12 @@ def test_5xx_retried_a_bounded_number_of_times(k2):
 def test_retry_after_beyond_the_deadline_fails_fast(k2):
     """A Retry-After longer than the time left: give up at once rather than sleep past the deadline."""
     client = K2Client(settings_for(k2), KEY)
-    k2.script(status(429, retry_after="30"))
+    k2.script(status(429, retry_after="120"))
     t0 = time.monotonic()
-    with pytest.raises(CloudRateLimited, match="Retry-After 30 s is beyond the deadline"):
-        client.complete(None, None, "q", None, 1.0)
-    assert time.monotonic() - t0 < 0.5 and len(k2.chat_requests) == 1
+    with pytest.raises(CloudRateLimited, match="Retry-After 120 s is beyond the deadline"):
+        client.complete(None, None, "q", None, 30.0)
+    # at once: neither the Retry-After nor the 30 s left were slept through
+    assert time.monotonic() - t0 < 15.0 and len(k2.chat_requests) == 1
 
 
 def test_quota_429_fails_fast_and_opens_the_breaker(k2):
@@ -214,12 +215,13 @@ def test_quota_429_fails_fast_and_opens_the_breaker(k2):
 
 def test_hanging_server_times_out_within_the_deadline(k2):
     """A server that never answers: CloudTimeout by the deadline, not the (longer) client timeout."""
-    client = K2Client(settings_for(k2, timeout_s=10.0), KEY)
-    k2.script(hang(5.0))
+    client = K2Client(settings_for(k2, timeout_s=60.0), KEY)
+    k2.script(hang(60.0))
     t0 = time.monotonic()
     with pytest.raises(CloudTimeout):
-        client.complete(None, None, "q", None, 0.4)
-    assert 0.35 < time.monotonic() - t0 < 0.9
+        client.complete(None, None, "q", None, 1.0)
+    # the 1 s deadline, not the 60 s the server hangs or the client would wait
+    assert 0.95 < time.monotonic() - t0 < 20.0
 
 
 def test_4xx_is_rejected_without_retry_and_does_not_trip_the_breaker(k2):
@@ -510,17 +512,17 @@ def test_critical_refuses_local_work_with_a_clear_error(k2, tmp_path):
 
 def test_dead_cloud_gives_degraded_local_answers_inside_the_deadline(k2, tmp_path):
     """A hanging cloud: the local answer, degraded, within the deadline; once the breaker opens, at once and with no call."""
-    bridge = make_bridge(k2, tmp_path, breaker_failures=2, max_retries=0, timeout_s=5.0)
-    k2.fallback = hang(5.0)
+    bridge = make_bridge(k2, tmp_path, breaker_failures=2, max_retries=0, timeout_s=60.0)
+    k2.fallback = hang(60.0)
     for i in range(2):
         t0 = time.monotonic()
-        out = bridge.handle(BridgeRequest(f"r{i}", "digits"), UNSURE, 0.3, "normal")
-        assert time.monotonic() - t0 < 0.45
+        out = bridge.handle(BridgeRequest(f"r{i}", "digits"), UNSURE, 1.0, "normal")
+        assert time.monotonic() - t0 < 20.0  # by the 1 s deadline, not the 60 s the cloud would take
         assert (out.source, out.text, out.degraded) == ("edge", "c0", True) and "cloud failed" in out.reason
     n = len(k2.chat_requests)
     t0 = time.monotonic()
-    out = bridge.handle(BridgeRequest("r3", "digits"), UNSURE, 0.3, "normal")
-    assert time.monotonic() - t0 < 0.05 and len(k2.chat_requests) == n
+    out = bridge.handle(BridgeRequest("r3", "digits"), UNSURE, 30.0, "normal")
+    assert time.monotonic() - t0 < 15.0 and len(k2.chat_requests) == n  # no call, so no wait for the 30 s left
     assert out.degraded and "circuit breaker is open" in out.reason
     assert bridge.status()["breaker"]["state"] == "open" and bridge.status()["last_error"]
     bridge.close()
@@ -533,9 +535,8 @@ def test_a_cloud_too_slow_for_the_deadline_is_not_even_asked(k2, tmp_path):
     for i in range(5):
         assert bridge.handle(BridgeRequest(f"w{i}", "digits"), UNSURE, 3.0, "normal").source == "cloud"
     n = len(k2.chat_requests)
-    t0 = time.monotonic()
     out = bridge.handle(BridgeRequest("r", "digits"), UNSURE, 0.1, "normal")
-    assert time.monotonic() - t0 < 0.05 and len(k2.chat_requests) == n
+    assert len(k2.chat_requests) == n  # not asked: what the stand-in records is what was sent
     assert out.source == "edge" and out.degraded and "median latency" in out.reason
     assert bridge.status()["cloud_latency_ms"]["p50"] >= 120
     bridge.close()

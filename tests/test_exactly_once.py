@@ -71,14 +71,16 @@ def _wait_all(client: Client, ids: list[str], timeout: float = 180) -> None:
 
 
 def test_burst_with_a_broker_restart_loses_nothing_and_answers_nothing_twice(run_daemon, broker):
-    """queue_size 8; 300 requests in one burst; the broker restarts (down 0.5 s) 0.1 s later."""
+    """queue_size 8; 300 requests in one burst; the broker restarts (down 0.5 s) once the first answer is back."""
     run_daemon(service={"queue_size": 8})
     client = Client(broker.port, client_id=f"burst-{uuid.uuid4().hex[:6]}", persistent=True).connect()
     ids = [f"r{i:03d}" for i in range(300)]
     for rid in ids:
         client.publish(TOPIC, tensor_request(X, rid=rid))
-    time.sleep(0.1)
+    client.wait_answers(1, timeout=60)
     broker.restart(down_s=0.5)
+    answered_before_restart = len({a.get("id") for a, _ in client.answers})
+    assert answered_before_restart < len(ids), "the burst was answered before the broker restarted: nothing tested"
     _wait_all(client, ids)
     marker = client.publish(TOPIC, tensor_request(X, rid="marker"))  # answered after anything still in flight
     client.wait_for(lambda c: any(corr == marker for _, corr in c.answers), 60)
@@ -144,7 +146,7 @@ def test_a_backlog_of_three_queues_is_answered_ok_not_busy(run_daemon, broker):
 
 def test_expired_at_the_broker_is_never_answered_and_expiry_bounds_the_deadline(run_daemon, broker, slow_model):
     """Expired at the broker: never answered. Expiry left on arrival caps the deadline (to the broker's second)."""
-    slow = {"name": "slow", "onnx": slow_model, "profile": "cpu-dev"}
+    slow = slow_model.model()
     d = run_daemon(models=[slow], service={"max_batch": 1})
     assert d.terminate() == 0
     client = Client(broker.port, client_id=f"exp-{uuid.uuid4().hex[:6]}", persistent=True).connect()
@@ -155,21 +157,27 @@ def test_expired_at_the_broker_is_never_answered_and_expiry_bounds_the_deadline(
     # property; 3 s on, it has dropped them
     time.sleep(3.0)
     run_daemon(models=[slow], service={"max_batch": 1})
+    # No request can be answered ok later than 2 s after it was sent (the broker keeps a 1 s expiry for
+    # at most 2 s, deadline_ms caps the rest), so 4 s of measured work in one burst makes the later ones miss.
+    # Fewer than queue_size (64) of them: all are read at once, none left to expire at the broker.
+    n = slow_model.requests_for(4.0) + 1
+    assert n < 64, f"{n} requests: the slow model ({slow_model.seconds * 1e3:.1f} ms) is faster than it was made"
     sent: dict[str, float] = {}
-    for i in range(150):  # tens of ms each: the later ones cannot run within the 1 s expiry
+    for i in range(n):
         sent[f"tight-{i}"] = time.monotonic()  # as `k2edge request --deadline-ms 1000` sends them
         client.publish("k2edge/t1/infer/slow", image_request(jpeg, rid=f"tight-{i}", deadline_ms=1000), expiry_s=1)
     _wait_all(client, list(sent))
     by_id = {a["id"]: (a, t) for (a, _), (_, t) in zip(client.answers, client.raw)}
     assert not [rid for rid in by_id if rid.startswith("gone-")], "a request that expired at the broker was answered"
     codes = Counter(a["status"] if a["status"] == "ok" else a["error"]["code"] for a, _ in by_id.values())
-    assert codes["ok"] >= 1 and codes["deadline_exceeded"] >= 1 and set(codes) == {"ok", "deadline_exceeded"}, codes
+    assert codes["ok"] >= 1 and codes["deadline_exceeded"] >= 1 and set(codes) == {"ok", "deadline_exceeded"}, (codes, [a["error"] for a, _ in by_id.values() if a["status"] != "ok"][:3])
     for rid, (a, arrived) in by_id.items():
         if a["status"] == "ok":
             assert a["latency_ms"]["total"] <= 1000  # never late by the daemon's clock
             # by the requester's: mosquitto keeps a 1 s expiry for 1 to 2 s (whole-second clock) and hands a
-            # message over without the property in its last second, when deadline_ms from arrival still holds
-            assert arrived - sent[rid] <= 2.0 + 1.0 + 0.3, (rid, arrived - sent[rid], a["latency_ms"])
+            # message over without the property in its last second, when deadline_ms from arrival still holds;
+            # plus the answer's trip back through the broker, on a machine that may be loaded
+            assert arrived - sent[rid] <= 2.0 + 1.0 + 0.5, (rid, arrived - sent[rid], a["latency_ms"])
     client.close()
 
 
@@ -208,15 +216,15 @@ def test_drain_after_a_broker_outage_does_not_stall(run_daemon, broker):
     client = Client(broker.port, client_id=f"outage-{uuid.uuid4().hex[:6]}", persistent=True).connect()
     ids = [f"o{i:02d}" for i in range(60)]
     sender = _stream(client, ids, 0.005)
-    time.sleep(0.1)
+    client.wait_answers(1, timeout=60)  # the daemon is answering the stream
     broker.restart(down_s=1.0)
+    assert len(client.answers) < len(ids), "the stream was answered before the outage: nothing tested"
     sender.join()
     _wait_all(client, ids)
-    t0 = time.monotonic()
     assert d.terminate(timeout=60) == 0
-    took = time.monotonic() - t0
     log = d.output()
-    assert "not acknowledged" not in log, log[-2000:]
-    assert took < 8.0, f"drain took {took:.1f} s (it used to wait 10 s for answers sent during the outage)"
+    # the drain waits for the broker's acknowledgement of every answer (up to drain_timeout_s, then says so):
+    # answers sent during the outage once left it waiting out the whole timeout
+    assert "not acknowledged" not in log and "drain timed out" not in log, log[-2000:]
     assert_each_answered_once(client, ids, identical_repeats=True)
     client.close()

@@ -163,8 +163,14 @@ def test_the_daemons_metrics_count_the_answers_it_sent_over_mqtt(run_daemon, bro
     client.publish("k2edge/t1/infer/digits", {"id": "junk", "image": "not base64!"})
     client.publish("k2edge/t1/infer/faces", image_request(SAMPLES[0], rid="nobody"))
     answers = client.wait_answers(10, timeout=60)
-    time.sleep(1.5)  # the serving loop sets the gauges once a second
-    samples, _ = _scrape(port)
+    deadline = time.monotonic() + 60  # the serving loop sets the gauges once a second: scrape until it has
+    while True:
+        samples, _ = _scrape(port)
+        settled = (_sample(samples, "k2edge_thermal_state", k2edge_thermal_state="unknown") == 1
+                   and _sample(samples, "k2edge_queue_depth") == 0)
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     by_status = Counter(a["status"] if a["status"] == "ok" else a["error"]["code"] for a in answers)
     assert by_status == {"ok": 7, "bad_request": 2, "unknown_model": 1}, by_status
     assert _sample(samples, "k2edge_requests_total", model="digits", status="ok", source="edge") == 7
