@@ -49,6 +49,7 @@ class Daemon:
         self.path: RequestPath | None = None
         self.lifecycle: ModelLifecycle | None = None
         self.control: MqttTransport | None = None
+        self._control_ready = threading.Event()  # the control connection had its subscriptions once
         self.metrics = None
         self._board: str | None = None
         self._status_lock = threading.Lock()
@@ -99,8 +100,11 @@ class Daemon:
         self._publish_status()
 
     def _publish_status(self) -> None:
-        """The retained status, now (from any thread: a deploy's progress, a thermal transition)."""
-        if self.transport is not None and self.transport.connected.is_set():
+        """The retained status, now (from any thread: a deploy's progress, a thermal transition). The first
+        "online" waits until the control connection, too, has its subscriptions: whoever waits for it can deploy."""
+        if self.control is not None and self.control.subscribed.is_set():
+            self._control_ready.set()
+        if self.transport is not None and self.transport.connected.is_set() and self._control_ready.is_set():
             state = "draining" if self._draining.is_set() else "online"
             with self._status_lock:  # retained: the last one published must be the newest
                 self.transport.publish(topics.status_topic(self.cfg.prefix), self.status_payload(state), qos=1, retain=True)
@@ -219,8 +223,12 @@ class Daemon:
         cfg = self.cfg
         ctl = cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"client_id": f"{cfg.client_id}-control"}),
                                      "service": cfg.service.model_copy(update={"queue_size": MAX_WAITING})})
-        return MqttTransport(ctl, self.lifecycle.subscriptions(), self.lifecycle.on_message, self.lifecycle.on_connected,
+        return MqttTransport(ctl, self.lifecycle.subscriptions(), self.lifecycle.on_message, self._on_control_connected,
                              None, saturated=self.lifecycle.saturated)
+
+    def _on_control_connected(self) -> None:
+        self.lifecycle.on_connected()
+        self._publish_status()
 
     def request_drain(self, *_):
         if not self._draining.is_set():

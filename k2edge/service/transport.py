@@ -154,6 +154,8 @@ class MqttTransport:
         self._on_connected_cb = on_connected
         self._saturated = saturated
         self.connected = threading.Event()
+        self.subscribed = threading.Event()  # the broker acknowledged every subscription of this connection
+        self._awaiting_suback: set[int] = set()
         self._stop = threading.Event()
         self._closing = False
         self.heartbeat = time.monotonic()
@@ -190,6 +192,7 @@ class MqttTransport:
         c.on_socket_register_write = lambda client, userdata, sock: self.wake()
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
+        c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
         c.on_publish = self._on_publish
         self.client = c
@@ -363,10 +366,21 @@ class MqttTransport:
         # paho applies a new limit only to a new connection
         self._broker_receive_max = getattr(properties, "ReceiveMaximum", None) or 65535
         self.acks.new_connection()
-        for topic in self.subscriptions:
-            client.subscribe(topic, qos=self.cfg.mqtt.qos)
+        self.subscribed.clear()
+        self._awaiting_suback = {client.subscribe(topic, qos=self.cfg.mqtt.qos)[1] for topic in self.subscriptions}
         self.connected.set()
         log.info("connected to %s:%d (session present: %s)", self.cfg.mqtt.host, self.cfg.mqtt.port, flags.session_present)
+        if not self._awaiting_suback:
+            self._on_subscribed()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        self._awaiting_suback.discard(mid)
+        if not self._awaiting_suback and not self.subscribed.is_set():
+            self._on_subscribed()
+
+    def _on_subscribed(self) -> None:
+        # only now is what others publish to our topics delivered to us: the moment to say we are here
+        self.subscribed.set()
         try:
             self._on_connected_cb()
         except Exception:
@@ -374,6 +388,7 @@ class MqttTransport:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
+        self.subscribed.clear()
         if not self._closing:
             log.warning("disconnected from the broker: %s", reason_code)
 
