@@ -138,7 +138,10 @@ Energy and peak temperature are computed by ``k2edge.telemetry.energy`` from the
 
     def peak_temperature(self, t0: float, t1: float) -> tuple[float | None, str | None]:
         """(highest temperature in °C over [t0, t1], its sensor) or (None, why it is unknown)."""
-        best = self._peak(self.samples(t0, t1)) if self._peak else None
+        # A run shorter than the sampling interval holds no sample of its own: temperature moves slowly, so
+        # the readings just around it (as the energy integration takes) stand for it.
+        margin = 2 * self.interval_s
+        best = self._peak(self.samples(t0 - margin, t1 + margin)) if self._peak else None
         if best is None:
             return None, self._why_no("no temperature sensor reading during the run", use_message=False)
         return float(best[1]), best[0]
