@@ -62,6 +62,14 @@ class Geometry:
         return b
 
 
+def _reason(exc: BaseException) -> str:
+    """A decoder's message without the Python object reprs some of them carry (``<_io.BytesIO object at 0x...>``)."""
+    import re
+
+    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(exc))
+    return text or type(exc).__name__
+
+
 class Preprocess:
     """How to turn an image into one sample (C, H, W) or (H, W, C) of a model input.
 
@@ -186,20 +194,25 @@ class Preprocess:
                     raise InputError(f"image of {img.size[0]}x{img.size[1]} pixels exceeds the limit of {MAX_PIXELS:,}")
             geometry = self.geometry(*img.size)
             target = (round(geometry.width * geometry.scale_x), round(geometry.height * geometry.scale_y))
-            if not isinstance(source, (np.ndarray, Image.Image)):
+            if self.spec.draft and not isinstance(source, (np.ndarray, Image.Image)):
                 # JPEG: let the decoder scale down in the DCT domain (up to 8x) before we resize.
                 img.draft(mode, target)
             if img.mode != mode:
                 img = img.convert(mode)
-            if img.size != target:
+            if img.size != target and self.spec.interpolation == "antialias":
                 img = img.resize(target, Image.Resampling.BILINEAR)
             arr = np.asarray(img)
+            if arr.shape[1::-1] != target:
+                from .resize import resize
+
+                arr = resize(arr, target[0], target[1], self.spec.interpolation)
         except InputError:
             raise
         except Image.DecompressionBombError as exc:
-            raise InputError(f"image refused: {exc}") from None
+            raise InputError(f"image refused: {_reason(exc)}") from None
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-            raise InputError(f"cannot decode image: {exc}") from None
+            what = f" {str(source)!r}" if isinstance(source, (str, os.PathLike)) else ""
+            raise InputError(f"cannot decode image{what}: {_reason(exc)}") from None
         if self.color == "BGR":
             arr = arr[..., ::-1]
         if target != (self.width, self.height):
