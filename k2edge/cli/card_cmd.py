@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import K2EdgeError
-from .common import add_json, add_model, print_json
+from .common import input_shapes_of, add_json, add_model, print_json
 
 HEADER = """\
 # Model card for {model}, written by `k2edge card init` ({why}).
@@ -35,7 +35,7 @@ def register(p) -> None:
 def _model(args):
     from ..model import normalise
 
-    nm = normalise(args.model, input_shapes=dict(args.input_shape) or None)
+    nm = normalise(args.model, input_shapes=input_shapes_of(args))
     g = nm.graph
     if len(g.inputs) != 1:
         raise K2EdgeError(f"k2edge serves single-input models; this one has inputs {list(g.inputs)}")

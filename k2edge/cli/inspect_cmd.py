@@ -6,7 +6,7 @@ COMMAND = "inspect"
 HELP = "show a model's inputs, outputs and nodes with FLOPs and DLA support"
 ORDER = 10
 
-from .common import add_json, add_model, print_json, table
+from .common import input_shapes_of, add_json, add_model, print_json, table
 
 
 def register(p) -> None:
@@ -39,7 +39,7 @@ def run(args) -> int:
     from ..dla.rules import support_table
     from ..model import model_costs, normalise
 
-    nm = normalise(args.model, batch_size=args.batch_size, input_shapes=dict(args.input_shape) or None)
+    nm = normalise(args.model, batch_size=args.batch_size, input_shapes=input_shapes_of(args, args.batch_size))
     g = nm.graph
     costs = model_costs(g)
     support = support_table(g)

@@ -60,6 +60,7 @@ __all__ = [
     "BOX_TASKS",
     "ultralytics_layer",
     "card_sources",
+    "metadata_size",
     "QuantizationSpec",
     "CARD_NAME",
     "METADATA_KEY",
@@ -439,6 +440,15 @@ def _ultralytics(metadata: Mapping[str, str] | None) -> dict:
         return card_from_dict(layer, "Ultralytics metadata").layer() if layer else {}
     except UltralyticsMetadataError as exc:
         raise CardError(str(exc)) from None
+
+
+def metadata_size(metadata: Mapping[str, str] | None) -> tuple[int, int] | None:
+    """``[height, width]`` the model's metadata gives (k2edge's, else Ultralytics' ``imgsz``), or None."""
+    for layer in (metadata_layer(metadata or {}), _ultralytics(metadata)):
+        size = (layer.get("input") or {}).get("size")
+        if size:
+            return tuple(size)
+    return None
 
 
 def _layers(input_shape, metadata, card, overrides) -> list[tuple[str, dict]]:

@@ -45,7 +45,7 @@ def probiou(b1: np.ndarray, b2: np.ndarray, eps: float = 1e-7) -> np.ndarray:
 def rotated_nms(rboxes: np.ndarray, scores: np.ndarray, iou_threshold: float, classes: np.ndarray | None = None,
                 max_keep: int | None = None) -> np.ndarray:
     """Indices of the kept rotated boxes, best first: as Ultralytics' ``nms_rotated``, a box is dropped
-    when any better-scored box (kept or not) overlaps it by ``iou_threshold`` or more (probiou).
+    when any better-scored box (kept or not) overlaps it by more than ``iou_threshold`` (probiou).
     ``classes``: per-class NMS (boxes of different classes never suppress each other)."""
     n = len(scores)
     if n == 0:
@@ -55,7 +55,7 @@ def rotated_nms(rboxes: np.ndarray, scores: np.ndarray, iou_threshold: float, cl
     if classes is not None:
         b[:, :2] += np.asarray(classes)[order, None].astype(np.float64) * 7680.0  # Ultralytics' max_wh
     iou = np.triu(probiou(b, b), k=1)
-    keep = np.flatnonzero((iou >= iou_threshold).sum(axis=0) == 0)
+    keep = np.flatnonzero((iou > iou_threshold).sum(axis=0) == 0)
     if max_keep is not None:
         keep = keep[:max_keep]
     return order[keep]

@@ -3,15 +3,17 @@
 The export has two outputs: ``output0`` ``[N, 4 + classes + M, anchors]`` (M mask coefficients
 after the class scores; ``[N, K, 6 + M]`` for an end2end export) and ``output1`` ``[N, M, mh, mw]``
 prototypes at a quarter of the input size. A box's mask is ``coefficients @ prototypes``, upsampled
-to the original image as Ultralytics' ``process_mask_native`` does (the letterbox padding cropped
-off the prototypes, bilinear with half-pixel centres, cropped to the box, ``> 0``), computed only
-inside the box: the cost is the boxes' area, not the image's times the boxes.
+to the original image as Ultralytics' ``process_mask_native`` does (upsampled so the letterbox
+padding crops on whole pixels, cropped, bilinear with half-pixel centres, cropped to the box,
+``> 0``), the two resizes composed into one matrix per axis and applied only inside the box: the cost is the boxes' area, not the image's times the boxes.
 
 Masks leave as COCO RLE (``{"size": [h, w], "counts": "..."}``, pycocotools' compressed string,
 column-major), built from the box's pixels alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -20,29 +22,43 @@ from .preprocess import Geometry
 __all__ = ["box_masks", "rle_encode", "rle_decode", "rle_from_box_mask"]
 
 
-def _interp_taps(n_src: int, n_dst: int, dst: np.ndarray, offset: float = 0.0):
-    """Bilinear taps (align_corners=False, as ``F.interpolate``) for destination indices ``dst`` of an
-    ``n_src`` -> ``n_dst`` resize; ``offset`` is where the source crop starts (its index 0)."""
-    pos = (dst.astype(np.float64) + 0.5) * (n_src / n_dst) - 0.5
-    pos = np.maximum(pos, 0.0)  # PyTorch clamps negative source positions to 0
-    lo = np.floor(pos).astype(np.int64)
-    w = pos - lo
-    lo = np.minimum(lo, n_src - 1)
-    hi = np.minimum(lo + 1, n_src - 1)
-    return lo + int(offset), hi + int(offset), w.astype(np.float32)
+def _taps(n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bilinear taps of an ``n_src`` -> ``n_dst`` resize as ``F.interpolate(align_corners=False)``:
+    per destination index, (low source index, high source index, weight of the high one)."""
+    pos = np.maximum((np.arange(n_dst, dtype=np.float64) + 0.5) * (n_src / n_dst) - 0.5, 0.0)
+    lo = np.minimum(np.floor(pos).astype(np.int64), n_src - 1)
+    return lo, np.minimum(lo + 1, n_src - 1), pos - lo
 
 
-def _proto_window(mh: int, mw: int, geometry: Geometry | None) -> tuple[int, int, int, int]:
-    """(top, left, bottom, right) of the prototypes that cover the original image (the letterbox
-    padding cropped off), as Ultralytics' ``scale_masks``: ``gain = min(mh / h, mw / w)``."""
-    if geometry is None:
-        return 0, 0, mh, mw
-    h, w = geometry.height, geometry.width
-    gain = min(mh / h, mw / w)
-    pad_w, pad_h = (mw - w * gain) / 2, (mh - h * gain) / 2
-    top, left = int(round(pad_h - 0.1)), int(round(pad_w - 0.1))
-    bottom, right = mh - int(round(pad_h + 0.1)), mw - int(round(pad_w + 0.1))
-    return top, left, bottom, right
+def _axis_matrix(m: int, f: int, top: int, bottom: int, n: int) -> np.ndarray:
+    """(n, m) weights of prototype pixels in each of ``n`` image pixels along one axis: upsampled
+    ``f`` times, cropped to ``[top, bottom)``, resized to ``n`` (Ultralytics' two steps, composed)."""
+    lo1, hi1, w1 = _taps(m, m * f)
+    lo2, hi2, w2 = _taps(bottom - top, n)
+    lo2, hi2 = lo2 + top, hi2 + top
+    a = np.zeros((n, m), dtype=np.float64)
+    rows = np.arange(n)
+    for idx2, wt2 in ((lo2, 1 - w2), (hi2, w2)):
+        np.add.at(a, (rows, lo1[idx2]), wt2 * (1 - w1[idx2]))
+        np.add.at(a, (rows, hi1[idx2]), wt2 * w1[idx2])
+    return a.astype(np.float32)
+
+
+def _upsampling(mh: int, mw: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row and column matrices taking prototypes to a ``height`` x ``width`` image, as Ultralytics'
+    ``process_mask_native`` (protos at 1/4 of the input; upsample 1, 2 or 4 times so the letterbox
+    padding crops on whole pixels; ``scale_masks`` crops it off and resizes bilinearly)."""
+    gain = min(4 * mh / height, 4 * mw / width)
+    pad = (4 * mh - max(round(height * gain), 1)) | (4 * mw - max(round(width * gain), 1))
+    f = 4 // math.gcd(4, pad | pad // 2)
+    h1, w1 = mh * f, mw * f
+    if (h1, w1) == (height, width):
+        return _axis_matrix(mh, f, 0, h1, height), _axis_matrix(mw, f, 0, w1, width)
+    g = min(h1 / height, w1 / width)
+    pad_w, pad_h = (w1 - max(round(width * g), 1)) / 2, (h1 - max(round(height * g), 1)) / 2
+    top, left = round(pad_h - 0.1), round(pad_w - 0.1)
+    bottom, right = top + max(round(height * g), 1), left + max(round(width * g), 1)
+    return _axis_matrix(mh, f, top, bottom, height), _axis_matrix(mw, f, left, right, width)
 
 
 def box_masks(protos: np.ndarray, coefficients: np.ndarray, boxes: np.ndarray,
@@ -50,40 +66,37 @@ def box_masks(protos: np.ndarray, coefficients: np.ndarray, boxes: np.ndarray,
     """Each box's binary mask inside the box, in original-image pixels.
 
     Args:
-        protos: (M, mh, mw) one image's prototypes.
+        protos: (M, mh, mw) one image's prototypes (at a quarter of the input size).
         coefficients: (k, M) per box.
         boxes: (k, 4) ``x1 y1 x2 y2`` in original-image pixels (input pixels when ``geometry`` is None).
         geometry: where the image landed in the input (None: the mask is at the input's size).
-        input_size: (height, width) of the model input (the frame when ``geometry`` is None).
+        input_size: (height, width) of the model input.
 
     Returns:
-        per box: (bool mask (y2 - y1, x2 - x1), (x1, y1)) with integer bounds of the pixels whose
-        centres the box covers (Ultralytics' ``crop_mask``: ``x1 <= x < x2``).
+        per box: (bool mask (rows, columns), (x0, y0)): the pixels ``x1 <= x < x2``, ``y1 <= y < y2``
+        (Ultralytics' ``crop_mask``) and where they start.
     """
     m, mh, mw = protos.shape
     H, W = (geometry.height, geometry.width) if geometry is not None else input_size
-    top, left, bottom, right = _proto_window(mh, mw, geometry)
-    ch, cw = bottom - top, right - left
-    flat = protos.reshape(m, -1).astype(np.float32)
     out = []
+    if len(boxes) == 0:
+        return out
+    ay, ax = _upsampling(mh, mw, H, W)
+    protos = np.asarray(protos, np.float32)
     for coef, (x1, y1, x2, y2) in zip(np.asarray(coefficients, np.float32), np.asarray(boxes, np.float64)):
-        # pixels x with x1 <= x < x2 (x the integer index, as crop_mask compares aranges with the box)
-        xs = np.arange(max(0, int(np.ceil(x1))), min(W, int(np.ceil(x2))))
-        ys = np.arange(max(0, int(np.ceil(y1))), min(H, int(np.ceil(y2))))
-        if xs.size == 0 or ys.size == 0:
+        x0, xe = max(0, int(np.ceil(x1))), min(W, int(np.ceil(x2)))
+        y0, ye = max(0, int(np.ceil(y1))), min(H, int(np.ceil(y2)))
+        if xe <= x0 or ye <= y0:
             out.append((np.zeros((0, 0), bool), (0, 0)))
             continue
-        ylo, yhi, wy = _interp_taps(ch, H, ys, top)
-        xlo, xhi, wx = _interp_taps(cw, W, xs, left)
-        rows = np.unique(np.concatenate([ylo, yhi]))
-        cols = np.unique(np.concatenate([xlo, xhi]))
-        # the mask logits only on the prototype pixels the box's interpolation reads
-        sub = (coef @ flat.reshape(m, mh, mw)[:, rows][:, :, cols].reshape(m, -1)).reshape(len(rows), len(cols))
-        ry = np.searchsorted(rows, ylo), np.searchsorted(rows, yhi)
-        rx = np.searchsorted(cols, xlo), np.searchsorted(cols, xhi)
-        vert = sub[ry[0]] * (1 - wy)[:, None] + sub[ry[1]] * wy[:, None]
-        full = vert[:, rx[0]] * (1 - wx) + vert[:, rx[1]] * wx
-        out.append((full > 0, (int(xs[0]), int(ys[0]))))
+        wy, wx = ay[y0:ye], ax[x0:xe]
+        ry = np.flatnonzero(wy.any(axis=0))
+        rx = np.flatnonzero(wx.any(axis=0))
+        r0, r1, c0, c1 = ry[0], ry[-1] + 1, rx[0], rx[-1] + 1
+        # the mask logits only on the prototype pixels this box reads
+        logits = np.tensordot(coef, protos[:, r0:r1, c0:c1], axes=1)
+        full = wy[:, r0:r1] @ logits @ wx[:, c0:c1].T
+        out.append((full > 0, (x0, y0)))
     return out
 
 
