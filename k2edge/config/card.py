@@ -61,6 +61,7 @@ __all__ = [
     "ultralytics_layer",
     "card_sources",
     "metadata_size",
+    "check_size",
     "QuantizationSpec",
     "CARD_NAME",
     "METADATA_KEY",
@@ -481,32 +482,43 @@ def card_sources(input_shape: tuple, metadata: Mapping[str, str] | None = None, 
     return out
 
 
+_WARNED: set = set()
+
+
 def _check_stride(card: ModelCard, metadata: Mapping[str, str], source: str) -> None:
-    """A size the network's stride does not divide is refused; one other than the trained size is warned about."""
+    if card.input.size is not None:
+        check_size(tuple(card.input.size), metadata, source)
+
+
+def check_size(size: tuple[int, int], metadata: Mapping[str, str], source: str) -> None:
+    """A ``[height, width]`` the model's stride (Ultralytics metadata) does not divide is refused, naming
+    the nearest valid sizes; one other than the size it was trained at (``imgsz``) is warned about.
+
+    Raises:
+        CardError: the size is not a multiple of the stride.
+    """
     from .ultralytics import read_ultralytics
 
-    if card.input.size is None:
-        return
     try:
         meta = read_ultralytics(metadata)
     except ValueError:
         return  # reported by _ultralytics
-    if meta.stride and card.task != "classification":
+    h, w = size
+    if meta.stride and meta.stride > 1 and (h % meta.stride or w % meta.stride):
         s = meta.stride
-        bad = [d for d in card.input.size if d % s]
-        if bad:
-            def near(d: int) -> str:
-                lo, hi = max(s, d // s * s), (d // s + 1) * s
-                return f"{lo} or {hi}" if lo != hi else str(lo)
-            h, w = card.input.size
-            raise CardError(f"{source}: input.size: {[h, w]} ([height, width]) is not a multiple of the model's "
-                            f"stride {s}: use height {near(h)}, width {near(w)}")
-    if meta.imgsz and tuple(card.input.size) != tuple(meta.imgsz):
+
+        def near(d: int) -> str:
+            lo, hi = d // s * s, (d // s + 1) * s
+            return str(d) if d % s == 0 else (f"{lo} or {hi}" if lo else str(hi))
+        raise CardError(f"{source}: input.size: {[h, w]} ([height, width]) is not a multiple of the model's "
+                        f"stride {s}: use height {near(h)}, width {near(w)}")
+    if meta.imgsz and (h, w) != tuple(meta.imgsz) and ((h, w), meta.imgsz) not in _WARNED:
         import logging
 
+        _WARNED.add(((h, w), meta.imgsz))  # once per process, not once per resolution
         logging.getLogger("k2edge.card").warning(
             "input.size %s differs from the size the model was trained at, %s (Ultralytics metadata 'imgsz'); "
-            "accuracy may suffer", list(card.input.size), list(meta.imgsz))
+            "accuracy may suffer", [h, w], list(meta.imgsz))
 
 
 def _default_layer(shape: tuple) -> dict:

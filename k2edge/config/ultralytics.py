@@ -131,8 +131,9 @@ def ultralytics_layer(metadata: Mapping[str, str] | None) -> dict:
     else:
         layer["input"] = {"resize": "letterbox", "pad_value": 114, "color": "RGB", "scale": 1 / 255, "mean": [0.0],
                           "std": [1.0], "interpolation": "linear", "jpeg_draft": False}
-        if meta.task is not None:
-            layer["detection"] = {"format": "end2end" if meta.end2end else "yolov8"}
+        if meta.task is not None:  # Ultralytics' predict defaults: conf 0.25, iou 0.7, max_det 300
+            layer["detection"] = {"format": "end2end" if meta.end2end else "yolov8", "score_threshold": 0.25,
+                                  "iou_threshold": 0.7, "max_detections": 300}
     if meta.imgsz:
         layer["input"]["size"] = list(meta.imgsz)
     if meta.kpt_shape:

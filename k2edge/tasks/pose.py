@@ -20,8 +20,9 @@ def keypoints_to_original(kpts: np.ndarray, dims: int, geometry: Geometry | None
 
     With ``dims == 2`` the score is 1. Points are clipped to the image.
     """
+    kpts = np.asarray(kpts, np.float32)
     k = len(kpts)
-    pts = np.asarray(kpts, np.float32).reshape(k, -1, dims)
+    pts = kpts.reshape(k, kpts.shape[-1] // dims, dims)
     out = np.ones((k, pts.shape[1], 3), dtype=np.float32)
     out[..., :dims] = pts
     if geometry is not None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .preprocess import Geometry
 
-__all__ = ["box_masks", "rle_encode", "rle_decode", "rle_from_box_mask"]
+__all__ = ["box_masks", "rle_area", "rle_encode", "rle_decode", "rle_from_box_mask"]
 
 
 def _taps(n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -138,10 +138,7 @@ def rle_encode(mask: np.ndarray) -> dict:
     return rle_from_box_mask(np.asarray(mask, bool), (0, 0), h, w)
 
 
-def rle_decode(rle: dict) -> np.ndarray:
-    """The (h, w) bool mask of a compressed RLE (for tests, annotation and evaluation without pycocotools)."""
-    h, w = rle["size"]
-    s = rle["counts"]
+def _counts(s: str) -> list[int]:
     counts: list[int] = []
     p = 0
     while p < len(s):
@@ -157,6 +154,18 @@ def rle_decode(rle: dict) -> np.ndarray:
         if len(counts) > 2:
             x += counts[-2]
         counts.append(x)
+    return counts
+
+
+def rle_area(rle: dict) -> int:
+    """Pixels in a compressed RLE mask."""
+    return int(sum(_counts(rle["counts"])[1::2]))
+
+
+def rle_decode(rle: dict) -> np.ndarray:
+    """The (h, w) bool mask of a compressed RLE (for tests, annotation and evaluation without pycocotools)."""
+    h, w = rle["size"]
+    counts = _counts(rle["counts"])
     flat = np.zeros(h * w, dtype=bool)
     pos, val = 0, False
     for c in counts:

@@ -1,0 +1,147 @@
+"""Real Ultralytics exports of every task (tests/fixtures/ultralytics, random weights, made by
+tools/make_ultralytics_fixtures.py from the yaml; tests never import ultralytics): their layouts and
+metadata, `card init` from the metadata then `infer` with no other step, labels written from the
+metadata's names, where each card value comes from, dynamic exports without --input-shape, and
+the stride / trained-size checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import zoo
+from test_cli import assert_one_line_error, k2edge
+
+if "yolov8n-seg" not in zoo.ULTRALYTICS_NAMES:
+    pytest.skip("tests/fixtures/ultralytics is not here", allow_module_level=True)
+
+# name -> (metadata task, k2edge task, format, output shapes)
+LAYOUTS = {
+    "yolov8n-seg": ("segment", "segmentation", "yolov8", [[1, 116, 2100], [1, 32, 80, 80]]),
+    "yolov8n-pose": ("pose", "pose", "yolov8", [[1, 56, 2100]]),
+    "yolov8n-cls": ("classify", "classification", None, [[1, 1000]]),
+    "yolov8n-obb": ("obb", "obb", "yolov8", [[1, 85, 2100]]),
+    "yolo11n": ("detect", "detection", "yolov8", [[1, 84, 2100]]),
+    "yolov10n": ("detect", "detection", "end2end", [[1, 300, 6]]),
+}
+ANSWER_KEYS = {"segmentation": {"box", "mask"}, "pose": {"box", "keypoints"}, "obb": {"rbox"}, "detection": {"box"}}
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    path = tmp_path_factory.mktemp("img") / "street.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _export(name: str, tmp_path):
+    return zoo.save(name, tmp_path / name / "model.onnx")
+
+
+def test_every_export_has_the_layout_and_metadata_the_cards_read():
+    import onnx
+    import onnxruntime as ort
+
+    for name, (task, _, _, shapes) in LAYOUTS.items():
+        m = zoo.load(name)
+        meta = {p.key: p.value for p in m.metadata_props}
+        assert meta["task"] == task and "names" in meta and meta["imgsz"] in ("[320, 320]", "[224, 224]"), name
+        assert ("kpt_shape" in meta) == (task == "pose") and (meta["end2end"] == "True") == (name == "yolov10n")
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        assert [list(o.shape) for o in sess.get_outputs()] == shapes, name
+        onnx.checker.check_model(m)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_card_init_then_infer_needs_no_other_step(name, tmp_path, image):
+    """card init writes a complete card (task, format, size, interpolation) and labels.txt; infer answers."""
+    model = _export(name, tmp_path)
+    out = k2edge("card", "init", str(model)).stdout
+    _, task, fmt, _ = LAYOUTS[name]
+    card = (model.parent / "card.toml").read_text()
+    assert f'task = "{task}"' in card and 'labels = "labels.txt"' in card and 'interpolation = "linear"' in card
+    assert ("size = [224, 224]" if task == "classification" else "size = [320, 320]") in card
+    assert fmt is None or f'format = "{fmt}"' in card
+    labels = (model.parent / "labels.txt").read_text().splitlines()
+    assert len(labels) == (1 if task == "pose" else 1000 if task == "classification" else 80), out
+    if task != "classification":  # random weights score about 1e-4: lower the threshold to see answers
+        (model.parent / "card.toml").write_text(card.replace("score_threshold = 0.25", "score_threshold = 0.0")
+                                                .replace("max_detections = 300", "max_detections = 3"))
+    answer = json.loads(k2edge("infer", str(model), "-p", "cpu-dev", str(image), "--json").stdout)
+    if task == "classification":
+        assert len(answer["top_k"]) == 5 and answer["top_k"][0]["label"] in labels
+        return
+    dets = answer["detections"]
+    assert 1 <= len(dets) <= 3 and all(set(d) == {"index", "label", "score"} | ANSWER_KEYS[task] for d in dets)
+    d = dets[0]
+    if task == "segmentation":
+        assert d["mask"]["size"] == [480, 640] and isinstance(d["mask"]["counts"], str)
+    if task == "pose":
+        assert len(d["keypoints"]) == 17 and all(0 <= x <= 640 and 0 <= y <= 480 for x, y, _ in d["keypoints"])
+    if task == "obb":
+        assert len(d["rbox"]) == 5
+
+
+def test_card_init_keeps_an_existing_labels_file(tmp_path):
+    model = _export("yolo11n", tmp_path)
+    (model.parent / "labels.txt").write_text("mine\n" * 80)
+    out = k2edge("card", "init", str(model)).stdout
+    assert "kept the existing" in out and (model.parent / "labels.txt").read_text() == "mine\n" * 80
+
+
+def test_infer_save_annotated_and_save_input_for_every_box_task(tmp_path, image):
+    """--save-annotated draws each task's answer; --save-input writes the staged batch [N, 3, H, W]."""
+    for name in ("yolov8n-seg", "yolov8n-pose", "yolov8n-obb"):
+        model = _export(name, tmp_path)
+        k2edge("card", "init", str(model))
+        card = model.parent / "card.toml"
+        card.write_text(card.read_text().replace("score_threshold = 0.25", "score_threshold = 0.0"))
+        out, staged = tmp_path / f"{name}.png", tmp_path / f"{name}.npy"
+        k2edge("infer", str(model), "-p", "cpu-dev", str(image), "--save-annotated", str(out), "--save-input", str(staged))
+        assert Image.open(out).size == (640, 480)
+        x = np.load(staged)
+        assert x.shape == (1, 3, 320, 320) and x.dtype == np.float32
+        assert np.allclose(x[0, :, :40], 114 / 255)  # letterbox padding above the 640x480 image
+
+
+def test_sources_are_named_by_inspect_and_card_show(tmp_path):
+    model = _export("yolov8n-pose", tmp_path)
+    data = json.loads(k2edge("inspect", str(model), "--json").stdout)["card"]
+    assert data["task"] == "pose" and data["sources"]["task"] == "Ultralytics metadata"
+    assert data["sources"]["input.size"] == "Ultralytics metadata"
+    assert "from Ultralytics metadata: " in k2edge("inspect", str(model)).stdout
+    (model.parent / "card.toml").write_text('[detection]\nscore_threshold = 0.5\n')
+    shown = k2edge("card", "show", str(model)).stdout
+    assert "score_threshold = 0.5  # " in shown and "card.toml" in shown.split("score_threshold = 0.5  # ")[1].split("\n")[0]
+    assert 'task = "pose"  # Ultralytics metadata' in shown and "max_candidates = 1000  # default" in shown
+    sources = json.loads(k2edge("card", "show", str(model), "--json").stdout)["sources"]
+    assert sources["detection.iou_threshold"] == "Ultralytics metadata" and sources["detection.score_threshold"].endswith("card.toml")
+
+
+def test_dynamic_export_needs_no_input_shape(tmp_path):
+    """inspect, card init, card show and plan take a dynamic export's size from the card, else the metadata."""
+    model = zoo.save("yolov8n-dynamic", tmp_path / "dyn" / "model.onnx")
+    data = json.loads(k2edge("inspect", str(model), "--json").stdout)
+    assert data["inputs"][0]["shape"] == [1, 3, 320, 320]  # the metadata's imgsz
+    k2edge("card", "init", str(model))
+    k2edge("card", "show", str(model))
+    plan = json.loads(k2edge("plan", str(model), "-p", "c3", "--json").stdout)
+    assert plan["segments"]
+    (model.parent / "card.toml").write_text((model.parent / "card.toml").read_text().replace("size = [320, 320]", "size = [256, 384]"))
+    data = json.loads(k2edge("inspect", str(model), "--json").stdout)
+    assert data["inputs"][0]["shape"] == [1, 3, 256, 384] and data["outputs"][0]["shape"] == [1, 84, 2016]
+
+
+def test_a_size_off_the_stride_is_refused_and_an_untrained_size_warned(tmp_path):
+    model = zoo.save("yolov8n-dynamic", tmp_path / "dyn" / "model.onnx")
+    card = model.parent / "card.toml"
+    card.write_text('task = "detection"\n[input]\nsize = [320, 300]\n')
+    proc = k2edge("card", "show", str(model), check=False)
+    assert_one_line_error(proc, "input.size: [320, 300]", "not a multiple of the model's stride 32",
+                          "width 288 or 320")
+    card.write_text('task = "detection"\n[input]\nsize = [640, 640]\n')
+    proc = k2edge("card", "show", str(model))
+    assert "differs from the size the model was trained at, [320, 320]" in proc.stderr
