@@ -24,7 +24,9 @@ on the full export matches the torch model; the stripped fixture runs.
   ``process_mask_native`` and ``scale_coords``, as its predictors call them;
 * preprocessing: scikit-image's sample photos through Ultralytics' ``LetterBox`` (BGR as OpenCV
   reads, ``cv2.resize`` ``INTER_LINEAR``, pad 114) and its tensor conversion (BGR -> RGB, / 255),
-  stored as the uint8 values before ``/ 255``.
+  stored as the uint8 values before ``/ 255``;
+* ``cv2.resize`` with ``INTER_LINEAR``, ``INTER_AREA`` and ``INTER_NEAREST`` on a small image,
+  shrinking and enlarging (k2edge reimplements the three in numpy).
 """
 
 from __future__ import annotations
@@ -175,6 +177,13 @@ def golden() -> None:
         if True:
             boxed = LetterBox((h, w), auto=False, stride=32)(image=bgr)
             out[f"letterbox/{photo}/{h}x{w}"] = np.ascontiguousarray(boxed[..., ::-1])  # RGB, before / 255
+    # cv2.resize itself for each interpolation k2edge reimplements, shrinking and enlarging
+    small = (np.arange(37 * 53 * 3, dtype=np.int64).reshape(37, 53, 3) * 7919 % 251).astype(np.uint8)
+    small[10:20, 5:40] = 255  # an edge
+    out["resize/src"] = small
+    for method, flag in (("linear", cv2.INTER_LINEAR), ("area", cv2.INTER_AREA), ("nearest", cv2.INTER_NEAREST)):
+        for h, w in ((20, 31), (90, 70), (37, 20)):
+            out[f"resize/{method}/{h}x{w}"] = cv2.resize(small, (w, h), interpolation=flag)
     import ultralytics
 
     out["scenes_sha256"] = np.array(sc.checksum())

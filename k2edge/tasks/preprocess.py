@@ -212,7 +212,9 @@ class Preprocess:
             raise InputError(f"image refused: {_reason(exc)}") from None
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
             what = f" {str(source)!r}" if isinstance(source, (str, os.PathLike)) else ""
-            raise InputError(f"cannot decode image{what}: {_reason(exc)}") from None
+            reason = ("not in an image format Pillow reads (JPEG, PNG, BMP, WebP, ...)"
+                      if isinstance(exc, UnidentifiedImageError) else _reason(exc))
+            raise InputError(f"cannot decode image{what}: {reason}") from None
         if self.color == "BGR":
             arr = arr[..., ::-1]
         if target != (self.width, self.height):

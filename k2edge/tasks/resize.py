@@ -7,7 +7,8 @@ GStreamer/CSI cameras, so it is never a dependency: these reproduce ``cv2.resize
   to the edge), two taps per axis, no antialiasing; OpenCV computes in 11-bit fixed point and
   rounds, so values here may differ from it by 1 of 255;
 * ``area``: ``INTER_AREA``: the mean of the source pixels a destination pixel covers (fractional
-  at the edges) when shrinking; like ``linear`` when enlarging;
+  at the edges) when no axis grows; otherwise OpenCV's own two taps per axis
+  (``sx = floor(dx * in / out)``, weight the fractional part of ``(dx + 1) - (sx + 1) * out / in``);
 * ``nearest``: ``INTER_NEAREST``: ``src = floor(dst * in / out)``.
 """
 
@@ -30,6 +31,19 @@ def _linear_taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return left, right, w.astype(np.float32)
 
 
+def _area_enlarge_taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """OpenCV's INTER_AREA taps where it does not shrink both axes: ``sx = floor(dx * in / out)``,
+    weight ``(dx + 1) - (sx + 1) * out / in`` when positive (its fractional part), else 0."""
+    dx = np.arange(n_out, dtype=np.float64)
+    sx = np.floor(dx * (n_in / n_out))
+    fx = (dx + 1) - (sx + 1) * (n_out / n_in)
+    fx = np.where(fx <= 0, 0.0, fx - np.floor(fx))
+    left = sx.astype(np.int64)
+    fx = np.where(left + 1 >= n_in, 0.0, fx)
+    left = np.clip(left, 0, n_in - 1)
+    return left, np.clip(left + 1, 0, n_in - 1), fx.astype(np.float32)
+
+
 def _area_matrix(n_in: int, n_out: int) -> np.ndarray:
     """(n_out, n_in) weights: each row the share of every source pixel in that destination pixel."""
     scale = n_in / n_out
@@ -42,17 +56,17 @@ def _area_matrix(n_in: int, n_out: int) -> np.ndarray:
 
 def _axis(img: np.ndarray, n_out: int, axis: int, method: str) -> np.ndarray:
     n_in = img.shape[axis]
-    if n_in == n_out:
+    if n_in == n_out and method != "area-enlarge":
         return img
     if method == "nearest":
         idx = np.minimum((np.arange(n_out) * (n_in / n_out)).astype(np.int64), n_in - 1)
         return np.take(img, idx, axis=axis)
-    if method == "area" and n_out < n_in:
+    if method == "area":  # both axes shrink (or stay)
         m = _area_matrix(n_in, n_out)
         moved = np.moveaxis(img, axis, 0)
         out = np.tensordot(m, moved, axes=([1], [0]))
         return np.moveaxis(out, 0, axis)
-    left, right, w = _linear_taps(n_in, n_out)
+    left, right, w = _area_enlarge_taps(n_in, n_out) if method == "area-enlarge" else _linear_taps(n_in, n_out)
     shape = [1] * img.ndim
     shape[axis] = n_out
     w = w.reshape(shape)
@@ -79,7 +93,8 @@ def resize(img: np.ndarray, width: int, height: int, method: str = "linear") -> 
     if method == "nearest":
         return _axis(_axis(img, height, 0, method), width, 1, method)
     x = img.astype(np.float32)
-    # OpenCV's INTER_AREA enlarging on one axis and shrinking on the other still treats each axis on its own
+    if method == "area" and (height > img.shape[0] or width > img.shape[1]):
+        method = "area-enlarge"  # OpenCV averages areas only when no axis grows; else its own 2-tap weights
     x = _axis(x, height, 0, method)
     x = _axis(x, width, 1, method)
     return np.clip(np.rint(x), 0, 255).astype(np.uint8)
