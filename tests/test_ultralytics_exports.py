@@ -145,3 +145,41 @@ def test_a_size_off_the_stride_is_refused_and_an_untrained_size_warned(tmp_path)
     card.write_text('task = "detection"\n[input]\nsize = [640, 640]\n')
     proc = k2edge("card", "show", str(model))
     assert "differs from the size the model was trained at, [320, 320]" in proc.stderr
+
+
+@pytest.mark.parametrize("name,metric", [("yolov8n-seg", "segm"), ("yolov8n-pose", "keypoints")])
+def test_eval_measures_masks_and_keypoints_end_to_end(name, metric, tmp_path, image):
+    """k2edge eval on a segmentation / pose export reports the mask / keypoint mAP beside the boxes'."""
+    model = _export(name, tmp_path)
+    k2edge("card", "init", str(model))
+    labels = (model.parent / "labels.txt").read_text().splitlines()
+    data = model.parent / "eval"
+    data.mkdir()
+    (data / "a.jpg").write_bytes(image.read_bytes())
+    box = [100.0, 80.0, 200.0, 160.0]
+    ann = {"id": 1, "image_id": 1, "category_id": 0, "bbox": box, "area": box[2] * box[3], "iscrowd": 0,
+           "segmentation": [[100, 80, 300, 80, 300, 240, 100, 240]],
+           "keypoints": [v for i in range(17) for v in (120.0 + 5 * i, 100.0 + 3 * i, 2)], "num_keypoints": 17}
+    doc = {"images": [{"id": 1, "file_name": "a.jpg", "width": 640, "height": 480}], "annotations": [ann],
+           "categories": [{"id": i, "name": n} for i, n in enumerate(labels)]}
+    (data / "annotations.json").write_text(json.dumps(doc))
+    result = json.loads(k2edge("eval", str(model), "-p", "cpu-dev", "--dataset", str(data / "annotations.json"),
+                               "--json").stdout)
+    assert result["metric"] == metric and result["task"] in ("segmentation", "pose")
+    assert 0 <= result["map"] <= 1 and 0 <= result["box_map"] <= 1 and result["images"] == 1
+
+
+def test_eval_says_obb_is_not_evaluated(tmp_path, image):
+    model = _export("yolov8n-obb", tmp_path)
+    k2edge("card", "init", str(model))
+    (tmp_path / "a.json").write_text("{}")
+    proc = k2edge("eval", str(model), "-p", "cpu-dev", "--dataset", str(tmp_path / "a.json"), check=False)
+    assert_one_line_error(proc, "oriented boxes (task obb) is not done yet")
+
+
+def test_infer_names_an_image_that_does_not_decode(tmp_path, image):
+    model = _export("yolo11n", tmp_path)
+    bad = tmp_path / "cut.jpg"
+    bad.write_bytes(image.read_bytes()[:500])
+    proc = k2edge("infer", str(model), "-p", "cpu-dev", str(bad), check=False)
+    assert_one_line_error(proc, f"cannot decode image {str(bad)!r}")
