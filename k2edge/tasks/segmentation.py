@@ -30,22 +30,21 @@ def _taps(n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return lo, np.minimum(lo + 1, n_src - 1), pos - lo
 
 
-def _axis_matrix(m: int, f: int, top: int, bottom: int, n: int) -> np.ndarray:
-    """(n, m) weights of prototype pixels in each of ``n`` image pixels along one axis: upsampled
-    ``f`` times, cropped to ``[top, bottom)``, resized to ``n`` (Ultralytics' two steps, composed)."""
+def _axis_taps(m: int, f: int, top: int, bottom: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per image pixel along one axis, the 4 prototype pixels it reads and their weights ((n, 4) each):
+    upsampled ``f`` times, cropped to ``[top, bottom)``, resized to ``n`` (Ultralytics' two steps, composed)."""
     lo1, hi1, w1 = _taps(m, m * f)
     lo2, hi2, w2 = _taps(bottom - top, n)
     lo2, hi2 = lo2 + top, hi2 + top
-    a = np.zeros((n, m), dtype=np.float64)
-    rows = np.arange(n)
-    for idx2, wt2 in ((lo2, 1 - w2), (hi2, w2)):
-        np.add.at(a, (rows, lo1[idx2]), wt2 * (1 - w1[idx2]))
-        np.add.at(a, (rows, hi1[idx2]), wt2 * w1[idx2])
-    return a.astype(np.float32)
+    if f == 1:  # no first step: two taps
+        return np.stack([lo2, hi2], axis=1), np.stack([1 - w2, w2], axis=1).astype(np.float32)
+    idx = np.stack([lo1[lo2], hi1[lo2], lo1[hi2], hi1[hi2]], axis=1)
+    wts = np.stack([(1 - w2) * (1 - w1[lo2]), (1 - w2) * w1[lo2], w2 * (1 - w1[hi2]), w2 * w1[hi2]], axis=1)
+    return idx, wts.astype(np.float32)
 
 
-def _upsampling(mh: int, mw: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row and column matrices taking prototypes to a ``height`` x ``width`` image, as Ultralytics'
+def _upsampling(mh: int, mw: int, height: int, width: int):
+    """Row and column taps taking prototypes to a ``height`` x ``width`` image, as Ultralytics'
     ``process_mask_native`` (protos at 1/4 of the input; upsample 1, 2 or 4 times so the letterbox
     padding crops on whole pixels; ``scale_masks`` crops it off and resizes bilinearly)."""
     gain = min(4 * mh / height, 4 * mw / width)
@@ -53,12 +52,12 @@ def _upsampling(mh: int, mw: int, height: int, width: int) -> tuple[np.ndarray, 
     f = 4 // math.gcd(4, pad | pad // 2)
     h1, w1 = mh * f, mw * f
     if (h1, w1) == (height, width):
-        return _axis_matrix(mh, f, 0, h1, height), _axis_matrix(mw, f, 0, w1, width)
+        return _axis_taps(mh, f, 0, h1, height), _axis_taps(mw, f, 0, w1, width)
     g = min(h1 / height, w1 / width)
     pad_w, pad_h = (w1 - max(round(width * g), 1)) / 2, (h1 - max(round(height * g), 1)) / 2
     top, left = round(pad_h - 0.1), round(pad_w - 0.1)
     bottom, right = top + max(round(height * g), 1), left + max(round(width * g), 1)
-    return _axis_matrix(mh, f, top, bottom, height), _axis_matrix(mw, f, left, right, width)
+    return _axis_taps(mh, f, top, bottom, height), _axis_taps(mw, f, left, right, width)
 
 
 def box_masks(protos: np.ndarray, coefficients: np.ndarray, boxes: np.ndarray,
@@ -81,40 +80,39 @@ def box_masks(protos: np.ndarray, coefficients: np.ndarray, boxes: np.ndarray,
     out = []
     if len(boxes) == 0:
         return out
-    ay, ax = _upsampling(mh, mw, H, W)
+    (iy, wy), (ix, wx) = _upsampling(mh, mw, H, W)
     protos = np.asarray(protos, np.float32)
+    # Elementwise work on the taps, not matrix products: BLAS threads cost more than these small
+    # products on a busy 2-core board.
     for coef, (x1, y1, x2, y2) in zip(np.asarray(coefficients, np.float32), np.asarray(boxes, np.float64)):
         x0, xe = max(0, int(np.ceil(x1))), min(W, int(np.ceil(x2)))
         y0, ye = max(0, int(np.ceil(y1))), min(H, int(np.ceil(y2)))
         if xe <= x0 or ye <= y0:
             out.append((np.zeros((0, 0), bool), (0, 0)))
             continue
-        wy, wx = ay[y0:ye], ax[x0:xe]
-        ry = np.flatnonzero(wy.any(axis=0))
-        rx = np.flatnonzero(wx.any(axis=0))
-        r0, r1, c0, c1 = ry[0], ry[-1] + 1, rx[0], rx[-1] + 1
+        ry, rwy, rx, rwx = iy[y0:ye], wy[y0:ye], ix[x0:xe], wx[x0:xe]
+        r0, r1, c0, c1 = int(ry.min()), int(ry.max()) + 1, int(rx.min()), int(rx.max()) + 1
         # the mask logits only on the prototype pixels this box reads
-        logits = np.tensordot(coef, protos[:, r0:r1, c0:c1], axes=1)
-        full = wy[:, r0:r1] @ logits @ wx[:, c0:c1].T
+        logits = np.einsum("m,mij->ij", coef, protos[:, r0:r1, c0:c1])
+        rows = np.einsum("ytc,yt->yc", logits[ry - r0], rwy)          # (ny, columns read)
+        full = np.einsum("yxt,xt->yx", rows[:, rx - c0], rwx)         # (ny, nx)
         out.append((full > 0, (x0, y0)))
     return out
 
 
+_LIMITS = 16 * 32 ** np.arange(12, dtype=np.int64)  # one more 5-bit group past each (counts < 2 ** 59)
+
+
 def _counts_string(counts: np.ndarray) -> str:
-    """pycocotools' ``rleToString``: LEB128-like, 5 bits a character, deltas from two runs back."""
-    chars = []
-    cnts = [int(c) for c in counts]
-    for i, c in enumerate(cnts):
-        x = c - cnts[i - 2] if i > 2 else c
-        more = True
-        while more:
-            ch = x & 0x1F
-            x >>= 5
-            more = (x != -1) if (ch & 0x10) else (x != 0)
-            if more:
-                ch |= 0x20
-            chars.append(chr(ch + 48))
-    return "".join(chars)
+    """pycocotools' ``rleToString``, vectorised: each count (after the second, minus the count two
+    before) in 5-bit groups, low first, 0x20 marking "more", plus 48."""
+    x = np.asarray(counts, dtype=np.int64).copy()
+    if len(x) > 3:
+        x[3:] -= np.asarray(counts, dtype=np.int64)[1:-2]
+    groups = 1 + ((x[:, None] >= _LIMITS) | (x[:, None] < -_LIMITS)).sum(axis=1)
+    k = np.arange(int(groups.max()), dtype=np.int64)
+    chars = ((x[:, None] >> (5 * k)) & 0x1F) | ((k < groups[:, None] - 1).astype(np.int64) << 5)
+    return (chars[k < groups[:, None]] + 48).astype(np.uint8).tobytes().decode("ascii")
 
 
 def rle_from_box_mask(mask: np.ndarray, origin: tuple[int, int], height: int, width: int) -> dict:
@@ -123,11 +121,19 @@ def rle_from_box_mask(mask: np.ndarray, origin: tuple[int, int], height: int, wi
     bh, bw = mask.shape
     if mask.size == 0 or not mask.any():
         return {"size": [height, width], "counts": _counts_string(np.array([height * width]))}
-    padded = np.zeros((bh + 2, bw), dtype=np.int8)
-    padded[1:-1] = mask
-    i, j = np.nonzero(np.diff(padded, axis=0))  # i: row in the box where a run starts, j: column
-    order = np.lexsort((i, j))  # column-major: by column, then row
-    starts = (x0 + j[order]).astype(np.int64) * height + y0 + i[order]
+    padded = np.zeros((bw, bh + 2), dtype=np.int8)  # column-major: one row per image column
+    padded[:, 1:-1] = mask.T
+    j, i = np.nonzero(padded[:, 1:] != padded[:, :-1])  # j: column, i: row in the box where a run starts
+    starts = (x0 + j).astype(np.int64) * height + y0 + i
+    # a box as tall as the image: a run that goes on into the next column ends and restarts at the
+    # same place; drop both, as pycocotools counts it as one run
+    same = np.flatnonzero(starts[1:] == starts[:-1])
+    if same.size:
+        keep = np.ones(len(starts), dtype=bool)
+        keep[same] = keep[same + 1] = False
+        starts = starts[keep]
+    if len(starts) and starts[-1] == height * width:  # the last run ends with the image: no empty run after it
+        starts = starts[:-1]
     counts = np.diff(np.concatenate([[0], starts, [height * width]]))
     return {"size": [height, width], "counts": _counts_string(counts)}
 
