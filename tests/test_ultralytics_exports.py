@@ -183,3 +183,21 @@ def test_infer_names_an_image_that_does_not_decode(tmp_path, image):
     bad.write_bytes(image.read_bytes()[:500])
     proc = k2edge("infer", str(model), "-p", "cpu-dev", str(bad), check=False)
     assert_one_line_error(proc, f"cannot decode image {str(bad)!r}")
+
+
+def test_int8_keeps_the_segmentation_pose_and_obb_heads_in_float():
+    """The head kept out of INT8 covers each task's extra values: mask coefficients and prototypes'
+    last activation, keypoint decoding, the angle."""
+    from k2edge.config.card import ModelCard
+    from k2edge.engine.quantize import float_nodes
+    from k2edge.model import normalise
+
+    for name, task in (("yolov8n-seg", "segmentation"), ("yolov8n-pose", "pose"), ("yolov8n-obb", "obb")):
+        g = normalise(zoo.load(name)).graph
+        keep = float_nodes(g, ModelCard(task=task))
+        for out in g.outputs:  # whatever produces each output is float
+            assert g.nodes[g.producer[out]].name in keep, (name, out)
+        convs = [n.name for n in g.nodes if n.name in keep and n.op_type == "Conv" and "dfl" not in n.name]
+        assert not convs, (name, convs)  # the learned layers themselves stay quantisable
+        if task == "pose":  # class scores and keypoint visibility
+            assert sum(1 for n in g.nodes if n.name in keep and n.op_type == "Sigmoid") >= 2
