@@ -169,6 +169,26 @@ def test_eval_measures_masks_and_keypoints_end_to_end(name, metric, tmp_path, im
     assert 0 <= result["map"] <= 1 and 0 <= result["box_map"] <= 1 and result["images"] == 1
 
 
+def test_the_sweep_measures_a_pose_model_by_its_keypoints(tmp_path, image):
+    """pareto-sweep's accuracy axis for pose (and segmentation) is the task's own mAP."""
+    from k2edge import Engine
+    from k2edge.engine.evaluate import open_eval_set
+    from k2edge.sweep.measure import _accuracy
+    from k2edge.sweep.results import accuracy_of
+
+    model = _export("yolov8n-pose", tmp_path)
+    k2edge("card", "init", str(model))
+    (tmp_path / "a.jpg").write_bytes(image.read_bytes())
+    doc = {"images": [{"id": 1, "file_name": "a.jpg", "width": 640, "height": 480}],
+           "annotations": [{"id": 1, "image_id": 1, "category_id": 0, "bbox": [10, 10, 50, 80], "area": 4000, "iscrowd": 0,
+                            "keypoints": [20.0, 20.0, 2] * 17, "num_keypoints": 17}],
+           "categories": [{"id": 0, "name": (model.parent / "labels.txt").read_text().split()[0]}]}
+    (tmp_path / "ann.json").write_text(json.dumps(doc))
+    with Engine.build(model, "cpu-dev") as engine:
+        record = _accuracy(engine, open_eval_set(engine, tmp_path / "ann.json"))
+    assert record["accuracy_metric"] == "keypoint mAP@0.5" and accuracy_of(record) == record["map50"]
+
+
 def test_eval_says_obb_is_not_evaluated(tmp_path, image):
     model = _export("yolov8n-obb", tmp_path)
     k2edge("card", "init", str(model))
