@@ -221,3 +221,20 @@ def test_int8_keeps_the_segmentation_pose_and_obb_heads_in_float():
         assert not convs, (name, convs)  # the learned layers themselves stay quantisable
         if task == "pose":  # class scores and keypoint visibility
             assert sum(1 for n in g.nodes if n.name in keep and n.op_type == "Sigmoid") >= 2
+
+
+def test_without_metadata_the_stride_comes_from_the_graph(tmp_path):
+    """An export stripped of Ultralytics' metadata: a detector's size off the graph's stride (32) is refused."""
+    import onnx
+
+    from k2edge.model.stride import graph_stride
+
+    m = zoo.load("yolov8n-dynamic")
+    del m.metadata_props[:]
+    assert graph_stride(m) == 32 and graph_stride(zoo.load("yolov8n-seg")) == 32
+    path = tmp_path / "bare" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save(m, str(path))
+    (path.parent / "card.toml").write_text('task = "detection"\n[input]\nsize = [320, 300]\nresize = "letterbox"\n')
+    proc = k2edge("inspect", str(path), check=False)
+    assert_one_line_error(proc, "stride 32 (the largest downsampling its graph shows): use height 320, width 288 or 320")

@@ -490,9 +490,10 @@ def _check_stride(card: ModelCard, metadata: Mapping[str, str], source: str) -> 
         check_size(tuple(card.input.size), metadata, source)
 
 
-def check_size(size: tuple[int, int], metadata: Mapping[str, str], source: str) -> None:
-    """A ``[height, width]`` the model's stride (Ultralytics metadata) does not divide is refused, naming
-    the nearest valid sizes; one other than the size it was trained at (``imgsz``) is warned about.
+def check_size(size: tuple[int, int], metadata: Mapping[str, str], source: str, graph_stride: int | None = None) -> None:
+    """A ``[height, width]`` the model's stride (Ultralytics metadata, else ``graph_stride``: the largest
+    downsampling the graph shows) does not divide is refused, naming the nearest valid sizes; one other
+    than the size it was trained at (``imgsz``) is warned about.
 
     Raises:
         CardError: the size is not a multiple of the stride.
@@ -504,14 +505,16 @@ def check_size(size: tuple[int, int], metadata: Mapping[str, str], source: str) 
     except ValueError:
         return  # reported by _ultralytics
     h, w = size
-    if meta.stride and meta.stride > 1 and (h % meta.stride or w % meta.stride):
-        s = meta.stride
+    stride = meta.stride or graph_stride
+    if stride and stride > 1 and (h % stride or w % stride):
+        s = stride
 
         def near(d: int) -> str:
             lo, hi = d // s * s, (d // s + 1) * s
             return str(d) if d % s == 0 else (f"{lo} or {hi}" if lo else str(hi))
+        where = "" if meta.stride else " (the largest downsampling its graph shows)"
         raise CardError(f"{source}: input.size: {[h, w]} ([height, width]) is not a multiple of the model's "
-                        f"stride {s}: use height {near(h)}, width {near(w)}")
+                        f"stride {s}{where}: use height {near(h)}, width {near(w)}")
     if meta.imgsz and (h, w) != tuple(meta.imgsz) and ((h, w), meta.imgsz) not in _WARNED:
         import logging
 

@@ -117,11 +117,16 @@ def card_input_shapes(model: onnx.ModelProto, card: ModelCard | None, batch_size
     h_ax, w_ax, c_ax = (2, 3, 1) if layout == "NCHW" else (1, 2, 3)
     if dims[h_ax] and dims[w_ax]:
         return None
-    from ..config.card import check_size
+    from ..config.card import BOX_TASKS, check_size
+    from ..config.ultralytics import read_ultralytics
+    from ..model.stride import graph_stride
 
-    # before the graph is fixed to this size: a size off the stride fails deep in shape inference
-    check_size(tuple(size), {p.key: p.value for p in model.metadata_props},
-               (card.source or "card") if card is not None and card.input.size is not None else "model metadata")
+    # before the graph is fixed to this size: a size off the stride fails deep in shape inference.
+    # Only detectors' feature pyramids need it (a classifier's global pooling takes any size).
+    md = {p.key: p.value for p in model.metadata_props}
+    task = card.task if card is not None and "task" in card.model_fields_set else (read_ultralytics(md).task or "")
+    check_size(tuple(size), md, (card.source or "card") if card is not None and card.input.size is not None
+               else "model metadata", graph_stride(model) if task in BOX_TASKS else None)
     shape = [batch_size] * 4
     shape[h_ax], shape[w_ax] = size
     shape[c_ax] = dims[c_ax] or (card.input.channels if card is not None else None) or 3
