@@ -17,6 +17,9 @@ from k2edge.config.ultralytics import COCO_KEYPOINTS
 from k2edge.tasks import Preprocess, TaskDecoder
 from k2edge.tasks.segmentation import rle_decode
 
+# pycocotools' decode trips numpy 2's copy-keyword deprecation on every call: not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 GOLDEN = pathlib.Path(__file__).resolve().parent / "fixtures" / "ultralytics" / "ultralytics_golden.npz"
 LABELS = ("a", "b", "c")
 
