@@ -238,3 +238,24 @@ def test_without_metadata_the_stride_comes_from_the_graph(tmp_path):
     (path.parent / "card.toml").write_text('task = "detection"\n[input]\nsize = [320, 300]\nresize = "letterbox"\n')
     proc = k2edge("inspect", str(path), check=False)
     assert_one_line_error(proc, "stride 32 (the largest downsampling its graph shows): use height 320, width 288 or 320")
+
+
+def test_the_readme_recipe_works_command_by_command(tmp_path, image):
+    """The README's "Bring your own Ultralytics export" commands, as written, on a dynamic YOLOv8n export."""
+    import pathlib
+    import re
+    import shlex
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("**Bring your own Ultralytics export.**", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) == 4 and all(c.startswith("k2edge ") for c in commands)
+    zoo.save("yolov8n-dynamic", tmp_path / "yolov8n.onnx")
+    (tmp_path / "street.jpg").write_bytes(image.read_bytes())
+    for command in commands:
+        args = [str(tmp_path / a) if a in ("yolov8n.onnx", "street.jpg", "out.png") else a
+                for a in shlex.split(command)[1:]]
+        k2edge(*args)
+    assert (tmp_path / "card.toml").is_file() and len((tmp_path / "labels.txt").read_text().splitlines()) == 80
+    assert (tmp_path / "out.png").is_file()
