@@ -83,3 +83,12 @@ def test_size_off_the_stride_names_the_nearest_sizes_and_untrained_size_warns(ca
 def test_a_model_without_ultralytics_metadata_is_unaffected():
     assert read_ultralytics({"k2edge.preprocess": "{}", "author": "me"}).present is False
     assert resolve_card("x", (1, 3, 32, 32), {}).input.interpolation == "antialias"
+
+
+def test_escalation_judges_segmentation_pose_and_obb_by_their_boxes():
+    from k2edge.config.cloud import EscalationSettings
+
+    for task in ("segmentation", "pose", "obb"):
+        assert EscalationSettings().for_task(task).measure == "max_box_score"
+        with pytest.raises(ValueError, match="judges a classifier"):
+            EscalationSettings(measure="entropy").for_task(task)
