@@ -102,3 +102,17 @@ def test_undecodable_images_say_what_is_wrong_without_object_reprs(tmp_path):
         with pytest.raises(InputError) as exc:
             p.stage(source)
         assert fragment in str(exc.value) and " at 0x" not in str(exc.value) and "BytesIO" not in str(exc.value)
+
+
+def test_center_crop_matches_ultralytics_classifiers(golden):
+    """A YOLOv8-cls card (center-crop, antialias: torchvision's Resize + CenterCrop on a PIL image)
+    stages each photo exactly as Ultralytics' classify_transforms."""
+    skdata = pytest.importorskip("skimage.data", reason="scikit-image ships the sample photos (pip install 'k2edge[dev]')")
+    keys = sorted(k for k in golden if k.startswith("classify/"))
+    assert len(keys) == 3
+    for key in keys:
+        _, photo, size = key.split("/")
+        spec = InputSpec(size=(int(size), int(size)), resize="center-crop", color="RGB", interpolation="antialias",
+                         jpeg_draft=False)
+        diff = np.abs(Preprocess(spec).stage(getattr(skdata, photo)()) - golden[key].astype(np.float32).transpose(2, 0, 1) / 255)
+        assert diff.max() <= 1 / 255, (photo, diff.max() * 255)

@@ -32,7 +32,8 @@ def test_the_metadata_makes_ultralytics_predictor_card():
 @pytest.mark.parametrize("task,extra,check", [
     ("segment", {}, lambda c: c.task == "segmentation"),
     ("classify", {"stride": "1", "imgsz": "[224, 224]"},
-     lambda c: c.task == "classification" and c.classification.output == "probabilities" and c.input.resize == "stretch"),
+     lambda c: c.task == "classification" and c.classification.output == "probabilities" and c.input.resize == "center-crop"
+     and c.input.interpolation == "antialias"),
     ("obb", {}, lambda c: c.task == "obb"),
     ("pose", {"kpt_shape": "[17, 3]"}, lambda c: c.pose.keypoints == COCO_KEYPOINTS and c.pose.sigmas == COCO_SIGMAS),
     ("pose", {"kpt_shape": "[5, 2]"}, lambda c: len(c.pose.keypoints) == 5 and c.pose.dims == 2 and c.pose.sigmas == (0.2,) * 5),

@@ -62,7 +62,11 @@ def test_card_init_then_infer_needs_no_other_step(name, tmp_path, image):
     out = k2edge("card", "init", str(model)).stdout
     _, task, fmt, _ = LAYOUTS[name]
     card = (model.parent / "card.toml").read_text()
-    assert f'task = "{task}"' in card and 'labels = "labels.txt"' in card and 'interpolation = "linear"' in card
+    assert f'task = "{task}"' in card and 'labels = "labels.txt"' in card and "jpeg_draft = false" in card
+    if task == "classification":  # Ultralytics' classify_transforms: torchvision on a PIL image
+        assert 'resize = "center-crop"' in card and 'interpolation = "antialias"' in card
+    else:
+        assert 'resize = "letterbox"' in card and 'interpolation = "linear"' in card
     assert ("size = [224, 224]" if task == "classification" else "size = [320, 320]") in card
     assert fmt is None or f'format = "{fmt}"' in card
     labels = (model.parent / "labels.txt").read_text().splitlines()

@@ -25,6 +25,8 @@ on the full export matches the torch model; the stripped fixture runs.
 * preprocessing: scikit-image's sample photos through Ultralytics' ``LetterBox`` (BGR as OpenCV
   reads, ``cv2.resize`` ``INTER_LINEAR``, pad 114) and its tensor conversion (BGR -> RGB, / 255),
   stored as the uint8 values before ``/ 255``;
+* the classifier's ``classify_transforms(112)`` (torchvision ``Resize`` + ``CenterCrop``) on the same
+  photos;
 * ``cv2.resize`` with ``INTER_LINEAR``, ``INTER_AREA`` and ``INTER_NEAREST`` on a small image,
   shrinking and enlarging (k2edge reimplements the three in numpy).
 """
@@ -177,6 +179,15 @@ def golden() -> None:
         if True:
             boxed = LetterBox((h, w), auto=False, stride=32)(image=bgr)
             out[f"letterbox/{photo}/{h}x{w}"] = np.ascontiguousarray(boxed[..., ::-1])  # RGB, before / 255
+    # classifiers: Ultralytics' classify_transforms (torchvision Resize + CenterCrop on a PIL image), as
+    # ClassificationPredictor applies them to an image read by OpenCV
+    from PIL import Image
+    from ultralytics.data.augment import classify_transforms
+
+    for photo in PHOTOS:
+        rgb = getattr(skdata, photo)()
+        t = classify_transforms(112)(Image.fromarray(rgb))
+        out[f"classify/{photo}/112"] = (t.numpy().transpose(1, 2, 0) * 255).round().astype(np.uint8)
     # cv2.resize itself for each interpolation k2edge reimplements, shrinking and enlarging
     small = (np.arange(37 * 53 * 3, dtype=np.int64).reshape(37, 53, 3) * 7919 % 251).astype(np.uint8)
     small[10:20, 5:40] = 255  # an edge

@@ -7,7 +7,7 @@ The contract (every key optional; a card names only what differs from what the m
     [input]
     name = "images"                    # default: the model's only input
     size = [320, 320]                  # [height, width], as in NCHW
-    resize = "letterbox"               # stretch | letterbox | pad-right
+    resize = "letterbox"               # stretch | letterbox | pad-right | center-crop
     interpolation = "linear"           # linear | area | nearest (OpenCV's) | antialias (Pillow's, the default)
     jpeg_draft = false                 # Pillow's reduced-size JPEG decoding (default: true with antialias only)
     pad_value = 114                    # 0..255
@@ -103,7 +103,9 @@ class InputSpec(_Strict):
         name: the model input fed (default: the model's only input).
         size: ``[height, width]`` of the model input.
         resize: ``stretch`` (to size, ignoring the ratio), ``letterbox`` (keep the ratio, centred
-            padding, as YOLO exports expect) or ``pad-right`` (keep the ratio, pad right and bottom).
+            padding, as YOLO exports expect), ``pad-right`` (keep the ratio, pad right and bottom) or
+            ``center-crop`` (the short side to the size, then the centre cut out: torchvision's
+            ``Resize(size)`` + ``CenterCrop(size)``, as Ultralytics' classifiers).
         pad_value: the pixel value (0..255, before scale/mean/std) of the padding.
         color: ``RGB``, ``BGR`` (channels reversed) or ``L`` (one grey channel).
         scale: ``x = pixel * scale``, then ``(x - mean) / std`` per channel.
@@ -118,7 +120,7 @@ class InputSpec(_Strict):
 
     name: str | None = None
     size: tuple[int, int] | None = None
-    resize: Literal["stretch", "letterbox", "pad-right"] = "stretch"
+    resize: Literal["stretch", "letterbox", "pad-right", "center-crop"] = "stretch"
     pad_value: int = Field(114, ge=0, le=255)
     color: Literal["RGB", "BGR", "L"] | None = None
     scale: float = 1 / 255

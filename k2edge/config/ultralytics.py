@@ -6,7 +6,8 @@ classify | obb), ``names`` (a Python dict literal ``{0: 'person', ...}``), ``img
 Nothing here is executed: literals are read with :func:`ast.literal_eval`, under a size cap.
 
 The card these make is what Ultralytics' own predictor does: RGB, ``LetterBox`` (centred, pad 114,
-OpenCV ``INTER_LINEAR``, the image decoded at full size), ``/ 255``.
+OpenCV ``INTER_LINEAR``, the image decoded at full size), ``/ 255``; for a classifier torchvision's
+``Resize`` + ``CenterCrop`` on a PIL image (Pillow's bilinear) instead.
 """
 
 from __future__ import annotations
@@ -123,10 +124,10 @@ def ultralytics_layer(metadata: Mapping[str, str] | None) -> dict:
     if meta.task:
         layer["task"] = meta.task
     if meta.task == "classification":
-        # Ultralytics' classify transform: resize the short side, centre crop (no letterbox);
-        # the exported head ends in a softmax
-        layer["input"] = {"resize": "stretch", "color": "RGB", "scale": 1 / 255, "mean": [0.0], "std": [1.0],
-                          "interpolation": "linear", "jpeg_draft": False}
+        # Ultralytics' classify transform: torchvision's Resize (the short side; Pillow's bilinear on a
+        # PIL image, antialiased) and CenterCrop of the image decoded at full size; the head ends in a softmax
+        layer["input"] = {"resize": "center-crop", "color": "RGB", "scale": 1 / 255, "mean": [0.0], "std": [1.0],
+                          "interpolation": "antialias", "jpeg_draft": False}
         layer["classification"] = {"output": "probabilities"}
     else:
         layer["input"] = {"resize": "letterbox", "pad_value": 114, "color": "RGB", "scale": 1 / 255, "mean": [0.0],

@@ -5,7 +5,9 @@ Resizes (``[input] resize``):
 
 * ``stretch``: to the input size, ignoring the aspect ratio (the default; what k2edge always did);
 * ``letterbox``: keep the ratio, centre the image, pad both sides with ``pad_value`` (YOLO exports);
-* ``pad-right``: keep the ratio, image at the top-left, pad right and bottom (text recognisers).
+* ``pad-right``: keep the ratio, image at the top-left, pad right and bottom (text recognisers);
+* ``center-crop``: the short side to the size, the centre cut out (torchvision's Resize + CenterCrop,
+  as Ultralytics' classifiers).
 
 Staging writes into a caller-provided buffer so a prefetch ring can reuse its memory. Pillow is
 imported lazily; nothing here runs a model.
@@ -125,6 +127,17 @@ class Preprocess:
         """Where a ``width`` x ``height`` image lands in the input under this resize."""
         if self.resize == "stretch":
             return Geometry(width, height, self.width / width, self.height / height)
+        if self.resize == "center-crop":
+            # torchvision: Resize(int) scales the short side to it, the long side truncated; CenterCrop rounds
+            if self.width == self.height:
+                if width <= height:
+                    new_w, new_h = self.width, int(self.width * height / width)
+                else:
+                    new_w, new_h = int(self.height * width / height), self.height
+            else:  # Resize((h, w)) stretches, and the crop is the whole
+                new_w, new_h = self.width, self.height
+            left, top = int(round((new_w - self.width) / 2.0)), int(round((new_h - self.height) / 2.0))
+            return Geometry(width, height, new_w / width, new_h / height, -left, -top)
         r = min(self.width / width, self.height / height)
         new_w, new_h = max(1, min(self.width, round(width * r))), max(1, min(self.height, round(height * r)))
         pad_x = pad_y = 0
@@ -217,7 +230,10 @@ class Preprocess:
             raise InputError(f"cannot decode image{what}: {reason}") from None
         if self.color == "BGR":
             arr = arr[..., ::-1]
-        if target != (self.width, self.height):
+        if self.resize == "center-crop":
+            x, y = -int(geometry.pad_x), -int(geometry.pad_y)
+            arr = np.ascontiguousarray(arr[y:y + self.height, x:x + self.width])
+        elif target != (self.width, self.height):
             canvas = np.full((self.height, self.width, *arr.shape[2:]), self.spec.pad_value, dtype=np.uint8)
             x, y = int(geometry.pad_x), int(geometry.pad_y)
             canvas[y:y + target[1], x:x + target[0]] = arr
