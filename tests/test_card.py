@@ -60,7 +60,7 @@ def test_contract_loads_exactly_as_written(tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (('resize = "letterbox"', 'resize = "squash"'), "input.resize: must be one of 'stretch', 'letterbox' or 'pad-right', got 'squash'"),
+    (('resize = "letterbox"', 'resize = "squash"'), "input.resize: must be one of 'stretch', 'letterbox', 'pad-right' or 'center-crop', got 'squash'"),
     (("std = [1.0, 1.0, 1.0]", "std = [0, 1, 1]"), "input.std: every value must be > 0 (it divides), got [0, 1, 1]"),
     (("size = [320, 320]", 'size = ["320", 320]'), "input.size: must be two whole numbers"),
     (("pad_value = 114", "pad_value = 300"), "input.pad_value: must be <= 255, got 300"),
