@@ -60,15 +60,15 @@ def test_contract_loads_exactly_as_written(tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (('resize = "letterbox"', 'resize = "squash"'), "input.resize: must be one of 'stretch', 'letterbox' or 'pad-right', got 'squash'"),
+    (('resize = "letterbox"', 'resize = "squash"'), "input.resize: must be one of 'stretch', 'letterbox', 'pad-right' or 'center-crop', got 'squash'"),
     (("std = [1.0, 1.0, 1.0]", "std = [0, 1, 1]"), "input.std: every value must be > 0 (it divides), got [0, 1, 1]"),
     (("size = [320, 320]", 'size = ["320", 320]'), "input.size: must be two whole numbers"),
     (("pad_value = 114", "pad_value = 300"), "input.pad_value: must be <= 255, got 300"),
     (('color = "RGB"', 'color = "RGBA"'), "input.color: must be one of"),
     (("mean = [0.0, 0.0, 0.0]", "mean = [0.0, 0.0]"), "input.mean: must be a list of 1 or 3 numbers"),
-    (('format = "yolov8"', 'format = "ssd"'), "detection.format: must be one of 'yolov8' or 'yolov5', got 'ssd'"),
+    (('format = "yolov8"', 'format = "ssd"'), "detection.format: must be one of 'yolov8', 'yolov5' or 'end2end', got 'ssd'"),
     (("iou_threshold = 0.45", "iou_threshold = 0"), "detection.iou_threshold: must be > 0"),
-    (('task = "detection"', 'task = "segmentation"'), "task: must be one of"),
+    (('task = "detection"', 'task = "depth"'), "task: must be one of"),
     (("max_detections = 100", "max_detections = 100\nmax_boxes = 3"), "detection.max_boxes: unknown key (known keys: format,"),
     (('task = "detection"', 'task = "detection"\nsource = "x"'), "source: unknown key (known keys: task, labels, input,"),
 ])

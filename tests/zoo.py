@@ -26,6 +26,7 @@ from onnx import helper
 
 FIXTURE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "zoo"
 YOLOV8_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "yolov8"
+ULTRALYTICS_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "ultralytics"
 
 MARKER_KEY = "k2edge_fixture"
 MARKER_VALUE = "regenerate"
@@ -36,6 +37,8 @@ NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in FIXTURE_DIR.glob("*.onnx")
 """The image classifiers (tests parametrise over these)."""
 YOLOV8_NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in YOLOV8_DIR.glob("*.onnx")))
 """The YOLOv8n exports: ``yolov8n-320`` (static) and ``yolov8n-dynamic``."""
+ULTRALYTICS_NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in ULTRALYTICS_DIR.glob("*.onnx")))
+"""Ultralytics' other tasks and layouts (tests/fixtures/ultralytics): yolov8n-seg, -pose, -cls, -obb, yolo11n, yolov10n."""
 
 
 def fixture_path(name: str) -> pathlib.Path:
@@ -44,7 +47,9 @@ def fixture_path(name: str) -> pathlib.Path:
         return FIXTURE_DIR / f"{name}.onnx"
     if name in YOLOV8_NAMES:
         return YOLOV8_DIR / f"{name}.onnx"
-    raise KeyError(f"unknown fixture {name!r}; available: {', '.join(NAMES + YOLOV8_NAMES)}")
+    if name in ULTRALYTICS_NAMES:
+        return ULTRALYTICS_DIR / f"{name}.onnx"
+    raise KeyError(f"unknown fixture {name!r}; available: {', '.join(NAMES + YOLOV8_NAMES + ULTRALYTICS_NAMES)}")
 
 
 def stable_hash(text: str) -> int:

@@ -1,24 +1,53 @@
-"""Drawing detections on an image for ``k2edge infer --save-annotated`` (Pillow, imported lazily)."""
+"""Drawing answers on an image for ``k2edge infer --save-annotated`` (Pillow, imported lazily): boxes
+and labels; a segmentation's masks tinted in; a pose's keypoints (visible ones) and skeleton-free
+dots; an obb's rotated boxes as polygons."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 _COLOURS = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
             (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212))
 
 
+def _corners(cx: float, cy: float, w: float, h: float, angle: float) -> list[tuple[float, float]]:
+    c, s = math.cos(angle), math.sin(angle)
+    return [(cx + dx * c - dy * s, cy + dx * s + dy * c) for dx, dy in
+            ((-w / 2, -h / 2), (w / 2, -h / 2), (w / 2, h / 2), (-w / 2, h / 2))]
+
+
 def annotate(image_path: Path, detections: list[dict], out: Path) -> None:
-    """Write ``image_path`` with each detection's box and ``label score`` drawn on it to ``out``."""
+    """Write ``image_path`` with each detection drawn on it (box or rbox, mask, keypoints, ``label score``) to ``out``."""
+    import numpy as np
     from PIL import Image, ImageDraw
 
     img = Image.open(image_path).convert("RGB")
+    if any("mask" in d for d in detections):
+        from ..tasks.segmentation import rle_decode
+
+        arr = np.asarray(img).copy()
+        for d in detections:
+            m = rle_decode(d["mask"])
+            if m.shape == arr.shape[:2]:
+                colour = np.array(_COLOURS[d["index"] % len(_COLOURS)], np.float32)
+                arr[m] = (arr[m] * 0.5 + colour * 0.5).astype(np.uint8)
+        img = Image.fromarray(arr)
     draw = ImageDraw.Draw(img)
     width = max(1, round(max(img.size) / 300))
     for d in detections:
         colour = _COLOURS[d["index"] % len(_COLOURS)]
-        x1, y1, x2, y2 = d["box"]
-        draw.rectangle((x1, y1, x2, y2), outline=colour, width=width)
+        if "rbox" in d:
+            pts = _corners(*d["rbox"])
+            draw.polygon(pts, outline=colour, width=width)
+            x1, y1 = min(p[0] for p in pts), min(p[1] for p in pts)
+        else:
+            x1, y1, x2, y2 = d["box"]
+            draw.rectangle((x1, y1, x2, y2), outline=colour, width=width)
+        for x, y, score in d.get("keypoints", ()):
+            if score >= 0.5:
+                r = width + 1
+                draw.ellipse((x - r, y - r, x + r, y + r), fill=colour)
         text = f"{d['label']} {d['score']:.2f}"
         left, top, right, bottom = draw.textbbox((x1, y1), text)
         top_y = y1 - (bottom - top) - 2 if y1 - (bottom - top) - 2 >= 0 else y1

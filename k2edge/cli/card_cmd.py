@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import K2EdgeError
-from .common import add_json, add_model, print_json
+from .common import input_shapes_of, add_json, add_model, print_json
 
 HEADER = """\
 # Model card for {model}, written by `k2edge card init` ({why}).
@@ -35,11 +35,34 @@ def register(p) -> None:
 def _model(args):
     from ..model import normalise
 
-    nm = normalise(args.model, input_shapes=dict(args.input_shape) or None)
+    nm = normalise(args.model, input_shapes=input_shapes_of(args))
     g = nm.graph
     if len(g.inputs) != 1:
         raise K2EdgeError(f"k2edge serves single-input models; this one has inputs {list(g.inputs)}")
     return nm, g.inputs[0], g.shape(g.inputs[0]), {o: g.shape(o) for o in g.outputs}
+
+
+def _metadata_names(metadata: dict) -> tuple[str, ...]:
+    from ..config.card import CardError
+    from ..config.ultralytics import UltralyticsMetadataError, read_ultralytics
+
+    try:
+        return read_ultralytics(metadata).names or ()
+    except UltralyticsMetadataError as exc:
+        raise CardError(str(exc)) from None
+
+
+def _with_sources(toml: str, sources: dict[str, str]) -> str:
+    """The card's TOML with ``# <source>`` after each value someone set (the rest are defaults)."""
+    lines, table = [], ""
+    for line in toml.splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            table = line[1:-1] + "."
+        key = line.split(" = ", 1)[0] if " = " in line and not line.startswith("#") else None
+        if key is not None:
+            line = f"{line}  # {sources.get(table + key, 'default')}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def run(args) -> int:
@@ -49,12 +72,16 @@ def run(args) -> int:
     if args.card_command == "show":
         from ..engine.engine import model_card
 
+        from ..config.card import card_sources
+        from ..engine.engine import card_file
+
         card = model_card(Path(args.model), nm, args.card)
+        sources = card_sources(shape, nm.metadata(), card_file(Path(args.model), args.card))
         if args.json:
-            print_json({"card": card.source, **card.model_dump(mode="json", exclude={"source"})})
+            print_json({"card": card.source, **card.model_dump(mode="json", exclude={"source"}), "sources": sources})
         else:
             print(f"# {card.source or 'no card file: the model metadata and defaults'}")
-            print(card.to_toml(), end="")
+            print(_with_sources(card.to_toml(), sources), end="")
         return 0
     card, why = suggest_card(name, shape, outputs, nm.metadata())
     model = Path(args.model)
@@ -64,6 +91,16 @@ def run(args) -> int:
     if not out.resolve().parent.is_dir():
         raise K2EdgeError(f"--out {str(out)!r}: its directory does not exist")
     labels = model.with_name("labels.txt")
+    names = _metadata_names(nm.metadata())
+    note = ""
+    if names and labels.is_file():
+        note = f"; kept the existing {labels} (the model's metadata names {len(names)} classes)"
+    elif names:
+        try:
+            labels.write_text("".join(f"{n}\n" for n in names))
+        except OSError as exc:
+            raise K2EdgeError(f"cannot write {labels} ({exc.strerror or exc})") from None
+        note = f"; wrote {labels} ({len(names)} class name(s) from the model's metadata)"
     updates = {"source": None, "labels": os.path.relpath(labels.resolve(), out.resolve().parent) if labels.is_file() else None}
     text = HEADER.format(model=model.name, why=why) + card.model_copy(update=updates).to_toml()
     if not labels.is_file() and card.task != "tensor":
@@ -72,5 +109,5 @@ def run(args) -> int:
         out.write_text(text)
     except OSError as exc:
         raise K2EdgeError(f"cannot write {out} ({exc.strerror or exc})") from None
-    print(f"wrote {out}: {why}; edit it, then run k2edge card show {args.model}")
+    print(f"wrote {out}: {why}{note}; check it with k2edge card show {args.model}")
     return 0

@@ -33,6 +33,19 @@ def add_model(p: argparse.ArgumentParser) -> None:
                    "(default: <model-stem>.card.toml or card.toml beside the model)")
 
 
+def input_shapes_of(args, batch_size: int = 1) -> dict | None:
+    """``--input-shape``, else the static shape a dynamic export takes from its card's size or its
+    metadata's (as ``infer`` and ``build`` do), else None."""
+    if args.input_shape:
+        return dict(args.input_shape)
+    from pathlib import Path
+
+    from ..engine.engine import card_file, card_input_shapes
+    from ..model.ingest import load_onnx
+
+    return card_input_shapes(load_onnx(args.model)[0], card_file(Path(args.model), args.card), batch_size)
+
+
 def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None:
     p.add_argument("--profile", "-p", required=profile_required, metavar="P",
                    help="profile file or name (c1..c6, cpu-dev)")

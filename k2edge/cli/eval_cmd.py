@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 COMMAND = "eval"
-HELP = "measure accuracy on a labelled dataset: top-1 (classifiers) or COCO mAP (detectors)"
+HELP = "measure accuracy on a labelled dataset: top-1 (classifiers), COCO mAP (detection, segmentation masks, pose keypoints)"
 ORDER = 50
 
 from .common import Progress, add_build, add_json, add_model, build_engine, print_json
@@ -27,7 +27,7 @@ def evaluate(engine, dataset, progress: Progress | None = None) -> dict:
 
 
 def run(args) -> int:
-    from ..engine.evaluate import evaluate_detector, open_eval_set
+    from ..engine.evaluate import evaluate_detector, evaluate_instances, open_eval_set
     from ..errors import InputError
 
     if args.limit is not None and args.limit < 1:
@@ -35,9 +35,15 @@ def run(args) -> int:
     engine = build_engine(args)
     dataset = open_eval_set(engine, args.dataset, args.limit)
     progress = Progress(len(dataset), "eval")
-    detector = engine.card.task == "detection"
+    task = engine.card.task
+    detector = task in ("detection", "segmentation", "pose")
     with engine:
-        result = evaluate_detector(engine, dataset, progress.advance) if detector else evaluate(engine, dataset, progress)
+        if task == "detection":
+            result = evaluate_detector(engine, dataset, progress.advance)
+        elif detector:
+            result = evaluate_instances(engine, dataset, progress.advance)
+        else:
+            result = evaluate(engine, dataset, progress)
     progress.close()
     result.pop("predictions", None)
     result.pop("per_image", None)
@@ -47,7 +53,9 @@ def run(args) -> int:
     if args.json:
         print_json(result)
     elif detector:
-        print(f"mAP@0.5 {result['map50']:.4f}, mAP@0.5:0.95 {result['map']:.4f} ({result['images']} images, "
+        what = {"segmentation": "mask ", "pose": "keypoint "}.get(task, "")
+        boxes = f"; boxes mAP@0.5 {result['box_map50']:.4f}, mAP@0.5:0.95 {result['box_map']:.4f}" if what else ""
+        print(f"{what}mAP@0.5 {result['map50']:.4f}, mAP@0.5:0.95 {result['map']:.4f}{boxes} ({result['images']} images, "
               f"{result['detections']} detections) with profile {result['profile']} on {', '.join(result['lanes'])}; "
               f"{result['throughput_per_s']:.0f} images/s")
     else:

@@ -21,8 +21,10 @@ def register(p) -> None:
     p.add_argument("--top-k", type=int, default=5, metavar="K", help="classes to show per input (default 5)")
     p.add_argument("--save-output", metavar="OUT.npy", help="write the first output tensor of every input, stacked")
     p.add_argument("--save-annotated", metavar="OUT",
-                   help="detectors: draw the boxes and labels on each image; OUT is a directory (created), or an image "
-                        "file when there is one input")
+                   help="detection, segmentation, pose, obb: draw the boxes (masks, keypoints, rotated boxes) and labels "
+                        "on each image; OUT is a directory (created), or an image file when there is one input")
+    p.add_argument("--save-input", metavar="FILE.npy",
+                   help="write the staged input batch [N, ...] of every input, stacked (to compare preprocessing)")
     add_json(p)
 
 
@@ -66,15 +68,30 @@ def _print_human(path: str, record: dict, task: str) -> None:
     if task == "classification":
         best = ", ".join(f"{t['label']} {t['score']:.3f}" for t in record["top_k"])
         print(f"{path}: {best}  {timing}")
-    elif task == "detection":
+    elif "detections" in record:
         dets = record["detections"]
         print(f"{path}: {len(dets)} detection(s)  {timing}")
-        if dets:
-            rows = [[d["label"], f"{d['score']:.3f}", *(f"{v:.1f}" for v in d["box"])] for d in dets]
-            print("  " + table(rows, ["label", "score", "x1", "y1", "x2", "y2"]).replace("\n", "\n  "))
+        if dets and task == "obb":
+            rows = [[d["label"], f"{d['score']:.3f}", *(f"{v:.1f}" for v in d["rbox"][:4]), f"{d['rbox'][4]:.3f}"]
+                    for d in dets]
+            print("  " + table(rows, ["label", "score", "cx", "cy", "w", "h", "angle"]).replace("\n", "\n  "))
+        elif dets:
+            extra = {"segmentation": "mask", "pose": "keypoints"}.get(task)
+            rows = [[d["label"], f"{d['score']:.3f}", *(f"{v:.1f}" for v in d["box"])]
+                    + ([_extra(d, extra)] if extra else []) for d in dets]
+            print("  " + table(rows, ["label", "score", "x1", "y1", "x2", "y2"] + ([extra] if extra else []))
+                  .replace("\n", "\n  "))
     else:
         outs = ", ".join(f"{name} {o['dtype']} {o['shape']}" for name, o in record["outputs"].items())
         print(f"{path}: {outs}  {timing}")
+
+
+def _extra(d: dict, what: str) -> str:
+    if what == "mask":
+        from ..tasks.segmentation import rle_area
+
+        return f"{rle_area(d['mask'])} px"
+    return f"{sum(1 for k in d['keypoints'] if k[2] >= 0.5)}/{len(d['keypoints'])} visible"
 
 
 def run(args) -> int:
@@ -82,17 +99,20 @@ def run(args) -> int:
 
     if args.top_k < 1:
         raise InputError("--top-k must be at least 1")
-    if args.save_output and not Path(args.save_output).resolve().parent.is_dir():
-        raise InputError(f"--save-output {args.save_output!r}: its directory does not exist")
+    for option, value in (("--save-output", args.save_output), ("--save-input", args.save_input)):
+        if value and not Path(value).resolve().parent.is_dir():
+            raise InputError(f"{option} {value!r}: its directory does not exist")
     annotated = Path(args.save_annotated) if args.save_annotated else None
     if annotated is not None and not annotated.resolve().parent.is_dir():
         raise InputError(f"--save-annotated {args.save_annotated!r}: its directory does not exist")
     engine = build_engine(args)
     task = engine.card.task
-    if annotated is not None and task != "detection":
+    from ..config.card import BOX_TASKS
+
+    if annotated is not None and task not in BOX_TASKS:
         raise InputError(f"--save-annotated draws detections; this model's task is {task!r} (a card with "
                          "task = \"detection\" makes it a detector)")
-    first_outputs = []
+    first_outputs, staged = [], []
     with engine:
         for path in args.inputs:
             t0 = time.perf_counter()
@@ -101,6 +121,8 @@ def run(args) -> int:
             outputs = engine.infer({engine.input_name: batch})
             t2 = time.perf_counter()
             first_outputs.append(outputs[engine.output_names[0]][:n])  # drop the rows that only padded the batch
+            if args.save_input:
+                staged.append(np.array(batch[:n]))
             answer = engine.answers(outputs, 1, geometries, args.top_k)[0]
             record = {"input": path, **answer, "latency_ms": round((t2 - t1) * 1e3, 3),
                       "stage_ms": round((t1 - t0) * 1e3, 3), "profile": engine.profile.name,
@@ -118,6 +140,11 @@ def run(args) -> int:
                 print(json.dumps(record))
             else:
                 _print_human(path, record, task)
+    if args.save_input:
+        try:
+            np.save(args.save_input, np.concatenate(staged, axis=0))
+        except OSError as exc:
+            raise InputError(f"--save-input {args.save_input!r}: cannot write ({exc.strerror or exc})") from None
     if args.save_output:
         try:
             np.save(args.save_output, np.concatenate(first_outputs, axis=0))

@@ -6,7 +6,7 @@ COMMAND = "inspect"
 HELP = "show a model's inputs, outputs and nodes with FLOPs and DLA support"
 ORDER = 10
 
-from .common import add_json, add_model, print_json, table
+from .common import input_shapes_of, add_json, add_model, print_json, table
 
 
 def register(p) -> None:
@@ -22,24 +22,37 @@ def _card(args, nm) -> dict:
     from ..config.card import find_card
     from ..tasks.suggest import suggest_card
 
+    from ..config.card import card_sources, load_card
+
     g = nm.graph
     if len(g.inputs) != 1:
         return {"card": None, "suggested": None, "why": "several inputs: k2edge serves single-input models"}
     found = args.card or find_card(Path(args.model))
+    shape = g.shape(g.inputs[0])
     if found:
         from ..engine.engine import model_card
 
         card = model_card(Path(args.model), nm, found)
-        return {"card": str(found), "task": card.task, "suggested": None, "why": None}
-    card, why = suggest_card(g.inputs[0], g.shape(g.inputs[0]), {o: g.shape(o) for o in g.outputs}, nm.metadata())
-    return {"card": None, "task": card.task, "suggested": card.model_dump(mode="json", exclude={"source"}), "why": why}
+        return {"card": str(found), "task": card.task, "suggested": None, "why": None,
+                "sources": card_sources(shape, nm.metadata(), load_card(found))}
+    card, why = suggest_card(g.inputs[0], shape, {o: g.shape(o) for o in g.outputs}, nm.metadata())
+    return {"card": None, "task": card.task, "suggested": card.model_dump(mode="json", exclude={"source"}), "why": why,
+            "sources": card_sources(shape, nm.metadata())}
+
+
+def _sources_line(sources: dict[str, str]) -> str:
+    """``from Ultralytics metadata: task, input.size, ...; from card.toml: ...`` (defaults unnamed)."""
+    by: dict[str, list[str]] = {}
+    for key, source in sources.items():
+        by.setdefault(source, []).append(key)
+    return "; ".join(f"from {source}: {', '.join(keys)}" for source, keys in by.items() if source != "defaults")
 
 
 def run(args) -> int:
     from ..dla.rules import support_table
     from ..model import model_costs, normalise
 
-    nm = normalise(args.model, batch_size=args.batch_size, input_shapes=dict(args.input_shape) or None)
+    nm = normalise(args.model, batch_size=args.batch_size, input_shapes=input_shapes_of(args, args.batch_size))
     g = nm.graph
     costs = model_costs(g)
     support = support_table(g)
@@ -74,11 +87,14 @@ def run(args) -> int:
           f"{data['dla_capable_flop_share']:.1%} of FLOPs DLA-capable")
     card = data["card"]
     if card["card"]:
-        print(f"  card   {card['card']} (task {card['task']})\n")
+        print(f"  card   {card['card']} (task {card['task']})")
     elif card["suggested"]:
-        print(f"  card   none; suggested: task {card['task']} ({card['why']}): k2edge card init {args.model}\n")
+        print(f"  card   none; suggested: task {card['task']} ({card['why']}): k2edge card init {args.model}")
     else:
-        print(f"  card   none ({card['why']})\n")
+        print(f"  card   none ({card['why']})")
+    if card.get("sources") and _sources_line(card["sources"]):
+        print(f"  values {_sources_line(card['sources'])}")
+    print()
     rows = [[n["index"], n["name"], n["op"], "x".join(map(str, n["output_shape"])), f"{n['flops'] / 1e6:.3f}",
              "yes" if n["dla"] else f"no: {n['dla_reason']}"] for n in nodes]
     print(table(rows, ["#", "node", "op", "output", "MFLOPs", "DLA"]))

@@ -6,7 +6,7 @@ COMMAND = "plan"
 HELP = "plan the GPU/DLA partition of a model under a profile"
 ORDER = 20
 
-from .common import BOARD_CHOICES, add_json, add_model, board_of, print_json, table
+from .common import input_shapes_of, BOARD_CHOICES, add_json, add_model, board_of, print_json, table
 
 
 def register(p) -> None:
@@ -35,7 +35,8 @@ def run(args) -> int:
                                                                    "tensorrt_partition": args.partition}})
     else:
         raise K2EdgeError("give --profile P, or both --offload-ratio R and --partition G")
-    nm = normalise(args.model, batch_size=profile.edge_runtime.batch_size, input_shapes=dict(args.input_shape) or None)
+    nm = normalise(args.model, batch_size=profile.edge_runtime.batch_size,
+                   input_shapes=input_shapes_of(args, profile.edge_runtime.batch_size))
     if args.card:  # placement does not depend on the card; check it fits the model all the same
         from pathlib import Path
 

@@ -2,12 +2,14 @@
 
 The contract (every key optional; a card names only what differs from what the model says)::
 
-    task = "detection"                 # classification | detection | tensor
+    task = "detection"                 # classification | detection | segmentation | pose | obb | tensor
     labels = "labels.txt"              # one label per line, relative to the card
     [input]
     name = "images"                    # default: the model's only input
     size = [320, 320]                  # [height, width], as in NCHW
-    resize = "letterbox"               # stretch | letterbox | pad-right
+    resize = "letterbox"               # stretch | letterbox | pad-right | center-crop
+    interpolation = "linear"           # linear | area | nearest (OpenCV's) | antialias (Pillow's, the default)
+    jpeg_draft = false                 # Pillow's reduced-size JPEG decoding (default: true with antialias only)
     pad_value = 114                    # 0..255
     color = "RGB"                      # RGB | BGR | L
     scale = 0.00392156862745098        # x = pixel * scale, then (x - mean) / std per channel
@@ -15,20 +17,25 @@ The contract (every key optional; a card names only what differs from what the m
     std = [1.0, 1.0, 1.0]
     [classification]
     output = "logits"                  # logits | probabilities
-    [detection]
-    format = "yolov8"                  # yolov8 | yolov5
+    [detection]                        # also segmentation, pose and obb (their boxes)
+    format = "yolov8"                  # yolov8 (also YOLO11) | yolov5 | end2end ([N, K, 6+], already NMS'd)
     score_threshold = 0.25
     iou_threshold = 0.45
     max_detections = 100
     class_agnostic_nms = false
+    [pose]
+    keypoints = ["nose", ...]          # names (COCO's 17 by default for 17 keypoints)
+    sigmas = [0.026, ...]              # OKS sigmas (COCO's for the 17)
     [quantization]
     keep_float = ["/model.22/dfl/conv/Conv"]   # nodes kept out of INT8 besides a detector's head
 
 Where several sources speak the most specific wins, key by key: the daemon config's per-model
 settings, then the card, then the model's own ONNX metadata (``k2edge.preprocess``, which stores
 ``size`` width first: :func:`metadata_layer` converts it, here and nowhere else), then defaults
-derived from the model's input shape. :func:`resolve_card` does the layering and checks the
-result against the model (a ``size`` contradicting a static input is refused).
+derived from the model's input shape. Below k2edge's own metadata sits Ultralytics' export metadata
+(``task``, ``names``, ``imgsz`` [h, w], ``stride``, ``kpt_shape``: :func:`ultralytics_layer`).
+:func:`resolve_card` does the layering and checks the result against the model (a ``size``
+contradicting a static input, or not a multiple of the stride, is refused).
 """
 
 from __future__ import annotations
@@ -49,6 +56,12 @@ __all__ = [
     "DetectionSpec",
     "InputSpec",
     "ModelCard",
+    "PoseSpec",
+    "BOX_TASKS",
+    "ultralytics_layer",
+    "card_sources",
+    "metadata_size",
+    "check_size",
     "QuantizationSpec",
     "CARD_NAME",
     "METADATA_KEY",
@@ -63,7 +76,9 @@ __all__ = [
 CARD_NAME = "card.toml"
 METADATA_KEY = "k2edge.preprocess"
 LABELS_METADATA_KEY = "k2edge.labels"
-Task = Literal["classification", "detection", "tensor"]
+Task = Literal["classification", "detection", "segmentation", "pose", "obb", "tensor"]
+#: tasks whose answers are boxes decoded by ``[detection]`` (each adds its own part to a box)
+BOX_TASKS = ("detection", "segmentation", "pose", "obb")
 
 
 class CardError(K2EdgeError):
@@ -88,23 +103,37 @@ class InputSpec(_Strict):
         name: the model input fed (default: the model's only input).
         size: ``[height, width]`` of the model input.
         resize: ``stretch`` (to size, ignoring the ratio), ``letterbox`` (keep the ratio, centred
-            padding, as YOLO exports expect) or ``pad-right`` (keep the ratio, pad right and bottom).
+            padding, as YOLO exports expect), ``pad-right`` (keep the ratio, pad right and bottom) or
+            ``center-crop`` (the short side to the size, then the centre cut out: torchvision's
+            ``Resize(size)`` + ``CenterCrop(size)``, as Ultralytics' classifiers).
         pad_value: the pixel value (0..255, before scale/mean/std) of the padding.
         color: ``RGB``, ``BGR`` (channels reversed) or ``L`` (one grey channel).
         scale: ``x = pixel * scale``, then ``(x - mean) / std`` per channel.
         mean / std: one value per channel (or one for all).
         layout: ``NCHW`` (default) or ``NHWC``.
+        interpolation: how the image is resized: ``linear`` (OpenCV's ``INTER_LINEAR``: half-pixel
+            centres, no antialiasing; what Ultralytics trains with), ``area`` (``INTER_AREA``),
+            ``nearest`` (``INTER_NEAREST``) or ``antialias`` (Pillow's antialiased bilinear: the default).
+        jpeg_draft: let Pillow's JPEG decoder scale down (1/2 .. 1/8) before the resize; default
+            true with ``antialias``, false otherwise (an OpenCV pipeline decodes at full size).
     """
 
     name: str | None = None
     size: tuple[int, int] | None = None
-    resize: Literal["stretch", "letterbox", "pad-right"] = "stretch"
+    resize: Literal["stretch", "letterbox", "pad-right", "center-crop"] = "stretch"
     pad_value: int = Field(114, ge=0, le=255)
     color: Literal["RGB", "BGR", "L"] | None = None
     scale: float = 1 / 255
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
     layout: Literal["NCHW", "NHWC"] = "NCHW"
+    interpolation: Literal["linear", "area", "nearest", "antialias"] = "antialias"
+    jpeg_draft: bool | None = None
+
+    @property
+    def draft(self) -> bool:
+        """Whether JPEGs decode in Pillow's draft mode (``jpeg_draft``, else true only with ``antialias``)."""
+        return self.interpolation == "antialias" if self.jpeg_draft is None else self.jpeg_draft
 
     @field_validator("size", mode="before")
     @classmethod
@@ -154,8 +183,10 @@ class DetectionSpec(_Strict):
     """How a detector's output decodes.
 
     Attributes:
-        format: ``yolov8`` ([N, 4 + classes, anchors], cx cy w h in input pixels, sigmoid class
-            scores, no objectness) or ``yolov5`` ([N, anchors, 5 + classes], objectness x class score).
+        format: ``yolov8`` ([N, 4 + classes (+ extra), anchors], cx cy w h in input pixels, sigmoid
+            class scores, no objectness; YOLOv8 and YOLO11), ``yolov5`` ([N, anchors, 5 + classes],
+            objectness x class score) or ``end2end`` ([N, K, 6 (+ extra)]: x1 y1 x2 y2 score class,
+            already NMS'd; YOLOv10 and ``nms=True`` exports).
         score_threshold: a box is kept when its score reaches this.
         iou_threshold: NMS suppresses a box overlapping a better one by more than this.
         max_detections: at most this many boxes per image after NMS.
@@ -165,13 +196,47 @@ class DetectionSpec(_Strict):
         output_name: the model output holding the predictions; default the first.
     """
 
-    format: Literal["yolov8", "yolov5"] = "yolov8"
+    format: Literal["yolov8", "yolov5", "end2end"] = "yolov8"
     score_threshold: float = Field(0.25, ge=0, le=1)
     iou_threshold: float = Field(0.45, gt=0, le=1)
     max_detections: int = Field(100, ge=1, le=100_000)
     class_agnostic_nms: bool = False
     max_candidates: int = Field(1000, ge=1, le=1_000_000)
     output_name: str | None = None
+
+
+class PoseSpec(_Strict):
+    """Keypoint names (their count is the model's), OKS sigmas (default 1 / count each; COCO's for COCO's 17)
+    and values per keypoint (3: x, y, visibility; 2: x, y) of a pose model."""
+
+    keypoints: tuple[str, ...] | None = None
+    sigmas: tuple[float, ...] | None = None
+    dims: Literal[2, 3] = Field(3, description="values per keypoint in the output: x, y (and a visibility score)")
+
+    @field_validator("keypoints", mode="before")
+    @classmethod
+    def _kp_names(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, (list, tuple)) or any(not isinstance(x, str) or not x for x in v):
+            raise ValueError("must be a list of keypoint names")
+        return tuple(v)
+
+    @field_validator("sigmas", mode="before")
+    @classmethod
+    def _kp_sigmas(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0
+                                                   for x in v):
+            raise ValueError("must be a list of numbers > 0")
+        return tuple(float(x) for x in v)
+
+    @model_validator(mode="after")
+    def _same_length(self):
+        if self.keypoints is not None and self.sigmas is not None and len(self.keypoints) != len(self.sigmas):
+            raise ValueError(f"{len(self.keypoints)} keypoint name(s) but {len(self.sigmas)} sigma(s)")
+        return self
 
 
 class QuantizationSpec(_Strict):
@@ -195,6 +260,7 @@ class ModelCard(_Strict):
     input: InputSpec = Field(default_factory=InputSpec)
     classification: ClassificationSpec = Field(default_factory=ClassificationSpec)
     detection: DetectionSpec = Field(default_factory=DetectionSpec)
+    pose: PoseSpec = Field(default_factory=PoseSpec)
     quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
     source: str | None = Field(None, exclude=True, description="where the card came from, for messages")
 
@@ -220,8 +286,10 @@ class ModelCard(_Strict):
         """The card as TOML, every key of its task spelled out (what ``k2edge card init`` writes)."""
         d = self.model_dump(mode="json", exclude={"source"})
         for table in ("classification", "detection"):  # only the task's own table
-            if self.task != table:
+            if self.task != table and not (table == "detection" and self.task in BOX_TASKS):
                 d.pop(table)
+        if self.task != "pose" or (self.pose.keypoints is None and self.pose.sigmas is None):
+            d.pop("pose")
         if not self.quantization.keep_float:
             d.pop("quantization")
         lines = [f"task = {_toml(d.pop('task'))}"]
@@ -355,22 +423,107 @@ def resolve_card(
     Raises:
         CardError: the layers contradict the model (size, channels, input name), naming the source.
     """
-    layers = [_default_layer(input_shape)]
-    layers.append(metadata_layer(metadata or {}))
-    if card is not None:
-        layers.append(card.layer())
-    if overrides is not None:
-        over = overrides if isinstance(overrides, ModelCard) else card_from_dict(dict(overrides), "model settings")
-        layers.append(over.layer())
     merged: dict = {}
-    for layer in layers:
+    for _, layer in _layers(input_shape, metadata, card, overrides):
         merged = _merge(merged, layer)
     source = (overrides.source if isinstance(overrides, ModelCard) and overrides.source else
               "the daemon config's card table" if overrides is not None else
               card.source if card is not None and card.source else f"model metadata {METADATA_KEY!r}")
     result = card_from_dict(merged, source)
     _check_against_model(result, input_name, input_shape, input_names, source)
+    _check_stride(result, metadata or {}, source)
     return result.model_copy(update={"source": card.source if card is not None else None})
+
+
+def _ultralytics(metadata: Mapping[str, str] | None) -> dict:
+    from .ultralytics import UltralyticsMetadataError, ultralytics_layer
+
+    try:
+        layer = ultralytics_layer(metadata)
+        return card_from_dict(layer, "Ultralytics metadata").layer() if layer else {}
+    except UltralyticsMetadataError as exc:
+        raise CardError(str(exc)) from None
+
+
+def metadata_size(metadata: Mapping[str, str] | None) -> tuple[int, int] | None:
+    """``[height, width]`` the model's metadata gives (k2edge's, else Ultralytics' ``imgsz``), or None."""
+    for layer in (metadata_layer(metadata or {}), _ultralytics(metadata)):
+        size = (layer.get("input") or {}).get("size")
+        if size:
+            return tuple(size)
+    return None
+
+
+def _layers(input_shape, metadata, card, overrides) -> list[tuple[str, dict]]:
+    """(source name, card keys) from the least to the most specific."""
+    layers = [("defaults", _default_layer(input_shape)), ("Ultralytics metadata", _ultralytics(metadata)),
+              (f"model metadata {METADATA_KEY!r}", metadata_layer(metadata or {}))]
+    if card is not None:
+        layers.append((card.source or "card", card.layer()))
+    if overrides is not None:
+        over = overrides if isinstance(overrides, ModelCard) else card_from_dict(dict(overrides), "model settings")
+        layers.append((over.source if isinstance(overrides, ModelCard) and over.source else "daemon config", over.layer()))
+    return layers
+
+
+def card_sources(input_shape: tuple, metadata: Mapping[str, str] | None = None, card: ModelCard | None = None,
+                 overrides: ModelCard | Mapping | None = None) -> dict[str, str]:
+    """Where each card value set by someone comes from: ``{"input.size": "Ultralytics metadata", ...}``
+    (keys no source sets are the card's defaults)."""
+    out: dict[str, str] = {}
+
+    def walk(d: dict, prefix: str, source: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.", source)
+            else:
+                out[f"{prefix}{k}"] = source
+
+    for source, layer in _layers(input_shape, metadata, card, overrides):
+        walk(layer, "", source)
+    return out
+
+
+_WARNED: set = set()
+
+
+def _check_stride(card: ModelCard, metadata: Mapping[str, str], source: str) -> None:
+    if card.input.size is not None:
+        check_size(tuple(card.input.size), metadata, source)
+
+
+def check_size(size: tuple[int, int], metadata: Mapping[str, str], source: str, graph_stride: int | None = None) -> None:
+    """A ``[height, width]`` the model's stride (Ultralytics metadata, else ``graph_stride``: the largest
+    downsampling the graph shows) does not divide is refused, naming the nearest valid sizes; one other
+    than the size it was trained at (``imgsz``) is warned about.
+
+    Raises:
+        CardError: the size is not a multiple of the stride.
+    """
+    from .ultralytics import read_ultralytics
+
+    try:
+        meta = read_ultralytics(metadata)
+    except ValueError:
+        return  # reported by _ultralytics
+    h, w = size
+    stride = meta.stride or graph_stride
+    if stride and stride > 1 and (h % stride or w % stride):
+        s = stride
+
+        def near(d: int) -> str:
+            lo, hi = d // s * s, (d // s + 1) * s
+            return str(d) if d % s == 0 else (f"{lo} or {hi}" if lo else str(hi))
+        where = "" if meta.stride else " (the largest downsampling its graph shows)"
+        raise CardError(f"{source}: input.size: {[h, w]} ([height, width]) is not a multiple of the model's "
+                        f"stride {s}{where}: use height {near(h)}, width {near(w)}")
+    if meta.imgsz and (h, w) != tuple(meta.imgsz) and ((h, w), meta.imgsz) not in _WARNED:
+        import logging
+
+        _WARNED.add(((h, w), meta.imgsz))  # once per process, not once per resolution
+        logging.getLogger("k2edge.card").warning(
+            "input.size %s differs from the size the model was trained at, %s (Ultralytics metadata 'imgsz'); "
+            "accuracy may suffer", [h, w], list(meta.imgsz))
 
 
 def _default_layer(shape: tuple) -> dict:

@@ -189,7 +189,7 @@ class EscalationSettings(BaseModel):
             ValueError: a classifier measure for a detector, or a detection measure for a classifier.
         """
         detection_measure = self.measure in ("max_box_score", "uncertain_boxes")
-        if task == "detection" and not detection_measure:
+        if task in ("detection", "segmentation", "pose", "obb") and not detection_measure:  # judged by their boxes
             if "measure" not in self.model_fields_set:
                 return self.model_copy(update={"measure": "max_box_score"})
             raise ValueError(f"{where}.measure: {self.measure} judges a classifier; a detection model takes max_box_score "

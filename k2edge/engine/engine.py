@@ -76,7 +76,12 @@ def load_labels(model_path: Path | None, model: NormalisedModel, override: str |
         raise BuildError(f"labels file {str(override)!r} does not exist")
     if card is not None and card.labels:
         raise BuildError(f"{card.source or 'card'}: labels: file {card.labels!r} does not exist")
-    return ()
+    from ..config.ultralytics import UltralyticsMetadataError, read_ultralytics
+
+    try:  # an Ultralytics export names its classes itself
+        return read_ultralytics(model.metadata()).names or ()
+    except UltralyticsMetadataError:
+        return ()
 
 
 def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | None = None) -> ModelCard | None:
@@ -93,21 +98,38 @@ def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | Non
 
 
 def card_input_shapes(model: onnx.ModelProto, card: ModelCard | None, batch_size: int) -> dict[str, tuple[int, ...]] | None:
-    """Static input shape from the card's ``size`` for a model whose height/width are dynamic (an
-    export with dynamic axes), so it needs no ``--input-shape``; None when nothing is dynamic."""
-    if card is None or card.input.size is None:
+    """Static input shape from the card's ``size`` (else the model metadata's: k2edge's, then
+    Ultralytics' ``imgsz``) for a model whose height/width are dynamic (an export with dynamic axes),
+    so it needs no ``--input-shape``; None when nothing is dynamic or no size is known."""
+    size = card.input.size if card is not None else None
+    layout = card.input.layout if card is not None else "NCHW"
+    if size is None:
+        from ..config.card import metadata_size
+
+        size = metadata_size({p.key: p.value for p in model.metadata_props})
+    if size is None:
         return None
     inits = {t.name for t in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 4:
         return None
     dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in inputs[0].type.tensor_type.shape.dim]
-    h_ax, w_ax, c_ax = (2, 3, 1) if card.input.layout == "NCHW" else (1, 2, 3)
+    h_ax, w_ax, c_ax = (2, 3, 1) if layout == "NCHW" else (1, 2, 3)
     if dims[h_ax] and dims[w_ax]:
         return None
+    from ..config.card import BOX_TASKS, check_size
+    from ..config.ultralytics import read_ultralytics
+    from ..model.stride import graph_stride
+
+    # before the graph is fixed to this size: a size off the stride fails deep in shape inference.
+    # Only detectors' feature pyramids need it (a classifier's global pooling takes any size).
+    md = {p.key: p.value for p in model.metadata_props}
+    task = card.task if card is not None and "task" in card.model_fields_set else (read_ultralytics(md).task or "")
+    check_size(tuple(size), md, (card.source or "card") if card is not None and card.input.size is not None
+               else "model metadata", graph_stride(model) if task in BOX_TASKS else None)
     shape = [batch_size] * 4
-    shape[h_ax], shape[w_ax] = card.input.size
-    shape[c_ax] = dims[c_ax] or card.input.channels or 3
+    shape[h_ax], shape[w_ax] = size
+    shape[c_ax] = dims[c_ax] or (card.input.channels if card is not None else None) or 3
     return {inputs[0].name: tuple(shape)}
 
 
@@ -218,7 +240,7 @@ class Engine:
         cache = EngineCache(cache_dir)
         model_path = None if isinstance(model, onnx.ModelProto) else Path(model)
         the_card = card_file(model_path, card)
-        if input_shapes is None and the_card is not None and the_card.input.size is not None:
+        if input_shapes is None:
             input_shapes = card_input_shapes(load_onnx(model)[0], the_card, er.batch_size)
         normalised = load_normalised(model, cache, er.batch_size, input_shapes)
         hits = {}

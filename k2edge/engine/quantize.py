@@ -106,6 +106,9 @@ def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
     keep = set(card.quantization.keep_float)
     if card.task == "detection":
         keep |= detection_head(graph, card.detection.output_name or graph.outputs[0])
+    elif card.task in ("segmentation", "pose", "obb"):  # every output: mask coefficients, keypoints, angles
+        for output in graph.outputs:
+            keep |= detection_head(graph, output)
     return keep
 
 

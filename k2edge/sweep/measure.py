@@ -131,6 +131,13 @@ def _stream_count(engine, items: list, collect: Callable | None = None) -> int:
 
 
 def _accuracy(engine, dataset) -> dict:
+    if engine.card.task in ("segmentation", "pose"):  # the masks' / keypoints' mAP, as k2edge eval reports it
+        from ..engine.evaluate import evaluate_instances
+
+        result = evaluate_instances(engine, dataset)
+        what = "mask" if engine.card.task == "segmentation" else "keypoint"
+        return {"accuracy_metric": f"{what} mAP@0.5", "map50": result["map50"], "map": result["map"],
+                "samples": result["images"], "detections": result["detections"]}
     if engine.card.task == "detection":
         from ..engine.evaluate import evaluate_detector
 

@@ -92,7 +92,7 @@ def point_of(record: dict) -> Point:
 
 def accuracy_of(record: dict) -> float | None:
     """The accuracy axis of a record: top-1 for a classifier, COCO mAP@0.5 (``map50``) for a detector."""
-    return record.get("map50") if record.get("accuracy_metric") == "mAP@0.5" else record.get("top1")
+    return record.get("map50") if str(record.get("accuracy_metric", "")).endswith("mAP@0.5") else record.get("top1")
 
 
 def accuracy_metric(records) -> str:

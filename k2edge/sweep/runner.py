@@ -83,7 +83,7 @@ def _open_eval(spec: SweepSpec):
     normalised = load_normalised(spec.model, EngineCache(spec.cache_dir), 1, spec.input_shapes)
     card = model_card(Path(spec.model), normalised, spec.card)
     labels = load_labels(Path(spec.model), normalised, None, card)
-    if card.task == "detection":
+    if card.task in ("detection", "segmentation", "pose"):
         return open_coco(spec.dataset, labels, spec.settings.limit)
     return open_labelled(spec.dataset, labels, spec.settings.limit)
 

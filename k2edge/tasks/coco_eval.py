@@ -1,4 +1,5 @@
-"""COCO mAP of a detector's answers, computed by pycocotools (the reference implementation).
+"""COCO mAP of a detector's answers (boxes, and a segmentation's masks or a pose model's keypoints),
+computed by pycocotools (the reference implementation).
 
 pycocotools is the optional extra ``detection`` (``pip install 'k2edge[detection]'``), imported
 only here and only when a detector is evaluated.
@@ -13,7 +14,7 @@ from typing import Sequence
 from ..errors import K2EdgeError
 from .detection import Detections
 
-__all__ = ["coco_map", "coco_results"]
+__all__ = ["coco_map", "coco_results", "coco_answer_results"]
 
 
 def coco_results(image_ids: Sequence[int], detections: Sequence[Detections], category_ids: Sequence[int]) -> list[dict]:
@@ -26,8 +27,31 @@ def coco_results(image_ids: Sequence[int], detections: Sequence[Detections], cat
     return out
 
 
-def coco_map(ground_truth: dict, results: list[dict]) -> dict:
+def coco_answer_results(image_ids: Sequence[int], answers: Sequence[Sequence[dict]], category_ids: Sequence[int]) -> list[dict]:
+    """Task answers (``{"detections": [...]}`` items: ``box`` plus ``mask`` RLE or ``keypoints``) as
+    COCO results carrying ``bbox`` and ``segmentation`` / ``keypoints`` (x, y, score flattened)."""
+    out = []
+    for image_id, dets in zip(image_ids, answers):
+        for d in dets:
+            x1, y1, x2, y2 = d["box"]
+            r = {"image_id": int(image_id), "category_id": int(category_ids[d["index"]]),
+                 "bbox": [x1, y1, x2 - x1, y2 - y1], "score": float(d["score"])}
+            if "mask" in d:
+                r["segmentation"] = {"size": list(d["mask"]["size"]), "counts": d["mask"]["counts"]}
+            if "keypoints" in d:
+                r["keypoints"] = [float(v) for kp in d["keypoints"] for v in kp]
+            out.append(r)
+    return out
+
+
+def coco_map(ground_truth: dict, results: list[dict], iou_type: str = "bbox", sigmas: Sequence[float] | None = None) -> dict:
     """``{"map": mAP@[.5:.95], "map50": mAP@.5}`` as fractions (COCOeval ``stats[0]`` and ``stats[1]``).
+
+    Args:
+        ground_truth: the COCO annotation document.
+        results: COCO results.
+        iou_type: ``bbox``, ``segm`` (masks, RLE or polygons) or ``keypoints`` (OKS with ``sigmas``,
+            one per keypoint; pycocotools' COCO sigmas when None).
 
     Raises:
         K2EdgeError: pycocotools is not installed (the message says how to install it).
@@ -44,8 +68,16 @@ def coco_map(ground_truth: dict, results: list[dict]) -> dict:
         gt = COCO()
         gt.dataset = {"info": {}, **ground_truth}
         gt.createIndex()
+        if iou_type == "segm":  # loadRes computes areas from the masks; the RLE counts as bytes
+            results = [{**r, "segmentation": {**r["segmentation"], "counts": r["segmentation"]["counts"].encode()}}
+                       if isinstance(r.get("segmentation", {}).get("counts"), str) else r for r in results]
+            results = [{k: v for k, v in r.items() if k != "bbox"} for r in results]
         dt = gt.loadRes(results)
-        ev = COCOeval(gt, dt, "bbox")
+        ev = COCOeval(gt, dt, iou_type)
+        if iou_type == "keypoints" and sigmas is not None:
+            import numpy as np
+
+            ev.params.kpt_oks_sigmas = np.asarray(sigmas, dtype=np.float64)
         ev.evaluate()
         ev.accumulate()
         ev.summarize()

@@ -7,6 +7,11 @@ Layouts (card ``[detection] format``):
   class scores already through a sigmoid; no objectness (Ultralytics' YOLOv8/YOLO11 ONNX export).
 * ``yolov5``: ``[N, anchors, 5 + classes]``; cx, cy, w, h, objectness, class scores; a box's score
   is objectness x class score.
+* ``end2end``: ``[N, K, 6 + extra]``; x1, y1, x2, y2, score, class, already through NMS in the
+  graph (YOLOv10, ``nms=True`` exports): kept when the score reaches the threshold, in order.
+
+Segmentation, pose and obb heads add ``extra`` values per anchor after the class scores (mask
+coefficients, keypoints, an angle): they ride along with each box as :attr:`Detections.extra`.
 
 Each anchor keeps its best class (as Ultralytics' NMS does by default); anchors whose score
 exceeds ``score_threshold`` are candidates; at most ``max_candidates`` of them (best first) enter
@@ -23,7 +28,7 @@ import numpy as np
 from ..config.card import DetectionSpec
 from .preprocess import Geometry
 
-__all__ = ["Detections", "decode", "decode_one", "layout_classes", "nms"]
+__all__ = ["Detections", "candidates", "decode", "decode_one", "layout_classes", "nms"]
 
 # Above this many candidates NMS works box by box instead of building the n x n IoU matrix
 # (measured: the matrix wins at a few hundred candidates, loses 5x at 1,000).
@@ -43,6 +48,7 @@ class Detections:
     boxes: np.ndarray
     scores: np.ndarray
     classes: np.ndarray
+    extra: np.ndarray | None = None  # (k, extra) the head's values after the class scores, in input units
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -54,8 +60,9 @@ class Detections:
                 for b, s, c in zip(self.boxes, self.scores, self.classes)]
 
 
-def layout_classes(shape: Sequence, fmt: str) -> int:
-    """The class count an output of ``shape`` holds in layout ``fmt``.
+def layout_classes(shape: Sequence, fmt: str, extra: int = 0) -> int:
+    """The class count an output of ``shape`` holds in layout ``fmt`` with ``extra`` values per box
+    after the class scores (mask coefficients, keypoints, an angle).
 
     Raises:
         ValueError: the shape does not fit the layout (the message says what would).
@@ -65,10 +72,16 @@ def layout_classes(shape: Sequence, fmt: str) -> int:
         dims = (1, *dims)
     if len(dims) != 3 or not all(isinstance(d, int) and d > 0 for d in dims[1:]):
         raise ValueError(f"a {fmt} output is 3-D [N, ...], got shape {list(shape)}")
+    plus = f" + {extra}" if extra else ""
+    if fmt == "end2end":
+        if dims[2] != 6 + extra:
+            raise ValueError(f"end2end layout is [N, boxes, 6{plus}] (x1 y1 x2 y2 score class{plus and ' ...'}); "
+                             f"shape {list(shape)} has {dims[2]} columns")
+        return 0  # the class count is not in the shape
     if fmt == "yolov8":
-        classes = dims[1] - 4
+        classes = dims[1] - 4 - extra
         if classes < 1:
-            raise ValueError(f"yolov8 layout is [N, 4 + classes, anchors]; shape {list(shape)} has {dims[1]} rows")
+            raise ValueError(f"yolov8 layout is [N, 4 + classes{plus}, anchors]; shape {list(shape)} has {dims[1]} rows")
         if dims[1] > dims[2]:
             raise ValueError(f"yolov8 layout is [N, 4 + classes, anchors] (anchors last, usually thousands); shape "
                              f"{list(shape)} has more rows than anchors: is it [N, anchors, 5 + classes] (format = \"yolov5\")?")
@@ -81,27 +94,38 @@ def layout_classes(shape: Sequence, fmt: str) -> int:
     raise ValueError(f"unknown detection format {fmt!r}")
 
 
-def _candidates(p: np.ndarray, fmt: str, threshold: float, multi_label: bool = False):
-    """(boxes cx cy w h (k, 4), scores (k,), classes (k,)) of the anchors above ``threshold``: each
-    anchor's best class, or with ``multi_label`` every class of it above the threshold."""
+def _candidates(p: np.ndarray, fmt: str, threshold: float, multi_label: bool = False, extra: int = 0):
+    """(boxes cx cy w h (k, 4), scores (k,), classes (k,), extras (k, extra)) of the anchors above
+    ``threshold``: each anchor's best class, or with ``multi_label`` every class of it above the threshold."""
     if fmt == "yolov8":
-        cls_scores = p[4:]
+        cls_scores = p[4:len(p) - extra]
         if multi_label:
             classes, idx = np.nonzero(cls_scores > threshold)
-            return p[:4, idx].T, cls_scores[classes, idx], classes
+            return p[:4, idx].T, cls_scores[classes, idx], classes, p[len(p) - extra:, idx].T
         best = cls_scores.max(axis=0)
         idx = np.flatnonzero(best > threshold)
-        return p[:4, idx].T, best[idx], cls_scores[:, idx].argmax(axis=0)
+        return p[:4, idx].T, best[idx], cls_scores[:, idx].argmax(axis=0), p[len(p) - extra:, idx].T
     obj = p[:, 4]
     idx = np.flatnonzero(obj > threshold)
     scores = p[idx, 5:] * obj[idx, None]
     if multi_label:
         rows, classes = np.nonzero(scores > threshold)
-        return p[idx[rows], :4], scores[rows, classes], classes
+        return p[idx[rows], :4], scores[rows, classes], classes, np.zeros((len(rows), 0), p.dtype)
     classes = scores.argmax(axis=1)
     best = scores[np.arange(len(idx)), classes]
     keep = best > threshold
-    return p[idx[keep], :4], best[keep], classes[keep]
+    return p[idx[keep], :4], best[keep], classes[keep], np.zeros((int(keep.sum()), 0), p.dtype)
+
+
+def candidates(p: np.ndarray, spec: DetectionSpec, multi_label: bool = False, extra: int = 0):
+    """One image's candidates above the score threshold, at most ``max_candidates`` (best first):
+    (cx cy w h (k, 4), scores (k,), classes (k,), extras (k, extra)); for the segmentation, pose and
+    obb decoders, which run their own NMS."""
+    cxcywh, scores, classes, extras = _candidates(p, spec.format, spec.score_threshold, multi_label, extra)
+    if len(scores) > spec.max_candidates:
+        top = np.argpartition(-scores, spec.max_candidates - 1)[: spec.max_candidates]
+        cxcywh, scores, classes, extras = cxcywh[top], scores[top], classes[top], extras[top]
+    return cxcywh, scores, classes, extras
 
 
 def nms(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float, classes: np.ndarray | None = None,
@@ -155,7 +179,7 @@ def nms(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float, classes: np
 
 
 def decode_one(pred: np.ndarray, spec: DetectionSpec, geometry: Geometry | None = None,
-               multi_label: bool = False) -> Detections:
+               multi_label: bool = False, extra: int = 0) -> Detections:
     """Decode one image's prediction (``[4 + C, anchors]`` or ``[anchors, 5 + C]``).
 
     Boxes come back in the original image's pixels through ``geometry`` (clipped to it), or in
@@ -165,21 +189,23 @@ def decode_one(pred: np.ndarray, spec: DetectionSpec, geometry: Geometry | None 
     p = np.asarray(pred)
     if p.dtype != np.float32:
         p = p.astype(np.float32)
-    cxcywh, scores, classes = _candidates(p, spec.format, spec.score_threshold, multi_label)
-    if len(scores) > spec.max_candidates:
-        top = np.argpartition(-scores, spec.max_candidates - 1)[: spec.max_candidates]
-        cxcywh, scores, classes = cxcywh[top], scores[top], classes[top]
-    half = cxcywh[:, 2:4] / 2
-    boxes = np.concatenate([cxcywh[:, 0:2] - half, cxcywh[:, 0:2] + half], axis=1)
-    keep = nms(boxes, scores, spec.iou_threshold, None if spec.class_agnostic_nms else classes, spec.max_detections)
-    boxes, scores, classes = boxes[keep], scores[keep], classes[keep].astype(np.int64)
+    if spec.format == "end2end":
+        # already through NMS in the graph: keep what reaches the threshold, in the model's order
+        rows = p[p[:, 4] > spec.score_threshold][: spec.max_detections]
+        boxes, scores, classes, extras = rows[:, :4], rows[:, 4], rows[:, 5].astype(np.int64), rows[:, 6:]
+    else:
+        cxcywh, scores, classes, extras = candidates(p, spec, multi_label, extra)
+        half = cxcywh[:, 2:4] / 2
+        boxes = np.concatenate([cxcywh[:, 0:2] - half, cxcywh[:, 0:2] + half], axis=1)
+        keep = nms(boxes, scores, spec.iou_threshold, None if spec.class_agnostic_nms else classes, spec.max_detections)
+        boxes, scores, classes, extras = boxes[keep], scores[keep], classes[keep].astype(np.int64), extras[keep]
     if geometry is not None:
         boxes = geometry.to_original(boxes)
-    return Detections(boxes.astype(np.float32), scores.astype(np.float32), classes)
+    return Detections(boxes.astype(np.float32), scores.astype(np.float32), classes, extras if extra else None)
 
 
 def decode(pred: np.ndarray, spec: DetectionSpec, geometries: Sequence[Geometry | None] | None = None,
-           multi_label: bool = False) -> list[Detections]:
+           multi_label: bool = False, extra: int = 0) -> list[Detections]:
     """Decode a batch: one :class:`Detections` per image, each independent of the others.
 
     Args:
@@ -190,6 +216,7 @@ def decode(pred: np.ndarray, spec: DetectionSpec, geometries: Sequence[Geometry 
     p = np.asarray(pred)
     if p.ndim == 2:
         p = p[None]
-    layout_classes(p.shape, spec.format)
+    layout_classes(p.shape, spec.format, extra)
     n = len(p) if geometries is None else min(len(p), len(geometries))
-    return [decode_one(p[i], spec, None if geometries is None else geometries[i], multi_label) for i in range(n)]
+    return [decode_one(p[i], spec, None if geometries is None else geometries[i], multi_label, extra)
+            for i in range(n)]

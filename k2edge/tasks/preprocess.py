@@ -5,7 +5,9 @@ Resizes (``[input] resize``):
 
 * ``stretch``: to the input size, ignoring the aspect ratio (the default; what k2edge always did);
 * ``letterbox``: keep the ratio, centre the image, pad both sides with ``pad_value`` (YOLO exports);
-* ``pad-right``: keep the ratio, image at the top-left, pad right and bottom (text recognisers).
+* ``pad-right``: keep the ratio, image at the top-left, pad right and bottom (text recognisers);
+* ``center-crop``: the short side to the size, the centre cut out (torchvision's Resize + CenterCrop,
+  as Ultralytics' classifiers).
 
 Staging writes into a caller-provided buffer so a prefetch ring can reuse its memory. Pillow is
 imported lazily; nothing here runs a model.
@@ -60,6 +62,14 @@ class Geometry:
         np.clip(b[:, 0::2], 0, self.width, out=b[:, 0::2])
         np.clip(b[:, 1::2], 0, self.height, out=b[:, 1::2])
         return b
+
+
+def _reason(exc: BaseException) -> str:
+    """A decoder's message without the Python object reprs some of them carry (``<_io.BytesIO object at 0x...>``)."""
+    import re
+
+    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(exc))
+    return text or type(exc).__name__
 
 
 class Preprocess:
@@ -117,6 +127,17 @@ class Preprocess:
         """Where a ``width`` x ``height`` image lands in the input under this resize."""
         if self.resize == "stretch":
             return Geometry(width, height, self.width / width, self.height / height)
+        if self.resize == "center-crop":
+            # torchvision: Resize(int) scales the short side to it, the long side truncated; CenterCrop rounds
+            if self.width == self.height:
+                if width <= height:
+                    new_w, new_h = self.width, int(self.width * height / width)
+                else:
+                    new_w, new_h = int(self.height * width / height), self.height
+            else:  # Resize((h, w)) stretches, and the crop is the whole
+                new_w, new_h = self.width, self.height
+            left, top = int(round((new_w - self.width) / 2.0)), int(round((new_h - self.height) / 2.0))
+            return Geometry(width, height, new_w / width, new_h / height, -left, -top)
         r = min(self.width / width, self.height / height)
         new_w, new_h = max(1, min(self.width, round(width * r))), max(1, min(self.height, round(height * r)))
         pad_x = pad_y = 0
@@ -186,23 +207,33 @@ class Preprocess:
                     raise InputError(f"image of {img.size[0]}x{img.size[1]} pixels exceeds the limit of {MAX_PIXELS:,}")
             geometry = self.geometry(*img.size)
             target = (round(geometry.width * geometry.scale_x), round(geometry.height * geometry.scale_y))
-            if not isinstance(source, (np.ndarray, Image.Image)):
+            if self.spec.draft and not isinstance(source, (np.ndarray, Image.Image)):
                 # JPEG: let the decoder scale down in the DCT domain (up to 8x) before we resize.
                 img.draft(mode, target)
             if img.mode != mode:
                 img = img.convert(mode)
-            if img.size != target:
+            if img.size != target and self.spec.interpolation == "antialias":
                 img = img.resize(target, Image.Resampling.BILINEAR)
             arr = np.asarray(img)
+            if arr.shape[1::-1] != target:
+                from .resize import resize
+
+                arr = resize(arr, target[0], target[1], self.spec.interpolation)
         except InputError:
             raise
         except Image.DecompressionBombError as exc:
-            raise InputError(f"image refused: {exc}") from None
+            raise InputError(f"image refused: {_reason(exc)}") from None
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-            raise InputError(f"cannot decode image: {exc}") from None
+            what = f" {str(source)!r}" if isinstance(source, (str, os.PathLike)) else ""
+            reason = ("not in an image format Pillow reads (JPEG, PNG, BMP, WebP, ...)"
+                      if isinstance(exc, UnidentifiedImageError) else _reason(exc))
+            raise InputError(f"cannot decode image{what}: {reason}") from None
         if self.color == "BGR":
             arr = arr[..., ::-1]
-        if target != (self.width, self.height):
+        if self.resize == "center-crop":
+            x, y = -int(geometry.pad_x), -int(geometry.pad_y)
+            arr = np.ascontiguousarray(arr[y:y + self.height, x:x + self.width])
+        elif target != (self.width, self.height):
             canvas = np.full((self.height, self.width, *arr.shape[2:]), self.spec.pad_value, dtype=np.uint8)
             x, y = int(geometry.pad_x), int(geometry.pad_y)
             canvas[y:y + target[1], x:x + target[0]] = arr

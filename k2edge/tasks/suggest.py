@@ -6,6 +6,9 @@
 * an output ``[N, C]`` (or ``[N, C, 1, 1]``): a classifier of C classes;
 * anything else: raw tensors.
 
+An Ultralytics export's metadata (task, names, imgsz, stride, kpt_shape) says what it is: then the
+card is what that metadata implies (see :mod:`k2edge.config.ultralytics`), whatever the shapes.
+
 It is a suggestion to edit (``k2edge card init``), never applied silently.
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..config.card import ModelCard, card_from_dict, resolve_card
+from ..config.card import CardError, ModelCard, card_from_dict, resolve_card
 
 __all__ = ["suggest_card"]
 
@@ -26,6 +29,26 @@ def suggest_card(input_name: str, input_shape: tuple, outputs: Mapping[str, tupl
     shapes = {k: tuple(v) for k, v in outputs.items()}
     layer: dict = {}
     why = ""
+    from ..config.ultralytics import UltralyticsMetadataError, read_ultralytics
+
+    try:
+        ultra = read_ultralytics(metadata)
+    except UltralyticsMetadataError as exc:
+        raise CardError(str(exc)) from None
+    if ultra.task is not None:  # the export says what it is: its metadata is the card (resolve_card layers it)
+        parts = [f"task {ultra.task}"]
+        if ultra.names is not None:
+            parts.append(f"{len(ultra.names)} class name(s)")
+        if ultra.imgsz is not None:
+            parts.append(f"imgsz {list(ultra.imgsz)}")
+        if ultra.stride is not None:
+            parts.append(f"stride {ultra.stride}")
+        if ultra.kpt_shape is not None:
+            parts.append(f"kpt_shape {list(ultra.kpt_shape)}")
+        if ultra.end2end:
+            parts.append("end2end (NMS in the graph)")
+        why = "Ultralytics export metadata: " + ", ".join(parts)
+        return resolve_card(input_name, input_shape, metadata or {}, None), why
     if len(shapes) == 1:
         (name, shape), = shapes.items()
         if len(shape) == 3 and all(isinstance(d, int) and d > 0 for d in shape[1:]):
