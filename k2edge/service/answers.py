@@ -90,18 +90,18 @@ class AnswerBook:
 
     Args:
         state_dir: where ``answers.sqlite3`` lives.
-        publish: ``publish(topic, payload, correlation, on_delivered)`` — queue a QoS 1 publish;
-            ``on_delivered`` is called (on any thread) once the broker acknowledged it.
-        ack: ``ack(token)`` — acknowledge a request (the transport keeps arrival order).
+        broker: the broker facade (:class:`~k2edge.service.transport.MqttTransport`): its
+            ``publish(topic, payload, correlation=, on_delivered=)`` queues a QoS 1 publish and calls
+            ``on_delivered`` (on any thread) once the broker acknowledged it; its ``done(token)``
+            acknowledges a request (in arrival order).
         retention_s: how long answers are kept (the MQTT session expiry: no redelivery comes later).
         memory_keys: delivered keys kept in memory (older ones are looked up in the database).
     """
 
-    def __init__(self, state_dir: Path, publish: Callable, ack: Callable, retention_s: float,
-                 memory_keys: int = 50_000, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, state_dir: Path, broker, retention_s: float, memory_keys: int = 50_000,
+                 clock: Callable[[], float] = time.time) -> None:
         self.path = Path(state_dir) / ANSWERS_FILE
-        self._publish = publish
-        self._ack = ack
+        self._broker = broker
         self.retention_s = retention_s
         self._memory_keys = memory_keys
         self._clock = clock
@@ -149,20 +149,20 @@ class AnswerBook:
             else:
                 republish = None
         if republish is None:
-            self._ack(token)
+            self._broker.done(token)
         else:
             log.info("request %s (attempt %d) was answered before a restart; re-publishing that answer", key.id, key.attempt)
-            self._publish(*republish, lambda: self._delivered(d))
+            self._send(*republish, d)
         return False
 
-    def release(self, key: AnswerKey | None, tokens: list | None = None) -> None:
+    def acknowledge_early(self, key: AnswerKey | None, tokens: list | None = None) -> None:
         """Acknowledge a request whose answer is not ready but is safe (its cloud work is in the outbox)."""
         if key is not None:
             with self._lock:
                 entry = self._live.get(key.digest())
                 tokens, entry.tokens = (entry.tokens, []) if entry is not None else ([], [])
         for t in tokens or ():
-            self._ack(t)
+            self._broker.done(t)
 
     def recorded(self, key: AnswerKey) -> bool:
         """True when an answer for ``key`` is stored (by this process or an earlier one)."""
@@ -219,9 +219,13 @@ class AnswerBook:
             cb()
         for a, d, payload in plan:
             if d is not None:
-                self._publish(a.topic, payload, a.correlation, lambda d=d: self._delivered(d))
+                self._send(a.topic, payload, a.correlation, d)
             else:
-                self._publish(a.topic, payload, a.correlation, lambda a=a: self._delivered_keyless(a))
+                self._broker.publish(a.topic, payload, correlation=a.correlation,
+                                     on_delivered=lambda a=a: self._delivered_keyless(a))
+
+    def _send(self, topic: str, payload: bytes, correlation: bytes | None, d: bytes) -> None:
+        self._broker.publish(topic, payload, correlation=correlation, on_delivered=lambda: self._delivered(d))
 
     def _record(self, rows: list[tuple]) -> None:
         with self._db_lock:
@@ -260,21 +264,21 @@ class AnswerBook:
             tokens, callbacks = entry.tokens, entry.callbacks
             entry.tokens, entry.callbacks = [], []
             self._marks.append((self._clock(), d))
-            self._settled()
+            self._count_delivered()
         for t in tokens:
-            self._ack(t)
+            self._broker.done(t)
         for cb in callbacks:
             cb()
 
     def _delivered_keyless(self, a: Answer) -> None:
         with self._lock:
-            self._settled()
+            self._count_delivered()
         for t in a.tokens:
-            self._ack(t)
+            self._broker.done(t)
         if a.on_delivered is not None:
             a.on_delivered()
 
-    def _settled(self) -> None:
+    def _count_delivered(self) -> None:
         self._undelivered -= 1
         if self._undelivered <= 0:
             self._quiet.notify_all()

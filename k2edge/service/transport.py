@@ -31,7 +31,7 @@ import ssl
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Protocol
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
@@ -132,28 +132,38 @@ class _Client(mqtt.Client):
         return super()._packet_write()
 
 
+class Handler(Protocol):
+    """What a connection's messages go to (the request path; the deploy lifecycle)."""
+
+    def on_message(self, msg, token) -> None:
+        """One message, in the network thread; ``token`` goes to :meth:`MqttTransport.done` once it
+        is answered. Must not block."""
+
+    def on_connected(self) -> None:
+        """After each successful connect, in the network thread."""
+
+    def saturated(self) -> bool:
+        """True while the handler holds all the messages it should: reading pauses."""
+
+
 class MqttTransport:
-    """Owns the paho client and its network thread.
+    """Owns the paho client and its network thread; the broker as the daemon's objects see it:
+    :meth:`publish`, :meth:`done` (acknowledge a request), :meth:`wake`, :meth:`input_pending`.
 
     Args:
         cfg: daemon config.
+        role: what the connection carries (``requests``, ``control``), for the log.
         subscriptions: topic filters to subscribe (QoS from the config) on every connect.
-        on_message: called in the network thread for each message with the message and an ack
-            token to pass to :meth:`done` once it is answered; must not block.
-        on_connected: called in the network thread after each successful connect.
         will: (topic, payload) published retained by the broker if we vanish (None: no will).
-        saturated: ``saturated()`` — True while the daemon holds all the requests it should; the
-            network thread then stops reading (the broker keeps the rest).
     """
 
-    def __init__(self, cfg: DaemonConfig, subscriptions: list[str], on_message, on_connected, will: tuple[str, bytes] | None,
-                 saturated: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, cfg: DaemonConfig, role: str, subscriptions: list[str], will: tuple[str, bytes] | None = None) -> None:
         self.cfg = cfg
+        self.role = role
         self.subscriptions = subscriptions
-        self._on_message_cb = on_message
-        self._on_connected_cb = on_connected
-        self._saturated = saturated
+        self.handler: Handler | None = None
         self.connected = threading.Event()
+        self.connections = 0  # successful connects so far (a watcher sees a reconnect it slept through)
         self._stop = threading.Event()
         self._closing = False
         self.heartbeat = time.monotonic()
@@ -165,7 +175,7 @@ class MqttTransport:
         self._wake_w.setblocking(False)
         m = cfg.mqtt
         c = _Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True,
-                    more=lambda: not self._saturated())
+                    more=self._room)
         c.max_queued_messages_set(0)
         c.max_inflight_messages_set(20)  # mosquitto's default, until a broker's CONNACK says how many it takes
         self._broker_receive_max: int | None = None
@@ -200,8 +210,10 @@ class MqttTransport:
         self._early: set[int] = set()
 
     # lifecycle -------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="k2edge-mqtt", daemon=True)
+    def start(self, handler: Handler) -> None:
+        """Connect and serve ``handler`` on a network thread of its own."""
+        self.handler = handler
+        self._thread = threading.Thread(target=self._run, name=f"k2edge-mqtt-{self.role}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -292,7 +304,7 @@ class MqttTransport:
                 pass
 
     def _reading_paused(self) -> bool:
-        if self._closing or not self._saturated():
+        if self._closing or self._room():
             self._paused_since = None
             return False
         now = time.monotonic()
@@ -344,6 +356,9 @@ class MqttTransport:
         except (ValueError, TypeError, OSError):
             return False
 
+    def _room(self) -> bool:
+        return self.handler is None or not self.handler.saturated()
+
     def _socket_open(self) -> bool:
         return self.client.socket() is not None
 
@@ -365,10 +380,12 @@ class MqttTransport:
         self.acks.new_connection()
         for topic in self.subscriptions:
             client.subscribe(topic, qos=self.cfg.mqtt.qos)
+        self.connections += 1
         self.connected.set()
-        log.info("connected to %s:%d (session present: %s)", self.cfg.mqtt.host, self.cfg.mqtt.port, flags.session_present)
+        log.info("connected to %s:%d (%s, session present: %s)", self.cfg.mqtt.host, self.cfg.mqtt.port, self.role,
+                 flags.session_present)
         try:
-            self._on_connected_cb()
+            self.handler.on_connected()
         except Exception:
             log.exception("on-connect handler failed")
 
@@ -380,7 +397,7 @@ class MqttTransport:
     def _on_message(self, client, userdata, msg) -> None:
         token = self.acks.received(msg.mid) if msg.qos > 0 else None
         try:
-            self._on_message_cb(msg, token)
+            self.handler.on_message(msg, token)
         except Exception:  # never let one message kill the network thread
             log.exception("request handler failed for a message on %s", msg.topic)
             self.done(token)
