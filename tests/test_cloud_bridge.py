@@ -382,7 +382,7 @@ def test_confidence_measures():
     assert confidence([0.5, 0.3], "entropy", num_classes=4) == pytest.approx(full)
     assert confidence([0.9], "margin") == pytest.approx(0.8)
     lr = LocalResult.from_logits(np.array([2.0, 1.0, 0.1]), ["a", "b", "c"], k=2)
-    assert lr.answer == "a" and len(lr.top_k) == 2 and lr.num_classes == 3
+    assert lr.summary == "a" and len(lr.top_k) == 2 and lr.num_classes == 3
     assert lr.confidence("max_softmax") == pytest.approx(np.exp(2) / np.exp([2, 1, 0.1]).sum())
 
 

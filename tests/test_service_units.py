@@ -121,11 +121,11 @@ def test_a_runtime_is_activated_once_and_its_profile_views_share_the_activation(
 def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch):
     """WATCHDOG=1 is only sent while every serving thread loops: a wedged line stops it, a free one resumes it."""
     from k2edge.config.schema import DaemonConfig, ModelConfig
-    from k2edge.service.answers import AnswerBook
+    from k2edge.service.answer_book import AnswerBook
     from k2edge.service.escalation import Escalation
     from k2edge.service.request_path import RequestPath
     from k2edge.service.runtime import ModelRuntime
-    from k2edge.service.stats import ServiceStats
+    from k2edge.service.metrics import ServiceStats
 
     cfg = DaemonConfig(models=(ModelConfig(name="m", onnx=demo_model),), service={"state_dir": tmp_path})
     rt = ModelRuntime(cfg.models[0], 1, None, None)

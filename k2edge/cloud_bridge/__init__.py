@@ -67,7 +67,8 @@ from .errors import (
 )
 from .image import PreparedImage, prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
-from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, LocalResult, confidence, decide
+from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, decide
+from ..tasks.result import LocalResult, confidence
 from ..config.cloud import CloudSettings, EscalationSettings
 from .apikey import resolve_api_key
 

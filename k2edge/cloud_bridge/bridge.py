@@ -18,7 +18,8 @@ from .client import CloudAnswer, K2Client
 from .errors import BreakerOpen, CloudError, CloudRejected, CloudTimeout
 from .image import prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
-from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, LocalResult
+from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest
+from ..tasks.result import LocalResult
 from .retry import scrub
 from ..config.cloud import CloudSettings
 
@@ -207,7 +208,7 @@ class CloudBridge:
             computed = computed if computed is not None else thunk()
             deferred = d.defer and self._defer(req, d, computed)
             reason = d.reason if deferred or not d.defer else d.reason.replace("deferred to the outbox", "answered locally")
-            return Outcome("edge", computed.answer, elapsed(), reason, d.degraded, deferred=deferred, escalated=d.escalate,
+            return Outcome("edge", computed.summary, elapsed(), reason, d.degraded, deferred=deferred, escalated=d.escalate,
                            decision=d, local=computed)
         if d.defer:  # wants the cloud, none now, and no local work allowed
             if self._defer(req, d, computed):
@@ -257,7 +258,7 @@ class CloudBridge:
         if local_allowed:
             computed = computed if computed is not None else thunk()
             tail = "deferred to the outbox" if deferred else "answered locally"
-            return Outcome("edge", computed.answer, elapsed(), f"{reason}: {tail}", True, deferred=deferred, escalated=True,
+            return Outcome("edge", computed.summary, elapsed(), f"{reason}: {tail}", True, deferred=deferred, escalated=True,
                            attempts=failure.attempts, decision=d, local=computed)
         if deferred:
             return Outcome("cloud", None, elapsed(), f"{reason}: deferred to the outbox", True, deferred=True, escalated=True,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..sqlite_db import open_wal
 from .errors import OutboxError
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,7 @@ class Outbox:
         self.owner = uuid.uuid4().hex
         self._lock = threading.Lock()
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(p), timeout=10.0, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # an accepted request must survive a power cut
-            self._db.executescript(_SCHEMA)
+            self._db = open_wal(p, "FULL", _SCHEMA)  # an accepted request must survive a power cut
         except (sqlite3.Error, OSError) as exc:
             raise OutboxError(f"outbox {str(p)!r} cannot be opened: {exc}") from None
 

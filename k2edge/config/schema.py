@@ -18,7 +18,7 @@ from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
 from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
-from .lifecycle import DeploySettings, MetricsSettings, TrustSettings
+from .deploy import DeploySettings, TrustSettings
 from .thermal import ThermalSettings
 
 DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
@@ -154,6 +154,13 @@ class ServiceConfig(_Strict):
     drain_timeout_s: float = Field(30.0, gt=0)
     cache_dir: Path | None = Field(None, description="engine cache; default $CACHE_DIRECTORY or ~/.cache/k2edge")
     state_dir: Path | None = Field(None, description="answers, outbox and state; default $STATE_DIRECTORY or ~/.local/state/k2edge")
+
+
+class MetricsSettings(_Strict):
+    """The Prometheus endpoint (``/metrics``); present means on."""
+
+    port: int = Field(9108, ge=0, le=65535, description="0: any free port (tests)")
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 exposes it to the network")
 
 
 class FleetConfig(_Strict):

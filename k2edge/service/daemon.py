@@ -20,13 +20,13 @@ import time
 from .. import __version__
 from ..config.schema import ConfigError, DaemonConfig, state_dir
 from . import topics
-from .answers import AnswerBook
+from .answer_book import AnswerBook
 from .deploy import MAX_WAITING, ModelLifecycle
 from .escalation import Escalation
 from .request_path import RequestPath
 from .runtime import ModelRuntime
 from .sdnotify import Notifier
-from .stats import ServiceStats
+from .metrics import Metrics, ServiceStats
 from .transport import MqttTransport
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Daemon:
     def __init__(self, cfg: DaemonConfig, notifier: Notifier | None = None) -> None:
         self.cfg = cfg
         self.notify = notifier or Notifier()
-        self.stats = ServiceStats()
+        self.stats: ServiceStats | None = None
         self.models: dict[str, ModelRuntime] = {}
         self._draining = threading.Event()
         self.transport: MqttTransport | None = None
@@ -223,12 +223,11 @@ class Daemon:
         self.lifecycle = ModelLifecycle(cfg, state_dir(cfg))
         self.control = MqttTransport(self._control_config(), "control", self.lifecycle.subscriptions())
         if cfg.metrics is not None:
-            from .metrics import Metrics
-
             self.metrics = Metrics()
             self.metrics.start(cfg.metrics.host, cfg.metrics.port)
+        self.stats = ServiceStats(self.metrics)
         self._build_models()
-        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, self.transport, self.metrics)
+        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, self.transport)
         self.lifecycle.attach(self.control, self.path, self)
         self.path.start()
         self.transport.start(self.path)

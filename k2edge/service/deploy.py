@@ -326,7 +326,7 @@ class ModelLifecycle:
                                      check="no_trust")
         source, data = f"mqtt:{job.topic}", req.bundle
         if req.url is not None:
-            from .fetch import FetchError, fetch_bundle
+            from ..bundle.fetch import FetchError, fetch_bundle
 
             self._set_progress("fetching", kind="deploy", url=req.url)
             try:

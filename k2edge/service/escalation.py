@@ -30,7 +30,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Callable, Protocol
 
 from ..cloud_bridge import (BridgeRequest, CloudAnswer, CloudBridge, CloudError, CloudHealth, CloudRejected, Decision,
                             EscalationPolicy, EscalationRequest, LocalResult, Outcome)
@@ -39,17 +39,42 @@ from ..cloud_bridge.retry import scrub
 from ..config.schema import DaemonConfig, state_dir
 from ..deadline import Deadline
 from ..telemetry import thermal_sampler
-from .answers import Answer, AnswerKey
-from .protocol import BUSY, CLOUD_UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, encode, error_body
-
-if TYPE_CHECKING:
-    from .answers import AnswerBook
-    from .request_path import RequestPath, Work
+from .answer_book import Answer, AnswerBook, AnswerKey
+from .protocol import BUSY, CLOUD_UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, Request, encode, error_body
 
 log = logging.getLogger(__name__)
 
 EARLY_STATES = ("hot", "critical")  # states in which the policy is asked before any local work
 DELIVERY_WAIT_S = 10.0  # how long the outbox loop waits for the broker to acknowledge one answer
+
+
+class Work(Protocol):
+    """A request as the cloud side reads it (the request path's :class:`~k2edge.service.request_path.Work`)."""
+
+    req: Request
+    key: AnswerKey | None
+    reply_topic: str
+    correlation: bytes | None
+    content_type: str | None
+
+    @property
+    def deadline(self) -> Deadline: ...
+
+
+class Answerer(Protocol):
+    """What the cloud side needs of the request path: answers in its shape, and its answering."""
+
+    def template(self, w: Work, **fields) -> dict:
+        """``w``'s ``ok`` answer as the edge gives it."""
+
+    def error(self, w: Work, code: str, message: str) -> dict:
+        """``w``'s error answer."""
+
+    def handed_to_cloud(self, w: Work) -> None:
+        """``w``'s cloud work is in the outbox: acknowledge it now."""
+
+    def answer_late(self, w: Work, body: dict, on_delivered: Callable[[], None]) -> None:
+        """Answer ``w`` from a cloud worker."""
 
 
 class ThermalListener(Protocol):
@@ -127,11 +152,11 @@ class Escalation:
             self.pool = ThreadPoolExecutor(max(2, 2 * cfg.cloud.concurrency), thread_name_prefix="k2edge-cloud")
         self._stop = threading.Event()
         self._outbox_thread: threading.Thread | None = None
-        self.path: RequestPath | None = None
+        self.path: Answerer | None = None
         self.book: AnswerBook | None = None
 
     # lifecycle -----------------------------------------------------------------------------------
-    def attach(self, path: "RequestPath", book: "AnswerBook") -> None:
+    def attach(self, path: Answerer, book: AnswerBook) -> None:
         """Serve ``path`` (the request path makes itself known when it is made).
 
         Args:
@@ -214,7 +239,7 @@ class Escalation:
         return None if d.provisional else d
 
     # carrying a decision out -----------------------------------------------------------------------
-    def carry_out(self, w: "Work", d: Decision, local) -> dict | None:
+    def carry_out(self, w: Work, d: Decision, local) -> dict | None:
         """The answer body for ``w`` under decision ``d``, or None when the request went to the cloud
         pool (safe in the outbox: acknowledged now, answered by :meth:`RequestPath.answer_late`).
 
@@ -242,14 +267,14 @@ class Escalation:
         wanted = d.escalate or d.degraded or below  # (below and forbidden: the reason says so)
         return path.template(w, confidence=d.confidence, degraded=d.degraded, escalation_reason=d.reason if wanted else None)
 
-    def _bridge_request(self, w: "Work") -> BridgeRequest:
+    def _bridge_request(self, w: Work) -> BridgeRequest:
         r = w.req
         mime = w.content_type if w.content_type and w.content_type.startswith("image/") else None
         return BridgeRequest(id=r.id or f"anon-{id(w):x}", model=r.model, prompt=r.prompt, image=r.image, mime=mime,
                              allow_cloud=r.allow_cloud, deferrable=r.deferrable, response_topic=w.reply_topic,
                              correlation_data=w.correlation, response=self.path.template(w))
 
-    def _send(self, req: BridgeRequest, d: Decision, local, w: "Work") -> bool:
+    def _send(self, req: BridgeRequest, d: Decision, local, w: Work) -> bool:
         """Put a request the policy sends to the cloud in the outbox, acknowledge it, and queue its
         cloud call. False when ``queue_size`` requests already wait for the cloud (answer locally)."""
         if not self._cloud_slots.acquire(blocking=False):
@@ -276,7 +301,7 @@ class Escalation:
             self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w)
         return True
 
-    def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str, w: "Work") -> None:
+    def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str, w: Work) -> None:
         """A cloud worker: the cloud's outcome, answered through the request path."""
         try:
             outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)

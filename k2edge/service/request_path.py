@@ -19,7 +19,7 @@
    :meth:`Escalation.carry_out <k2edge.service.escalation.Escalation.carry_out>` gives the answer,
    or hands the request to the cloud pool (its answer comes back to :meth:`RequestPath.answer_late`).
 6. **answer** (:meth:`RequestPath.answer`, through the
-   :class:`~k2edge.service.answers.AnswerBook`): every answer — ok, error, busy, cloud, deferred —
+   :class:`~k2edge.service.answer_book.AnswerBook`): every answer — ok, error, busy, cloud, deferred —
    is recorded under its key before it is published, and its request is acknowledged once the
    broker acknowledged the answer (or once its cloud work is in the outbox).
 
@@ -40,18 +40,17 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from ..cloud_bridge import LocalResult
-from ..cloud_bridge.policy import reason_kind
+from ..tasks.result import LocalResult
 from ..config.schema import DaemonConfig
 from ..deadline import Deadline, clock
 from ..errors import InputError, first_line
 from . import topics
-from .answers import Answer, AnswerBook, AnswerKey
+from .answer_book import Answer, AnswerBook, AnswerKey
 from .escalation import Escalation
 from .protocol import (BAD_REQUEST, BUSY, DEADLINE_EXCEEDED, INTERNAL, PAYLOAD_TOO_LARGE, UNKNOWN_MODEL, Request,
                        RequestError, encode, error_body, ok_body, parse_request, peek_key)
 from .runtime import ModelRuntime
-from .stats import ServiceStats
+from .metrics import ServiceStats
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +99,14 @@ class RequestPath:
         models: served models by name (kept current: a swap replaces the entry).
         answers: the answer book (records, publishes, acknowledges).
         escalation: thermal state, policy and cloud (it answers cloud work through this path).
-        stats: counters for status and telemetry.
+        stats: counts every answer (status, telemetry, and the Prometheus metrics when configured).
         broker: wakes the network thread; says whether more requests wait to be read (then a
             request never runs on the network thread: it goes to its line, where it can batch).
-        metrics: the Prometheus metrics, when ``[metrics]`` is configured.
     """
 
     def __init__(self, cfg: DaemonConfig, models: dict[str, ModelRuntime], answers: AnswerBook, escalation: Escalation,
-                 stats: ServiceStats, broker: Broker, metrics=None) -> None:
+                 stats: ServiceStats, broker: Broker) -> None:
         self.cfg = cfg
-        self.metrics = metrics
         self.models = models
         self.answers = answers
         self.escalation = escalation
@@ -360,9 +357,7 @@ class RequestPath:
             log.error("model %s: batch of %d failed: %s", rt.name, len(live), outputs)
             self.answer([(w, self.error(w, INTERNAL, f"inference failed: {first_line(outputs)}")) for w in live])
             return
-        self.stats.batch(len(live))
-        if self.metrics is not None:
-            self.metrics.observe_batch(rt.name, len(live))
+        self.stats.batch(rt.name, len(live))
         done: list[tuple[Work, dict]] = []
         results = rt.results(outputs, [w.geometry for w in live], [w.req.top_k or rt.cfg.top_k for w in live])
         for w, result in zip(live, results):
@@ -415,7 +410,7 @@ class RequestPath:
                 body = self.error(w, PAYLOAD_TOO_LARGE, f"the answer is {len(payload):,} bytes, over max_answer_bytes "
                                   f"({limit:,})")
                 payload = encode(body)
-            self._count(body, now, w)
+            self.stats.answer(w.req.model, body, (now - w.received) * 1e3)
             answers.append(Answer(w.key, w.reply_topic, payload, w.correlation, w.tokens, on_delivered))
         self.answers.answer(answers)
 
@@ -426,20 +421,6 @@ class RequestPath:
 
     def error(self, w: Work, code: str, message: str) -> dict:
         return error_body(code, message, w.req.id, w.req.attempt, w.req.model or None, self.cfg.device_id, self._version(w))
-
-    def _count(self, body: dict, now: float, w: Work) -> None:
-        if body["status"] == "ok":
-            self.stats.answered((now - w.received) * 1e3)
-            self.stats.count(f"source_{body['source']}")
-            if body.get("escalation_reason") and not body["degraded"]:
-                self.stats.count("escalated")
-        else:
-            self.stats.failed(body["error"]["code"])
-        if self.metrics is not None:
-            self.metrics.observe_answer(w.req.model, body["status"] if body["status"] == "ok" else body["error"]["code"],
-                                        body.get("source"), body.get("latency_ms"))
-            if body.get("escalation_reason"):
-                self.metrics.observe_escalation(w.req.model, reason_kind(body["escalation_reason"]))
 
     def _latency(self, w: Work) -> dict:
         latency = {k: round(v, 3) if isinstance(v, float) else v for k, v in w.timings.items()}

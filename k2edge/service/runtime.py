@@ -226,7 +226,7 @@ class ModelRuntime:
             geometries: per sample, where its image landed (None: a tensor).
             top_k: per sample, how many classes to answer (classifiers; clipped to the classes).
         """
-        from ..cloud_bridge import LocalResult
+        from ..tasks.result import LocalResult
         from ..tasks.classification import top_k as best
 
         n = len(geometries)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from ..sqlite_db import open_wal
+
 log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "answers.sqlite3"
@@ -111,16 +113,11 @@ class AnswerBook:
         self._marks: list[tuple[float, bytes]] = []
         self._undelivered = 0
         self._quiet = threading.Condition(self._lock)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # WAL + NORMAL: a commit survives the process dying (kill -9); an OS crash or power cut may
-        # lose the last commits, whose requests the broker then redelivers and we answer afresh
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        # checkpoints (which fsync) run in flush(), on their own connection, never on a request's path
-        self._db.execute("PRAGMA wal_autocheckpoint=0")
-        self._db.executescript(_SCHEMA)
-        self._maintenance = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
+        # NORMAL: a commit survives the process dying (kill -9); an OS crash or power cut may lose the
+        # last commits, whose requests the broker then redelivers and we answer afresh. Checkpoints
+        # (which fsync) run in flush(), on their own connection, never on a request's path.
+        self._db = open_wal(self.path, "NORMAL", _SCHEMA, autocheckpoint=False)
+        self._maintenance = open_wal(self.path, "FULL")
         self._db_failed = False
 
     # admission ------------------------------------------------------------------------------------
