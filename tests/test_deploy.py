@@ -282,6 +282,14 @@ def test_refused_deploys_are_audited_and_the_running_version_keeps_serving(tmp_p
         line = proc.stdout.strip()
         assert line.startswith("t1: refused ") and f"{check}: " in line and line.endswith("[running: digits 1.1.0]"), line
         assert _ask(client, f"after-{version}")["model_version"] == "1.1.0"
+    # the daemon's log names each connection, and what was refused: the file sent, the check, the signer's key id
+    log = daemon.output()
+    for role in ("requests", "control"):
+        assert f"connected to 127.0.0.1:{broker.port} ({role}, session present: " in log, log
+    refused = [line for line in log.splitlines() if "deploy: refused " in line]
+    assert len(refused) == 3 and not any("None" in line for line in refused), refused
+    untrusted = next(line for line in refused if "untrusted_key" in line)
+    assert f"deploy: refused {releases['1.3.0'].name}: untrusted_key: " in untrusted and "(key id " in untrusted, untrusted
     same = _k2edge("deploy", *target, str(releases["1.1.0"]))
     assert same.returncode == 0 and "runs already" in same.stdout, same.stdout
     refusals = [(r["status"], r["action"]) for r in _audits(audit)]

@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -97,6 +97,7 @@ class _Job:
     response_topic: str | None
     correlation: bytes | None
     token: object
+    log: dict = field(default_factory=dict)  # what the log line says of a deploy: source, key id
 
     @property
     def digest(self) -> str:
@@ -313,7 +314,12 @@ class ModelLifecycle:
         # acknowledged once the broker has the answer: a crash before leaves the message with the broker
         self.transport.publish(topic, json.dumps(body).encode(), qos=1, correlation=job.correlation,
                                on_delivered=lambda: self.transport.done(job.token))
-        log.warning("%s: %s %s %s: %s", job.kind, body["status"], body["model"], body["version"], body["reason"])
+        if body["model"] is not None:
+            log.warning("%s: %s %s %s: %s", job.kind, body["status"], body["model"], body["version"], body["reason"])
+        else:  # refused before a manifest could be trusted: name what was sent and who signed it
+            key = job.log.get("key_id")
+            log.warning("%s: %s %s: %s: %s%s", job.kind, body["status"], job.log.get("source", job.topic),
+                        body["check"] or "refused", body["reason"], f" (key id {key[:16]}…)" if key else "")
 
     def _deploy(self, job: _Job) -> dict:
         self._set_progress("receiving", kind="deploy")
@@ -325,6 +331,7 @@ class ModelLifecycle:
             return self._answer_body(REFUSED, reason="this device has no [trust] table: it takes no deployments",
                                      check="no_trust")
         source, data = f"mqtt:{job.topic}", req.bundle
+        job.log["source"] = req.source
         if req.url is not None:
             from ..bundle.fetch import FetchError, fetch_bundle
 
@@ -338,6 +345,7 @@ class ModelLifecycle:
         self._set_progress("verifying", kind="deploy")
         result = self.store.install(data, allow_downgrade=req.allow_downgrade, expected_name=self._names())
         self.audit(result, "install", source, request=job.digest)
+        job.log["key_id"] = result.key_id
         if not result.ok:
             if result.status == "not_newer" and self._is_current(result):
                 return self._answer_body(DEPLOYED, result.name, result.version, check="already_current",
