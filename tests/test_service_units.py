@@ -227,3 +227,14 @@ def test_the_drain_order_is_data_naming_the_daemons_steps():
     assert steps.index("_stop_admitting") < steps.index("_finish_requests") < steps.index("_wait_answers_delivered") \
         < steps.index("_say_offline") < steps.index("_disconnect")
     assert steps[-1] == "_release_engines"
+
+
+def test_a_request_is_told_from_an_acknowledgement_in_the_bytes_waiting():
+    """input_pending's peek: PUBACKs alone are no reason to hand a lone request to its line; a PUBLISH is."""
+    from k2edge.service.transport import publish_ahead
+
+    puback, publish = bytes([0x40, 2, 0, 1]), bytes([0x32, 5, 0, 1, ord("t"), 0, 7])
+    assert not publish_ahead(b"", False) and not publish_ahead(puback * 3, False)
+    assert publish_ahead(publish, False) and publish_ahead(puback + publish, False)
+    assert publish_ahead(puback + bytes([0x40]), True)  # cut off: more may wait, count it as a request
+    assert not publish_ahead(bytes([0x40, 200, 1]), False) and publish_ahead(bytes([0x40, 200, 1]), True)

@@ -46,6 +46,29 @@ _JSON_PROPERTIES = Properties(PacketTypes.PUBLISH)  # copied per answer: buildin
 _JSON_PROPERTIES.ContentType = "application/json"
 
 
+_PEEK_BYTES = 256
+
+
+def publish_ahead(data: bytes, truncated: bool) -> bool:
+    """True when the MQTT packets that start at ``data[0]`` include a PUBLISH; a packet cut off
+    before its type can be seen counts as one when ``truncated`` (more bytes wait than were read)."""
+    i, n = 0, len(data)
+    while i < n:
+        if data[i] & 0xF0 == mqtt.PUBLISH:
+            return True
+        length, shift, j = 0, 0, i + 1
+        while j < n:
+            length |= (data[j] & 0x7F) << shift
+            shift += 7
+            j += 1
+            if not data[j - 1] & 0x80:
+                break
+        else:
+            return truncated  # the remaining length itself is cut off
+        i = j + length
+    return truncated and i > n
+
+
 class AckSequencer:
     """Acknowledge QoS 1 messages in arrival order, once each is done, within one connection."""
 
@@ -345,16 +368,30 @@ class MqttTransport:
         return c.loop_misc()
 
     def input_pending(self) -> bool:
-        """True when more bytes wait to be read (another request is coming: let requests batch)."""
+        """True when another request (a PUBLISH) waits to be read: let requests batch.
+
+        Called from ``on_message``, when paho has read the current packet whole and nothing beyond
+        it, so the socket's next bytes start a packet: a peek at them tells a request from the
+        broker's acknowledgement of an answer (which must not send a lone request to its line).
+        Where it cannot peek (TLS), any bytes waiting count.
+        """
         sock = self.client.socket()
         if sock is None:
             return False
-        if hasattr(sock, "pending") and sock.pending():
-            return True
+        if hasattr(sock, "pending"):  # TLS: decrypted bytes, or bytes on the wire
+            if sock.pending():
+                return True
+            try:
+                return bool(select.select([sock], [], [], 0)[0])
+            except (ValueError, TypeError, OSError):
+                return False
         try:
-            return bool(select.select([sock], [], [], 0)[0])
-        except (ValueError, TypeError, OSError):
+            head = sock.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
             return False
+        except (OSError, ValueError, TypeError):
+            return False
+        return publish_ahead(head, len(head) == _PEEK_BYTES)
 
     def _room(self) -> bool:
         return self.handler is None or not self.handler.saturated()
