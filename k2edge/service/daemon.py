@@ -101,7 +101,8 @@ class Daemon:
         profile the thermal state asks for (start, deploy: the lifecycle's worker thread)."""
         log.info("model %s%s: building engines (profile %s, board %s)", m.name, f" {version}" if version else "",
                  m.profile, self._board)
-        rt = ModelRuntime(m, self.cfg.service.max_batch, self._board, self.cfg.service.cache_dir, version=version)
+        s = self.cfg.service
+        rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane or None)
         self._escalation_for(rt)
         rt.activate()
         return rt.with_profile(self.escalation.prefer_dla)

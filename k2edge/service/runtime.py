@@ -47,8 +47,10 @@ class ModelRuntime:
     activation.
     """
 
-    def __init__(self, cfg: ModelConfig, max_batch: int, board: str | None, cache_dir, version: str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_batch: int, board: str | None, cache_dir, version: str | None = None,
+                 threads_per_lane: int | None = None) -> None:
         self.cfg = cfg
+        self.threads_per_lane = threads_per_lane
         self.name = cfg.name
         self.version = version
         self.cache = {"engines": 0, "cached": 0}
@@ -84,9 +86,10 @@ class ModelRuntime:
             er = profile.edge_runtime.model_copy(update={"batch_size": b})
             p = profile.model_copy(update={"edge_runtime": er})
             # several engines per model plus staging, batching and network threads share the cores:
-            # idle ONNX Runtime threads must sleep, not spin
+            # idle ONNX Runtime threads must sleep, not spin (and with one thread a lane, none sleeps)
             engine = Engine.build(self.cfg.onnx, p, self.cfg.calib, board=board, backend=self.cfg.backend,
-                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False, **self.cfg.card_args())
+                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False,
+                                  threads_per_lane=self.threads_per_lane, **self.cfg.card_args())
             engines[b] = engine
             self.cache["engines"] += 1
             self.cache["cached"] += all(engine.info.cache_hits.values())
