@@ -265,7 +265,7 @@ class AnswerBook:
         for t in tokens:
             self._broker.done(t)
         for cb in callbacks:
-            cb()
+            _run_callback(cb)
 
     def _delivered_keyless(self, a: Answer) -> None:
         with self._lock:
@@ -273,7 +273,7 @@ class AnswerBook:
         for t in a.tokens:
             self._broker.done(t)
         if a.on_delivered is not None:
-            a.on_delivered()
+            _run_callback(a.on_delivered)
 
     def _count_delivered(self) -> None:
         self._undelivered -= 1
@@ -335,3 +335,11 @@ class AnswerBook:
         with self._db_lock:
             self._db.close()
         self._maintenance.close()
+
+
+def _run_callback(callback: Callable[[], None]) -> None:
+    """A delivery callback, on the network thread: its failure is logged, never the network loop's."""
+    try:
+        callback()
+    except Exception:
+        log.exception("a delivery callback failed")

@@ -48,6 +48,7 @@ class Daemon:
         "_finish_requests",           # every admitted request answered or handed to the cloud
         "_finish_cloud_work",         # running cloud calls answered; queued ones back in the outbox
         "_wait_answers_delivered",    # so every request can be acknowledged before we go
+        "_close_cloud",               # after the deliveries: each marks its outbox row delivered
         "_say_offline",               # the retained status, acknowledged by the broker
         "_disconnect",
         "_stop_lines",
@@ -98,7 +99,7 @@ class Daemon:
     # the deploy lifecycle's host -------------------------------------------------------------------
     def build_runtime(self, m, version: str | None) -> ModelRuntime:
         """An activated runtime of one model version, its engines built through the cache, on the
-        profile the thermal state asks for (start, deploy: the lifecycle's worker thread)."""
+        profile the thermal state asks for (at start, and on the deploy lifecycle's worker thread)."""
         log.info("model %s%s: building engines (profile %s, board %s)", m.name, f" {version}" if version else "",
                  m.profile, self._board)
         s = self.cfg.service
@@ -109,7 +110,7 @@ class Daemon:
 
     def deployed(self, name: str, rt: ModelRuntime) -> None:
         """A deploy or rollback swapped ``rt`` in: policy, metrics, status."""
-        self.on_thermal_preference(name)  # a transition during the build
+        self._thermal_profile(name)  # a transition during the build
         self.escalation.policy.models[name] = self._escalation_for(rt)
         if self.metrics is not None:
             self.metrics.set_model(name, rt.version, rt.profile_name)
@@ -120,12 +121,12 @@ class Daemon:
         """A thermal transition (the sampler's thread): each model's engines switch profile between
         two batches, without waiting here."""
         for name in self.models:
-            rt = self.on_thermal_preference(name)
+            rt = self._thermal_profile(name)
             if self.metrics is not None:
                 self.metrics.set_model(name, rt.version, rt.profile_name)
         self.publish_status()
 
-    def on_thermal_preference(self, name: str) -> ModelRuntime:
+    def _thermal_profile(self, name: str) -> ModelRuntime:
         """Ask model ``name``'s line for the profile the thermal state prefers; the runtime it will run."""
         rt = self.path.running(name).with_profile(self.escalation.prefer_dla)
         self.path.swap(name, rt, None)
@@ -301,13 +302,16 @@ class Daemon:
             log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", timeout)
 
     def _finish_cloud_work(self) -> None:
-        self._offline = self.status_payload("offline")  # before the bridge closes its outbox
+        self._offline = self.status_payload("offline")
         self.escalation.stop()  # running cloud calls finish; their answers are published
 
     def _wait_answers_delivered(self) -> None:
         if not self.answers.wait_delivered(self.cfg.service.drain_timeout_s):
             log.warning("%d answer(s) not acknowledged by the broker before exit; their requests stay with the broker",
                         self.answers.undelivered)
+
+    def _close_cloud(self) -> None:
+        self.escalation.close()
 
     def _say_offline(self) -> None:
         delivered = threading.Event()

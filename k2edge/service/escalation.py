@@ -174,8 +174,9 @@ class Escalation:
             self._outbox_thread.start()
 
     def stop(self) -> None:
-        """Finish the cloud calls already running (each bounded by its deadline); hand the queued ones
-        back to the outbox for the next start; stop the rest."""
+        """Finish the cloud calls already running (each bounded by its deadline) and publish their
+        answers; hand the queued ones back to the outbox for the next start; stop the outbox loop and
+        the sampler. The outbox stays open for the deliveries still to be acknowledged: :meth:`close`."""
         if self.pool is not None:
             with self._lock:
                 queued = [oid for oid, fut in self._waiting.items() if fut.cancel()]
@@ -186,6 +187,10 @@ class Escalation:
         if self._outbox_thread is not None:
             self._outbox_thread.join(timeout=10)
         self.sampler.stop()
+
+    def close(self) -> None:
+        """Close the cloud client and the outbox (after every answer was acknowledged: a live answer's
+        acknowledgement marks its outbox row delivered)."""
         if self.bridge is not None:
             self.bridge.close()
 
