@@ -11,16 +11,13 @@ NMS per class, boxes mapped back to the image's pixels; answer to the Response T
 
 import base64
 import io
-import json
-import socket
 import sys
 
 import numpy as np
 import onnxruntime as ort
-import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 from PIL import Image
+
+from peer_mqtt import serve
 
 host, port, topic, model, labels_file = sys.argv[1:6]
 size = int(sys.argv[6]) if len(sys.argv) > 6 else 160
@@ -88,23 +85,8 @@ def detect(jpeg):
     return result
 
 
-def on_connect(client, userdata, flags, reason_code, properties):
-    client.subscribe(topic, qos=1)
+def answer(req):
+    return {"id": req["id"], "status": "ok", "detections": detect(base64.b64decode(req["image"]))}
 
 
-def on_message(client, userdata, msg):
-    req = json.loads(msg.payload)
-    detections = detect(base64.b64decode(req["image"]))
-    props = Properties(PacketTypes.PUBLISH)
-    props.CorrelationData = msg.properties.CorrelationData
-    answer = {"id": req["id"], "status": "ok", "detections": detections}
-    client.publish(msg.properties.ResponseTopic, json.dumps(answer), qos=1, properties=props)
-
-
-client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-# TCP_NODELAY, as the README tells users (without it each answer waits ~40 ms for a delayed ACK)
-client.on_socket_open = lambda c, u, sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-client.on_connect = on_connect
-client.on_message = on_message
-client.connect(host, int(port))
-client.loop_forever()
+serve(host, port, topic, answer)
