@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from mqtt_support import Broker, DaemonProcess, write_config  # noqa: E402  (the tests' real broker and daemon helpers)
 
 from k2edge import Engine  # noqa: E402
-from k2edge.service.client import RequestClient  # noqa: E402
+from k2edge.cli.client import RequestClient  # noqa: E402
 
 MODEL = ROOT / "models" / "digits" / "model.onnx"
 

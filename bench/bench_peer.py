@@ -1,11 +1,20 @@
 """k2edge against the peer — the loop a user would write instead of it — in one run on this machine.
 
-The peer (``bench/peer_loop.py``) is paho-mqtt with an ONNX Runtime session created with default
-options, run inside ``on_message``, answering to the request's Response Topic. k2edge is ``k2edge
-serve`` (profile ``cpu-dev``, ``max_batch`` 8, ``queue_size`` 256). Both serve the digits model
-behind one mosquitto (``set_tcp_nodelay true``) and get the same JSON requests (a base64 float32
-1x32x32 tensor, a new id each) from one load generator (``bench/peer_loadgen.py``, its own process
-so that its CPU is counted too). Over several rounds, A/B interleaved (the first target alternates):
+Two models, one after the other (``--models``):
+
+* ``digits``: the peer (``bench/peer_loop.py``) is paho-mqtt with an ONNX Runtime session created
+  with default options, run inside ``on_message``; the requests are JSON with a base64 float32
+  1x32x32 tensor.
+* ``detector`` (the demo detector, ``models/detector``): the peer (``bench/peer_detector.py``) is
+  paho-mqtt, Pillow, ONNX Runtime and numpy inside ``on_message`` (JPEG decode, letterbox, the
+  model, YOLOv8 decode and per-class NMS); the requests are JSON with a base64 JPEG of the
+  detector's evaluation scenes.
+
+Both peers answer to the request's Response Topic. k2edge is ``k2edge serve`` (profile ``cpu-dev``,
+``max_batch`` 8, ``queue_size`` 256). Both serve the model behind one mosquitto (``set_tcp_nodelay
+true``) and get the same requests (a new id each) from one load generator (``bench/peer_loadgen.py``,
+its own process so that its CPU is counted too). Over several rounds, A/B interleaved (the first
+target alternates):
 
 1. throughput with 16 requests in flight (goal: k2edge >= 1.3x the peer's);
 2. round-trip latency with one request in flight, p50 and p90 (goal: k2edge's p50 <= the peer's +
@@ -16,7 +25,8 @@ each after a warm-up that is not counted. It prints medians over rounds with the
 generator), and the count of answers that were not ``ok``. ``--profile DIR`` then samples each
 server with py-spy during one more (unmeasured) 16-in-flight run and prints where its time goes.
 
-    python bench/bench_peer.py [--requests 2000] [--rounds 5] [--json out.json] [--profile DIR]
+    python bench/bench_peer.py [--models digits,detector] [--requests 2000] [--rounds 5] [--json out.json]
+                               [--profile-dir DIR]
 """
 
 from __future__ import annotations
@@ -44,9 +54,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench_daemon import cpu_seconds  # noqa: E402  (one /proc reader for the bench scripts)
 from mqtt_support import Broker, DaemonProcess, write_config  # noqa: E402  (the tests' real broker and daemon helpers)
 
-MODEL = ROOT / "models" / "digits" / "model.onnx"
-LABELS = ROOT / "models" / "digits" / "labels.txt"
-TOPICS = {"k2edge": "k2edge/bench/infer/digits", "peer": "bench-peer/infer/digits"}
+DETECTOR = ROOT / "models" / "detector"
+SCENARIOS = {  # model -> what k2edge serves, what the peer runs, what the load generator sends
+    "digits": {"onnx": ROOT / "models" / "digits" / "model.onnx", "labels": ROOT / "models" / "digits" / "labels.txt",
+               "peer": ["peer_loop.py"], "loadgen": []},
+    "detector": {"onnx": DETECTOR / "model.onnx", "labels": DETECTOR / "labels.txt",
+                 "peer": ["peer_detector.py"], "loadgen": ["--images", str(DETECTOR / "eval" / "images")]},
+}
+TOPICS = {"k2edge": "k2edge/bench/infer/{model}", "peer": "bench-peer/infer/{model}"}
 GOAL_THROUGHPUT_RATIO = 1.3  # k2edge's answers/s at 16 in flight over the peer's
 GOAL_P50_ADDED_MS = 0.3  # k2edge's p50 at one in flight minus the peer's
 PHASES = (("throughput", 16), ("latency", 1))
@@ -63,10 +78,11 @@ class BenchError(Exception):
 class LoadGenerator:
     """``bench/peer_loadgen.py`` as a subprocess, driven one JSON command per line."""
 
-    def __init__(self, port: int, log: Path) -> None:
+    def __init__(self, port: int, log: Path, model: str) -> None:
         self._log = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, str(BENCH / "peer_loadgen.py"), str(port)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=ROOT)
+        self.topics = {target: t.format(model=model) for target, t in TOPICS.items()}
+        self.proc = subprocess.Popen([sys.executable, str(BENCH / "peer_loadgen.py"), str(port), *SCENARIOS[model]["loadgen"]],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=ROOT)
         if not self._read().get("ready"):
             raise BenchError("the load generator did not start")
 
@@ -100,7 +116,7 @@ def wait_until_answering(gen: LoadGenerator, name: str, proc: subprocess.Popen, 
     while time.monotonic() - t0 < READY_TIMEOUT_S:
         if proc.poll() is not None:
             raise BenchError(f"{name} exited with {proc.returncode} before answering; its log ends:\n{_tail(log)}")
-        if gen.command(cmd="probe", topic=TOPICS[name], timeout=1.0)["ok"]:
+        if gen.command(cmd="probe", topic=gen.topics[name], timeout=1.0)["ok"]:
             return time.monotonic()
     raise BenchError(f"{name} did not answer within {READY_TIMEOUT_S:.0f} s; its log ends:\n{_tail(log)}")
 
@@ -117,9 +133,9 @@ def measure(gen: LoadGenerator, target: str, n: int, window: int, warmup: int, p
     the CPU each process used during the measured part."""
     failures = 0
     if warmup:
-        failures += gen.command(cmd="run", topic=TOPICS[target], n=warmup, window=window)["failures"]
+        failures += gen.command(cmd="run", topic=gen.topics[target], n=warmup, window=window)["failures"]
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    r = gen.command(cmd="run", topic=TOPICS[target], n=n, window=window)
+    r = gen.command(cmd="run", topic=gen.topics[target], n=n, window=window)
     if not r["answered"]:
         raise BenchError(f"{target} answered none of {n} requests at {window} in flight: {r['errors']}")
     cpu = {name: (cpu_seconds(pid) - cpu0[name]) * 1e3 / n for name, pid in pids.items()}
@@ -178,7 +194,7 @@ def profile_run(gen: LoadGenerator, target: str, pid: int, n: int, window: int, 
     proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", *PY_SPY_FLAGS,
                              "-o", str(raw)], stdout=log, stderr=subprocess.STDOUT)
     time.sleep(1.0)  # attached before the load starts
-    r = gen.command(cmd="run", topic=TOPICS[target], n=n, window=window)
+    r = gen.command(cmd="run", topic=gen.topics[target], n=n, window=window)
     proc.send_signal(signal.SIGINT)  # py-spy writes its samples on Ctrl-C
     try:
         proc.wait(timeout=30)
@@ -240,7 +256,7 @@ def _row(*cells: str, widths: tuple[int, ...] = (30, 28, 28, 28)) -> str:
     return "".join(c.ljust(w - 2) + "  " for c, w in zip(cells, widths)) + "".join(cells[len(widths):])
 
 
-def report(args, summary: dict, startup: dict) -> str:
+def report(args, model: str, summary: dict, startup: dict) -> str:
     """The comparison table and the CPU table."""
     k, p, g = summary["k2edge"], summary["peer"], summary["goals"]
     tr, pa = g["throughput_ratio"], g["p50_added_ms"]
@@ -251,8 +267,8 @@ def report(args, summary: dict, startup: dict) -> str:
 
     errors = k["errors"] | p["errors"] if k["failures"] or p["failures"] else {}
     lines = [
-        f"k2edge serve vs the peer (bench/peer_loop.py): digits, profile {args.profile}, max_batch {args.max_batch}, "
-        "queue_size 256",
+        f"k2edge serve vs the peer (bench/{SCENARIOS[model]['peer'][0]}): {model}, profile {args.profile}, "
+        f"max_batch {args.max_batch}, queue_size 256",
         f"{args.rounds} round(s) x {args.requests} requests per phase (warm-up {args.warmup} not counted), A/B interleaved; "
         f"one mosquitto (set_tcp_nodelay), one load generator; {os.cpu_count()} cores shared by all",
         f"answering {startup['k2edge']:.1f} s (k2edge) and {startup['peer']:.1f} s (peer) after their start; "
@@ -305,12 +321,21 @@ def report_profile(prof: dict) -> str:
 # main -----------------------------------------------------------------------------------------------
 def run(args) -> dict:
     results: dict = {"config": {k: v for k, v in vars(args).items()}, "machine": {"cpus": os.cpu_count(),
-                     "python": platform.python_version(), "platform": platform.platform()}, "rounds": []}
+                     "python": platform.python_version(), "platform": platform.platform()}, "models": {}}
+    for model in args.models:
+        results["models"][model] = run_model(args, model)
+    return results
+
+
+def run_model(args, model: str) -> dict:
+    """Every round against one model: a broker, k2edge, the peer and the load generator of their own."""
+    scenario = SCENARIOS[model]
+    results: dict = {"rounds": []}
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         broker = Broker(tmp / "broker").start()
         stack.callback(broker.stop)
-        cfg = write_config(tmp / "bench.toml", broker.port, [{"name": "digits", "onnx": MODEL, "profile": args.profile}],
+        cfg = write_config(tmp / "bench.toml", broker.port, [{"name": model, "onnx": scenario["onnx"], "profile": args.profile}],
                            device="bench", service={"max_batch": args.max_batch, "queue_size": 256,
                                                     "state_dir": str(tmp / "state")})
         # engines cached in the temporary dir: nothing lands in ~/.cache or ~/.local/state
@@ -319,11 +344,12 @@ def run(args) -> dict:
         stack.callback(_stop_daemon, daemon)
         peer_log = open(tmp / "peer.log", "wb")
         stack.callback(peer_log.close)
-        peer = subprocess.Popen([sys.executable, str(BENCH / "peer_loop.py"), "127.0.0.1", str(broker.port), TOPICS["peer"],
-                                 str(MODEL), str(LABELS)], stdout=peer_log, stderr=subprocess.STDOUT, cwd=ROOT)
-        stack.callback(_kill, peer)
-        gen = LoadGenerator(broker.port, tmp / "loadgen.log")
+        gen = LoadGenerator(broker.port, tmp / "loadgen.log", model)
         stack.callback(gen.close)
+        peer = subprocess.Popen([sys.executable, str(BENCH / scenario["peer"][0]), "127.0.0.1", str(broker.port),
+                                 gen.topics["peer"], str(scenario["onnx"]), str(scenario["labels"]), *scenario["peer"][1:]],
+                                stdout=peer_log, stderr=subprocess.STDOUT, cwd=ROOT)
+        stack.callback(_kill, peer)
 
         startup = {"k2edge": wait_until_answering(gen, "k2edge", daemon.proc, tmp / "daemon.log") - t_start,
                    "peer": wait_until_answering(gen, "peer", peer, tmp / "peer.log") - t_start}
@@ -335,19 +361,19 @@ def run(args) -> dict:
                 for target in order:
                     rnd[target][phase] = measure(gen, target, args.requests, window, args.warmup, pids)
             results["rounds"].append(rnd)
-            print(f"round {i + 1}/{args.rounds}: " + ", ".join(
+            print(f"{model} round {i + 1}/{args.rounds}: " + ", ".join(
                 f"{t} {rnd[t]['throughput']['throughput_per_s']:,.0f}/s p50 {rnd[t]['latency']['p50_ms']:.3f} ms"
                 for t in order), flush=True)
         results["startup_s"] = startup
         results["summary"] = summarise(results["rounds"])
         if args.profile_dir:
-            out = Path(args.profile_dir)
+            out = Path(args.profile_dir) / model
             out.mkdir(parents=True, exist_ok=True)
             results["profile"] = {f"{t} at {w} in flight": profile_run(gen, t, pids[t], args.profile_requests, w, out, args.py_spy)
                                   for w in (16, 1) for t in ("k2edge", "peer")}
         if args.keep_logs:
             for name in ("daemon.log", "peer.log", "loadgen.log"):
-                shutil.copy(tmp / name, Path(args.keep_logs) / name)
+                shutil.copy(tmp / name, Path(args.keep_logs) / f"{model}-{name}")
     return results
 
 
@@ -366,6 +392,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="digits,detector", help="comma-separated: " + ", ".join(SCENARIOS))
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per phase, target and round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=200, help="requests before each measured phase, not counted")
@@ -380,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"bench_peer: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
             return 1
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in SCENARIOS]
+    if unknown or not args.models:
+        print(f"bench_peer: --models takes {', '.join(SCENARIOS)}, got {unknown or 'none'}", file=sys.stderr)
+        return 1
     if args.warmup < 0:
         print(f"bench_peer: --warmup must be 0 or more, got {args.warmup}", file=sys.stderr)
         return 1
@@ -395,9 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as exc:
         print(f"bench_peer: {exc}", file=sys.stderr)
         return 1
-    print(report(args, results["summary"], results["startup_s"]))
-    if results.get("profile"):
-        print(report_profile(results["profile"]))
+    for model, r in results["models"].items():
+        print(f"\n== {model} ==")
+        print(report(args, model, r["summary"], r["startup_s"]))
+        if r.get("profile"):
+            print(report_profile(r["profile"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -9,11 +9,13 @@ line on stdin and answers one JSON line on stdout:
   the count of answers that were not ``ok`` for their request's id.
 - ``{"cmd": "quit"}``.
 
-Every request is the same JSON a user sends (``id``, ``tensor`` with dtype, shape and base64
-float32 bytes, 1x32x32); every id is new, so the daemon's exactly-once book never takes one for a
-redelivery. Both targets get the same tensors in the same order.
+Every request is the same JSON a user sends (``id``, and ``tensor`` with dtype, shape and base64
+float32 bytes, 1x32x32 — or, with ``--images DIR``, ``image``: a base64 JPEG of DIR, in name
+order); every id is new, so the daemon's exactly-once book never takes one for a redelivery. Both
+targets get the same inputs in the same order. An answer counts as ``ok`` when it is ``ok`` for its
+id and carries a ``top_k`` (classifiers) or a ``detections`` list (detectors).
 
-    python bench/peer_loadgen.py PORT [--tensors 256] [--seed 0]
+    python bench/peer_loadgen.py PORT [--tensors 256] [--seed 0] [--images DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -36,10 +39,18 @@ from paho.mqtt.properties import Properties
 class LoadGenerator:
     """Sends the benchmark's requests and matches answers by correlation data (run tag + index)."""
 
-    def __init__(self, port: int, tensors: int, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.bodies = [json.dumps({"dtype": "float32", "shape": [1, 32, 32], "data": base64.b64encode(
-            rng.standard_normal((1, 32, 32)).astype(np.float32).tobytes()).decode()}).encode() for _ in range(tensors)]
+    def __init__(self, port: int, tensors: int, seed: int, images: Path | None = None) -> None:
+        if images is not None:  # the request's "image": a base64 JPEG (a JSON string)
+            self.field = b"image"
+            self.bodies = [json.dumps(base64.b64encode(p.read_bytes()).decode()).encode()
+                           for p in sorted(images.glob("*.jpg"))]
+            if not self.bodies:
+                raise RuntimeError(f"no .jpg images in {images}")
+        else:  # the request's "tensor": dtype, shape, base64 data
+            rng = np.random.default_rng(seed)
+            self.field = b"tensor"
+            self.bodies = [json.dumps({"dtype": "float32", "shape": [1, 32, 32], "data": base64.b64encode(
+                rng.standard_normal((1, 32, 32)).astype(np.float32).tobytes()).decode()}).encode() for _ in range(tensors)]
         self.prefix = uuid.uuid4().hex[:8]
         self.reply_topic = f"bench-peer/{self.prefix}/reply"
         self.lock = threading.Lock()
@@ -82,7 +93,7 @@ class LoadGenerator:
         props = Properties(PacketTypes.PUBLISH)
         props.ResponseTopic = self.reply_topic
         props.CorrelationData = tag.to_bytes(4, "big") + i.to_bytes(4, "big")
-        payload = b'{"id": "' + self._rid(i).encode() + b'", "tensor": ' + self.bodies[i % len(self.bodies)] + b"}"
+        payload = b'{"id": "' + self._rid(i).encode() + b'", "' + self.field + b'": ' + self.bodies[i % len(self.bodies)] + b"}"
         self.sent_at[i] = time.perf_counter()
         self.client.publish(topic, payload, qos=1, properties=props)
 
@@ -139,7 +150,7 @@ class LoadGenerator:
 
 
 def _check(raw: bytes, rid: str) -> tuple[str | None, dict]:
-    """(None, body) for an ``ok`` answer to ``rid`` with a top-k; else (what was wrong, body)."""
+    """(None, body) for an ``ok`` answer to ``rid`` with a top-k or a list of detections; else (what was wrong, body)."""
     try:
         body = json.loads(raw)
     except ValueError:
@@ -150,7 +161,7 @@ def _check(raw: bytes, rid: str) -> tuple[str | None, dict]:
         return str((body.get("error") or {}).get("code") or body.get("status")), body
     if body.get("id") != rid:
         return "wrong_id", body
-    return (None if body.get("top_k") else "no_top_k"), body
+    return (None if body.get("top_k") or isinstance(body.get("detections"), list) else "no_result"), body
 
 
 def main() -> int:
@@ -158,8 +169,9 @@ def main() -> int:
     ap.add_argument("port", type=int)
     ap.add_argument("--tensors", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--images", type=Path, help="send these JPEGs (a folder) instead of tensors")
     args = ap.parse_args()
-    gen = LoadGenerator(args.port, args.tensors, args.seed)
+    gen = LoadGenerator(args.port, args.tensors, args.seed, args.images)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -16,22 +16,24 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 @pytest.mark.slow
 def test_bench_peer_runs_and_prints_the_comparison(tmp_path):
-    """A tiny run: both targets answer every request ok, the table and the JSON carry both sides."""
+    """A tiny run of both models: both targets answer every request ok, the tables and the JSON carry both sides."""
     out = tmp_path / "peer.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--requests", "50", "--rounds", "1", "--warmup", "10",
                            "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("throughput, 16 in flight", "p50 round trip, 1 in flight", "answers not ok", "CPU ms per request"):
         assert row in proc.stdout, proc.stdout
-    summary = json.loads(out.read_text())["summary"]
-    for target in ("k2edge", "peer"):
+    models = json.loads(out.read_text())["models"]
+    assert set(models) == {"digits", "detector"} and "== detector ==" in proc.stdout
+    for target, summary in ((t, m["summary"]) for t in ("k2edge", "peer") for m in models.values()):
         assert summary[target]["failures"] == 0, summary[target]["errors"]
         assert summary[target]["requests"] == 120  # (10 warm-up + 50) at 16 in flight and at one in flight
         assert summary[target]["throughput"]["throughput_per_s"]["median"] > 0
         assert summary[target]["latency"]["p50_ms"]["median"] > 0
         assert set(summary[target]["throughput"]["cpu_ms_per_request"]) == {"k2edge", "peer", "broker", "loadgen"}
-    assert summary["k2edge"]["throughput"]["mean_batch"] >= 1  # k2edge's answers say their batch size
-    assert isinstance(summary["goals"]["throughput_ratio"]["met"], bool)
+    for summary in (m["summary"] for m in models.values()):
+        assert summary["k2edge"]["throughput"]["mean_batch"] >= 1  # k2edge's answers say their batch size
+        assert isinstance(summary["goals"]["throughput_ratio"]["met"], bool)
 
 
 def test_bench_peer_refuses_bad_arguments_in_one_line():

@@ -384,7 +384,7 @@ def test_confidence_measures():
     assert confidence([0.5, 0.3], "entropy", num_classes=4) == pytest.approx(full)
     assert confidence([0.9], "margin") == pytest.approx(0.8)
     lr = LocalResult.from_logits(np.array([2.0, 1.0, 0.1]), ["a", "b", "c"], k=2)
-    assert lr.answer == "a" and len(lr.top_k) == 2 and lr.num_classes == 3
+    assert lr.summary == "a" and len(lr.top_k) == 2 and lr.num_classes == 3
     assert lr.confidence("max_softmax") == pytest.approx(np.exp(2) / np.exp([2, 1, 0.1]).sum())
 
 
@@ -566,6 +566,18 @@ def test_budget_spent_answers_locally(k2, tmp_path):
     bridge.close()
 
 
+def render(item, result):
+    """The daemon's renderer of a deferred answer (one builder for every cloud answer)."""
+    from k2edge.service.escalation import deferred_answer
+
+    return deferred_answer(item, result, "normal")
+
+
+def deliver(bridge, publish) -> int:
+    """One pass over the outbox, as the daemon's loop makes it."""
+    return bridge.outbox.deliver_once(lambda item: bridge.deliver_item(item, publish, render))
+
+
 def test_deferrable_request_is_delivered_once_across_restarts(k2, tmp_path):
     """Cloud down: the deferrable request waits in the outbox; after a restart it is delivered once, and never again."""
     clock = FakeClock(time.time())
@@ -585,7 +597,7 @@ def test_deferrable_request_is_delivered_once_across_restarts(k2, tmp_path):
     k2.fallback = answer("it is a seven")
     published: list[tuple] = []
     b2 = CloudBridge(settings_for(k2), state, client=K2Client(settings_for(k2), KEY), outbox=Outbox(state, clock=clock))
-    assert b2.deliver_once(lambda topic, corr, payload: published.append((topic, corr, payload))) == 1
+    assert deliver(b2, lambda topic, corr, payload: published.append((topic, corr, payload))) == 1
     assert len(published) == 1
     topic, corr, payload = published[0]
     assert topic == "clients/7/answers" and corr == b"\x01corr"
@@ -593,12 +605,12 @@ def test_deferrable_request_is_delivered_once_across_restarts(k2, tmp_path):
     assert payload["deferred"] is True and payload["status"] == "ok" and payload["top_k"] == [{"label": "c0", "score": 0.4}]
     mime, img = decode_data_url(k2.chat_requests[-1].body["messages"][1]["content"][0]["image_url"]["url"])
     assert mime == "image/png" and img.size == (768, 768)
-    assert b2.deliver_once(lambda *a: published.append(a)) == 0
+    assert deliver(b2, lambda *a: published.append(a)) == 0
     b2.close()
 
     clock.t += 3600
     b3 = CloudBridge(settings_for(k2), state, client=K2Client(settings_for(k2), KEY), outbox=Outbox(state, clock=clock))
-    assert b3.deliver_once(lambda *a: published.append(a)) == 0 and len(published) == 1
+    assert deliver(b3, lambda *a: published.append(a)) == 0 and len(published) == 1
     assert b3.status()["outbox"]["depth"] == 0
     b3.close()
 
@@ -615,21 +627,22 @@ def test_failed_publish_resends_the_stored_answer_without_asking_again(k2, tmp_p
     def broken(*a):
         raise ConnectionError("broker gone")
 
-    assert bridge.deliver_once(broken) == 0
+    assert deliver(bridge, broken) == 0
     assert outbox.depth() == 1 and outbox.get("r9").result["text"] == "first and only answer"
     clock.t += 600
     got = []
-    assert bridge.deliver_once(lambda *a: got.append(a)) == 1
+    assert deliver(bridge, lambda *a: got.append(a)) == 1
     assert got[0][2]["text"] == "first and only answer" and len(k2.chat_requests) == 1
     bridge.close()
 
 
 def test_deliver_pending_runs_in_a_worker_thread_and_stops(k2, tmp_path):
-    """The daemon's loop: runs on a thread, delivers, stops when told."""
+    """The daemon's loop: the outbox's loop on a thread, each row delivered by the bridge; stops when told."""
     bridge = make_bridge(k2, tmp_path)
     bridge.outbox.put("r1", "t/1", None, {"request": {"prompt": "q"}, "response": {}, "reason": "x"})
     got, stop = [], threading.Event()
-    t = threading.Thread(target=bridge.deliver_pending, args=(lambda *a: got.append(a), stop), kwargs={"poll_s": 0.01})
+    t = threading.Thread(target=bridge.outbox.deliver_pending, kwargs={"poll_s": 0.01},
+                         args=(lambda item: bridge.deliver_item(item, lambda *a: got.append(a), render), stop))
     t.start()
     deadline = time.monotonic() + 5
     while not got and time.monotonic() < deadline:

@@ -219,6 +219,61 @@ def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp
     audit.close()
 
 
+def test_a_thermal_switch_while_requests_flow_keeps_the_version_and_loses_nothing(tmp_path, broker, keys, releases):
+    """Requests stream while the die warms past soft_c: the model switches to its warm profile (c2, three lanes)
+    between two batches; every request is answered once, model_version stays 1.0.0, the profile switches once
+    and never back, and the line runs the new engines' way (several batches in flight, not one inline)."""
+    zone = tmp_path / "sysfs" / "sys/class/thermal/thermal_zone0"
+    zone.mkdir(parents=True)
+    (zone / "type").write_text("tj-thermal\n")
+    (zone / "temp").write_text("40000\n")
+    model = {"name": "digits", "bundle": releases["1.0.0"], "top_k": 1, "escalation": {"warm_profile": "c2"}}
+    cfg = _config(tmp_path, broker, keys, None, model=model, extra_tables={
+        "thermal": {"source": "sysfs", "sysfs_root": str(tmp_path / "sysfs"), "sample_interval_ms": 50}})
+    _daemon(cfg, tmp_path, broker)
+    before = _status(broker.port)["models"][0]
+    assert (before["profile"], before["slots"]) == ("cpu-dev", 1)
+    client = Client(broker.port).connect()
+    stop, sent = threading.Event(), []
+
+    def stream():  # at most 16 in flight, as fast as they are answered
+        i = 0
+        while not stop.is_set():
+            if len(sent) - len(client.answers) >= 16:
+                client.wait_for(lambda c: len(sent) - len(c.answers) < 16 or stop.is_set(), timeout=30)
+                continue
+            rid = f"t{i}"
+            sent.append(rid)
+            client.publish("k2edge/t1/infer/digits", image_request(SAMPLES[i % len(SAMPLES)], rid=rid))
+            i += 1
+
+    sender = threading.Thread(target=stream)
+    sender.start()
+    try:
+        client.wait_for(lambda c: len(c.answers) >= 40, timeout=60)
+        (zone / "temp").write_text("80000\n")  # above soft_c 75: warm
+        client.wait_for(lambda c: sum(a.get("profile") == "c2" for a, _ in c.answers) >= 40, timeout=60)
+    finally:
+        stop.set()
+        sender.join()
+    client.wait_answers(len(sent), timeout=60)
+    answers = [a for a, _ in client.answers]
+    assert Counter(a["id"] for a in answers) == Counter(sent)  # none lost, none twice
+    assert all(a["status"] == "ok" for a in answers), [a for a in answers if a["status"] != "ok"][:3]
+    assert {a["model_version"] for a in answers} == {"1.0.0"}
+    profiles = [a["profile"] for a in answers]
+    switch = profiles.index("c2")
+    assert set(profiles[:switch]) == {"cpu-dev"} and set(profiles[switch:]) == {"c2"}  # once, never back
+    assert all(a["thermal_state"] == "warm" for a in answers[switch:])
+    # the retained status follows the line: its warm engines, three lanes, four batches in flight
+    watcher = Client(broker.port).connect()
+    watcher.wait_for(lambda c: any(s.get("thermal") == "warm" and s["models"][0]["slots"] == 4 for s in c.statuses), 30)
+    m = next(s for s in watcher.statuses if s.get("thermal") == "warm" and s["models"][0]["slots"] == 4)["models"][0]
+    assert (m["profile"], m["model_version"], len(m["lanes"])) == ("c2", "1.0.0", 3)
+    watcher.close()
+    client.close()
+
+
 def test_refused_deploys_are_audited_and_the_running_version_keeps_serving(tmp_path, broker, keys, releases):
     """Tampered, untrusted and older bundles are refused with their check, audited (file and MQTT), and change
     nothing; the same bundle again is already current; allow_downgrade and rollback move the version; a
@@ -235,6 +290,14 @@ def test_refused_deploys_are_audited_and_the_running_version_keeps_serving(tmp_p
         line = proc.stdout.strip()
         assert line.startswith("t1: refused ") and f"{check}: " in line and line.endswith("[running: digits 1.1.0]"), line
         assert _ask(client, f"after-{version}")["model_version"] == "1.1.0"
+    # the daemon's log names each connection, and what was refused: the file sent, the check, the signer's key id
+    log = daemon.output()
+    for role in ("requests", "control"):
+        assert f"connected to 127.0.0.1:{broker.port} ({role}, session present: " in log, log
+    refused = [line for line in log.splitlines() if "deploy: refused " in line]
+    assert len(refused) == 3 and not any("None" in line for line in refused), refused
+    untrusted = next(line for line in refused if "untrusted_key" in line)
+    assert f"deploy: refused {releases['1.3.0'].name}: untrusted_key: " in untrusted and "(key id " in untrusted, untrusted
     same = _k2edge("deploy", *target, str(releases["1.1.0"]))
     assert same.returncode == 0 and "runs already" in same.stdout, same.stdout
     refusals = [(r["status"], r["action"]) for r in _audits(audit)]

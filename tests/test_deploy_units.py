@@ -234,7 +234,7 @@ def https(pki):
 
 
 def test_fetch_checks_the_ca_the_size_and_the_hash(https, pki):
-    from k2edge.service.fetch import FetchError, fetch_bundle
+    from k2edge.bundle.fetch import FetchError, fetch_bundle
 
     body = _Handler.body
     sha = hashlib.sha256(body).hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import time
 import uuid
 
@@ -178,3 +179,59 @@ def test_warm_trace_switches_the_model_to_its_dla_heavier_profile(tmp_path, run_
     a = client.wait_answers(1)[0]
     assert a["profile"] == "c4" and a["thermal_state"] == "warm" and a["top_k"][0]["label"] == "8"
     client.close()
+
+
+def _outbox_rows(state, where: str) -> int:
+    import sqlite3
+
+    db = sqlite3.connect(str(state / "outbox.sqlite3"))
+    try:
+        return db.execute(f"SELECT COUNT(*) FROM outbox WHERE status = 'pending' AND {where}").fetchone()[0]
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+    finally:
+        db.close()
+
+
+def test_cloud_work_resumed_after_a_restart_is_answered_like_a_live_cloud_answer(tmp_path, run_daemon, broker):
+    """Drained with cloud calls still queued, restarted: those requests get the cloud's answer with the
+    same fields as a live cloud answer (cloud_input and latency_ms.cloud included)."""
+    state = tmp_path / "state"
+    model = {**DIGITS, "escalation": {"threshold": 0.9999999}}
+    client = Client(broker.port, client_id="resume-client", persistent=True).connect()
+    with K2StandIn() as k2:
+        k2.fallback = hang(60.0)  # until the stand-in stops
+        d = run_daemon(models=[model], env={"K2_TEST_KEY": "k"}, service={"state_dir": str(state)},
+                       tables={"cloud": _cloud(k2, timeout_s=30.0, concurrency=1)})
+        for i in range(4):  # one in the (hanging) call, one waiting for the call slot, two queued in the pool
+            client.publish(TOPIC, _img(SAMPLES[i], id=f"resume-{i}", deadline_ms=120_000))
+        _wait(lambda: _outbox_rows(state, "1") == 4 and len(k2.chat_requests) >= 1, "four requests in the outbox")
+        d.proc.send_signal(signal.SIGTERM)
+        # the drain hands the queued cloud work back to the outbox (unleased) before it waits for the running calls
+        _wait(lambda: _outbox_rows(state, "lease_owner IS NULL") >= 2, "queued cloud work handed back")
+    assert d.proc.wait(timeout=60) == 0  # the running calls failed when the stand-in stopped: answered locally
+
+    with K2StandIn() as k2:
+        k2.fallback = answer("a cloud answer")
+        kw = dict(models=[model], env={"K2_TEST_KEY": "k"}, service={"state_dir": str(state)}, tables={"cloud": _cloud(k2)})
+        run_daemon(**kw)
+        client.wait_for(lambda c: sum(a.get("source") == "cloud" for a, _ in c.answers) >= 2, timeout=60)
+        resumed = [a for a, _ in client.answers if a.get("source") == "cloud"]
+        client.publish(TOPIC, _img(SAMPLES[5], id="live-1"))
+        client.wait_for(lambda c: any(a.get("id") == "live-1" for a, _ in c.answers), timeout=30)
+        live = next(a for a, _ in client.answers if a.get("id") == "live-1")
+    assert live["source"] == "cloud" and live["text"] == "a cloud answer"
+    for a in resumed:
+        assert a["status"] == "ok" and a["text"] == "a cloud answer" and a["id"].startswith("resume-")
+        assert set(a) == set(live), (sorted(a), sorted(live))
+        assert set(a["latency_ms"]) == set(live["latency_ms"]) and "cloud" in a["latency_ms"]
+        assert a["cloud_input"] == live["cloud_input"] == "image"
+    assert len({a["id"] for a, _ in client.answers}) == len(client.answers)  # no request answered twice
+    client.close()
+
+
+def _wait(predicate, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"not reached: {what}"
+        time.sleep(0.05)

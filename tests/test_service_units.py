@@ -98,14 +98,34 @@ def _until(predicate, timeout=20.0):
         time.sleep(0.02)
 
 
+def test_a_runtime_is_activated_once_and_its_profile_views_share_the_activation(demo_model):
+    """activate/deactivate out of order raise; the context manager pairs them; the warm view is the same version."""
+    from k2edge.config.schema import ModelConfig
+    from k2edge.service.runtime import ModelRuntime, RuntimeStateError
+
+    rt = ModelRuntime(ModelConfig(name="m", onnx=demo_model, escalation={"warm_profile": "c2"}), 2, None, None, version="1.0.0")
+    with pytest.raises(RuntimeStateError, match="not active"):
+        rt.deactivate()
+    with rt:
+        with pytest.raises(RuntimeStateError, match="already active"):
+            rt.activate()
+        warm = rt.with_profile(True)
+        assert warm is not rt and warm.shares_engines(rt) and warm.version == "1.0.0" and warm.profile_name == "c2"
+        assert rt.with_profile(False) is rt and warm.with_profile(True) is warm and warm.active
+        assert len(warm.infer([np.zeros(rt.sample_shape, dtype=rt.input_dtype)])) >= 1
+    assert not rt.active and not warm.active
+    with pytest.raises(RuntimeStateError):
+        warm.deactivate()
+
+
 def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch):
     """WATCHDOG=1 is only sent while every serving thread loops: a wedged line stops it, a free one resumes it."""
     from k2edge.config.schema import DaemonConfig, ModelConfig
-    from k2edge.service.answers import AnswerBook
+    from k2edge.service.answer_book import AnswerBook
     from k2edge.service.escalation import Escalation
     from k2edge.service.request_path import RequestPath
     from k2edge.service.runtime import ModelRuntime
-    from k2edge.service.stats import ServiceStats
+    from k2edge.service.metrics import ServiceStats
 
     cfg = DaemonConfig(models=(ModelConfig(name="m", onnx=demo_model),), service={"state_dir": tmp_path})
     rt = ModelRuntime(cfg.models[0], 1, None, None)
@@ -120,8 +140,21 @@ def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch)
 
     monkeypatch.setattr(rt, "stage", hung_decoder)
     published = []
-    book = AnswerBook(tmp_path, lambda topic, payload, corr, done: (published.append(payload), done()), lambda token: None, 60)
-    path = RequestPath(cfg, {"m": rt}, book, Escalation(cfg, on_thermal=lambda st: None), ServiceStats())
+
+    class Broker:  # the broker facade: acknowledges every publish at once
+        def publish(self, topic, payload, correlation=None, on_delivered=None):
+            published.append(payload)
+            on_delivered()
+
+        def done(self, token): ...
+        def wake(self): ...
+        def input_pending(self): return True
+
+    class Listener:
+        def on_thermal(self, st): ...
+
+    book = AnswerBook(tmp_path, Broker(), 60)
+    path = RequestPath(cfg, {"m": rt}, book, Escalation(cfg, Listener()), ServiceStats(), Broker())
     path.start()
     _until(lambda: path.alive(max_age=1.0))
 
@@ -129,7 +162,7 @@ def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch)
         topic, payload, qos, mid, properties = "k2edge/x/infer/m", json.dumps({"id": "w", "tensor": {
             "dtype": "float32", "shape": [1, 32, 32], "data": base64.b64encode(bytes(4096)).decode()}}).encode(), 1, 1, None
 
-    path.admit(Msg, token=None)
+    path.on_message(Msg, token=None)
     assert entered.wait(10)
     _until(lambda: not path.alive(max_age=1.0))
     release.set()
@@ -183,3 +216,25 @@ def test_secrets_from_file_and_credential(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="CREDENTIALS_DIRECTORY is not set") as err:
         read_secret(credential="pw")
     assert "hunter2" not in str(err.value)
+
+
+def test_the_drain_order_is_data_naming_the_daemons_steps():
+    """Each drain step is a method of the daemon; requests are answered before answers are awaited and engines released last."""
+    from k2edge.service.daemon import Daemon
+
+    steps = list(Daemon.DRAIN)
+    assert all(callable(getattr(Daemon, s, None)) for s in steps) and len(set(steps)) == len(steps)
+    assert steps.index("_stop_admitting") < steps.index("_finish_requests") < steps.index("_wait_answers_delivered") \
+        < steps.index("_say_offline") < steps.index("_disconnect")
+    assert steps[-1] == "_release_engines"
+
+
+def test_a_request_is_told_from_an_acknowledgement_in_the_bytes_waiting():
+    """input_pending's peek: PUBACKs alone are no reason to hand a lone request to its line; a PUBLISH is."""
+    from k2edge.service.transport import publish_ahead
+
+    puback, publish = bytes([0x40, 2, 0, 1]), bytes([0x32, 5, 0, 1, ord("t"), 0, 7])
+    assert not publish_ahead(b"", False) and not publish_ahead(puback * 3, False)
+    assert publish_ahead(publish, False) and publish_ahead(puback + publish, False)
+    assert publish_ahead(puback + bytes([0x40]), True)  # cut off: more may wait, count it as a request
+    assert not publish_ahead(bytes([0x40, 200, 1]), False) and publish_ahead(bytes([0x40, 200, 1]), True)

@@ -14,16 +14,16 @@ import hashlib
 import io
 import os
 import tarfile
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator
 
+from ..durable import fsync_dir, replace_file
 from ..errors import first_line
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, member_name, path_problem
 
-__all__ = ["ArchiveProblem", "Limits", "Member", "extract_verified", "file_streams", "fsync_dir", "is_gzip",
+__all__ = ["ArchiveProblem", "Limits", "Member", "extract_verified", "file_streams", "is_gzip",
            "iter_members", "open_bundle", "read_files", "write_bundle"]
 
 MIB = 1 << 20
@@ -49,7 +49,7 @@ class Limits:
 
     @classmethod
     def from_settings(cls, deploy) -> "Limits":
-        """From the daemon config's ``[deploy]`` table (:class:`~k2edge.config.lifecycle.DeploySettings`)."""
+        """From the daemon config's ``[deploy]`` table (:class:`~k2edge.config.deploy.DeploySettings`)."""
         return cls(deploy.max_bundle_bytes, deploy.max_unpacked_bytes, deploy.max_files)
 
     @property
@@ -329,15 +329,6 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(Path(folder))
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a folder, making the names created or renamed in it durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_bundle(out: Path, manifest_bytes: bytes, signature_bytes: bytes | None, files: Iterable[tuple[str, object]],
                  compress: bool, mtime: int) -> None:
     """Write a bundle: ``manifest.json``, ``manifest.sig`` (when given), then the files in order.
@@ -350,33 +341,21 @@ def write_bundle(out: Path, manifest_bytes: bytes, signature_bytes: bytes | None
         files: (name in the bundle, a Path to copy, or a (size, binary stream) pair), consumed in
             order (a generator reading another archive works).
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            sink = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=mtime) if compress else raw
-            with tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                meta = [(MANIFEST_NAME, manifest_bytes)] + ([(SIGNATURE_NAME, signature_bytes)] if signature_bytes else [])
-                for name, data in meta:
-                    tar.addfile(_info(name, len(data), mtime), io.BytesIO(data))
-                for name, src in files:
-                    if isinstance(src, Path):
-                        with open(src, "rb") as stream:
-                            tar.addfile(_info(name, os.fstat(stream.fileno()).st_size, mtime), stream)
-                    else:
-                        size, stream = src
-                        tar.addfile(_info(name, size, mtime), stream)
-            if compress:
-                sink.close()
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replace_file(out, 0o644) as raw:
+        sink = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=mtime) if compress else raw
+        with tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            meta = [(MANIFEST_NAME, manifest_bytes)] + ([(SIGNATURE_NAME, signature_bytes)] if signature_bytes else [])
+            for name, data in meta:
+                tar.addfile(_info(name, len(data), mtime), io.BytesIO(data))
+            for name, src in files:
+                if isinstance(src, Path):
+                    with open(src, "rb") as stream:
+                        tar.addfile(_info(name, os.fstat(stream.fileno()).st_size, mtime), stream)
+                else:
+                    size, stream = src
+                    tar.addfile(_info(name, size, mtime), stream)
+        if compress:
+            sink.close()
 
 
 def _info(name: str, size: int, mtime: int) -> tarfile.TarInfo:

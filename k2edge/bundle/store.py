@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Collection
 
 from ..errors import first_line
-from .archive import ArchiveProblem, Limits, extract_verified, fsync_dir, open_bundle
+from ..durable import fsync_dir, write_replacing
+from .archive import ArchiveProblem, Limits, extract_verified, open_bundle
 from .keys import TrustStore
 from .manifest import Manifest
 from .result import FAILED, BundleResult
@@ -180,7 +181,7 @@ class ModelStore:
             return
         # the temporary file lies beside the version folder, not in it: if we die before the rename,
         # a stray file inside would make the version fail its next verification (unexpected_file)
-        _replace_durably(sig, signature, target.parent, ".sig-")
+        write_replacing(sig, signature, 0o640, tmp_dir=target.parent, prefix=".sig-")
 
     def activate(self, name: str, version: str) -> BundleResult:
         """Make an installed version current (the old current becomes previous) and delete the rest.
@@ -269,7 +270,7 @@ class ModelStore:
         state = {"current": current, "previous": previous}
         if rollback is not None:
             state["rollback"] = rollback
-        _replace_durably(folder / POINTER, (json.dumps(state, indent=2) + "\n").encode(), folder, ".state-")
+        write_replacing(folder / POINTER, (json.dumps(state, indent=2) + "\n").encode(), 0o640, tmp_dir=folder, prefix=".state-")
 
     def _prune(self, name: str, keep: set) -> None:
         for p in (self.root / name).iterdir():
@@ -291,20 +292,3 @@ def _with(result: BundleResult, **changes) -> BundleResult:
     from dataclasses import replace
 
     return replace(result, **changes)
-
-
-def _replace_durably(path: Path, data: bytes, tmp_dir: Path, prefix: str) -> None:
-    """Replace ``path`` with ``data`` so that a power loss leaves the old file or the new one: write a
-    temporary file in ``tmp_dir``, fsync it, rename it over ``path``, fsync the folder."""
-    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o640)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

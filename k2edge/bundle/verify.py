@@ -42,18 +42,20 @@ def _short(kid: str) -> str:
     return kid[:16]
 
 
-def _signature_refusal(manifest_b: bytes, sig_b: bytes, trust: TrustStore | None) -> tuple[str, str] | None:
+def _signature_refusal(manifest_b: bytes, sig_b: bytes, trust: TrustStore | None) -> tuple[str, str, str | None] | None:
+    """(status, detail, the key id the signature claims) of a signature that does not make the bundle
+    trusted; None when it does (or ``trust`` is None)."""
     try:
         sig = Signature.parse(sig_b)
     except ValueError as exc:
-        return "bad_signature", str(exc)
+        return "bad_signature", str(exc), None
     if trust is None:  # integrity only (inspect, sign): no trust decision
         return None
     if sig.key_id not in trust:
         return "untrusted_key", (f"signed by key {_short(sig.key_id)}, which is not among the {len(trust)} trusted "
-                                 f"key(s){' (' + ', '.join(trust.sources.values()) + ')' if len(trust) else ''}")
+                                 f"key(s){' (' + ', '.join(trust.sources.values()) + ')' if len(trust) else ''}"), sig.key_id
     if not trust.verify(sig.key_id, sig.signature, manifest_b):
-        return "bad_signature", f"the signature by key {_short(sig.key_id)} does not match manifest.json"
+        return "bad_signature", f"the signature by key {_short(sig.key_id)} does not match manifest.json", sig.key_id
     return None
 
 
@@ -87,7 +89,8 @@ def _evaluate(members: list[Member], trust: TrustStore | None, allow_unsigned: b
             return _refused("bad_signature", f"manifest.sig is {sig_m.size} bytes, not a signature file"), None
         refusal = _signature_refusal(manifest_b, sig_m.data, trust)
         if refusal:
-            return _refused(*refusal, manifest_b=manifest_b), None
+            status, detail, claimed = refusal
+            return _refused(status, detail, kid=claimed, manifest_b=manifest_b), None
         kid = Signature.parse(sig_m.data).key_id
     # -- bad_manifest (only authenticated bytes are parsed)
     try:
@@ -198,7 +201,8 @@ def verify_stream(f: BinaryIO, trust: TrustStore | None, limits: Limits, allow_u
                 if len(meta) == 2 and all(v is not None for v in meta.values()) and not ignore_signature:
                     refusal = _signature_refusal(meta[MANIFEST_NAME], meta[SIGNATURE_NAME], trust)
                     if refusal:
-                        return _refused(*refusal, manifest_b=meta[MANIFEST_NAME]), None
+                        status, detail, claimed = refusal
+                        return _refused(status, detail, kid=claimed, manifest_b=meta[MANIFEST_NAME]), None
     except ArchiveProblem as exc:
         return _refused(exc.status, exc.detail), None
 

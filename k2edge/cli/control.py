@@ -69,7 +69,7 @@ def describe(answer: dict) -> str:
 
 def send(args, kind: str, payload: bytes, content_type: str, user_properties: dict | None = None) -> int:
     """Publish one control message and print every answer within the timeout; 0 when all succeeded."""
-    from ..service.client import RequestClient
+    from .client import RequestClient
 
     if args.timeout <= 0:
         raise K2EdgeError(f"--timeout must be > 0, got {args.timeout:g}")

@@ -39,5 +39,5 @@ def run(args) -> int:
         body = {"url": args.url, "sha256": hashlib.sha256(data).hexdigest(), "allow_downgrade": args.allow_downgrade}
         return send(args, "deploy", json.dumps(body).encode(), "application/json")
     ctype = "application/gzip" if data[:2] == b"\x1f\x8b" else "application/x-tar"
-    props = {"allow_downgrade": "true"} if args.allow_downgrade else None
+    props = {"file": path.name, **({"allow_downgrade": "true"} if args.allow_downgrade else {})}
     return send(args, "deploy", data, ctype, props)

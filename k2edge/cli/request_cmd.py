@@ -34,7 +34,7 @@ def run(args) -> int:
     import time
     import uuid
 
-    from ..service.client import RequestClient, build_payload
+    from .client import RequestClient, build_payload
     from ..service.protocol import RETRYABLE
     from ..service.topics import valid_level
 

@@ -19,7 +19,9 @@ How the daemon uses it (from a worker thread, never the MQTT network thread)::
     # outcome.source "edge" | "cloud", .text, .latency_ms, .reason, .degraded, .error_code,
     # .deferred, .decision.confidence, .local (the LocalResult, for top-k)
 
-    threading.Thread(target=bridge.deliver_pending, args=(publish, stop_event), daemon=True).start()
+    # deferred rows: the outbox's loop, each row delivered by the bridge and rendered by the caller
+    threading.Thread(target=bridge.outbox.deliver_pending, daemon=True,
+                     args=(lambda item: bridge.deliver_item(item, publish, render), stop_event)).start()
     status["cloud"] = bridge.status()      # breaker, budget, outbox depth, last error, counters
 
 What the outcomes mean:
@@ -31,10 +33,10 @@ What the outcomes mean:
   cloud not possible), ``unknown_model`` (no edge model, cloud forbidden), ``cloud_unavailable``
   or ``deadline_exceeded`` (no edge model and the cloud failed);
 * ``deferred=True``: a deferrable request whose cloud answer could not be had now waits in the
-  outbox (``state_dir/outbox.sqlite3``); ``deliver_pending`` asks the cloud later and publishes
-  the answer once to the request's response topic with its correlation data (the payload is the
-  request's ``response`` template completed with ``source``, ``text``, ``cloud_model``,
-  ``deferred``; pass ``render=`` to build it yourself). The immediate outcome still carries the
+  outbox (``state_dir/outbox.sqlite3``); ``deliver_item`` asks the cloud later and publishes
+  the answer once to the request's response topic with its correlation data (the payload is
+  what the caller's ``render`` builds from the row and the cloud's answer; the daemon's is
+  :meth:`k2edge.service.escalation.Escalation.render`). The immediate outcome still carries the
   local answer when there is one (``degraded``), so the daemon may publish it as an interim
   ``status: "deferred"`` response.
 
@@ -47,7 +49,7 @@ are imported only when used.
 from __future__ import annotations
 
 from .breaker import CircuitBreaker
-from .bridge import BridgeRequest, CloudBridge, Outcome, default_render
+from .bridge import BridgeRequest, CloudBridge, Outcome
 from .budget import RequestBudget
 from .client import CloudAnswer, K2Client, build_text
 from .curve import CurvePoint, escalation_curve
@@ -65,12 +67,13 @@ from .errors import (
 )
 from .image import PreparedImage, prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
-from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, LocalResult, confidence, decide
+from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, decide
+from ..tasks.result import LocalResult, confidence
 from ..config.cloud import CloudSettings, EscalationSettings
 from .apikey import resolve_api_key
 
 __all__ = [
-    "CloudBridge", "BridgeRequest", "Outcome", "default_render",
+    "CloudBridge", "BridgeRequest", "Outcome",
     "CloudSettings", "EscalationSettings", "resolve_api_key",
     "EscalationPolicy", "EscalationRequest", "LocalResult", "CloudHealth", "Decision", "decide", "confidence",
     "K2Client", "CloudAnswer", "build_text", "prepare_image", "PreparedImage",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import threading
@@ -17,13 +18,14 @@ from .client import CloudAnswer, K2Client
 from .errors import BreakerOpen, CloudError, CloudRejected, CloudTimeout
 from .image import prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
-from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest, LocalResult
+from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest
+from ..tasks.result import LocalResult
 from .retry import scrub
 from ..config.cloud import CloudSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CloudBridge", "BridgeRequest", "Outcome", "LocalSource", "Publish", "Render"]
+__all__ = ["CloudBridge", "BridgeRequest", "Outcome", "LocalSource", "Publish", "Render", "outbox_key"]
 
 LocalSource = Union[LocalResult, Callable[[], LocalResult], None]
 Publish = Callable[[str, Union[bytes, None], dict], None]
@@ -206,7 +208,7 @@ class CloudBridge:
             computed = computed if computed is not None else thunk()
             deferred = d.defer and self._defer(req, d, computed)
             reason = d.reason if deferred or not d.defer else d.reason.replace("deferred to the outbox", "answered locally")
-            return Outcome("edge", computed.answer, elapsed(), reason, d.degraded, deferred=deferred, escalated=d.escalate,
+            return Outcome("edge", computed.summary, elapsed(), reason, d.degraded, deferred=deferred, escalated=d.escalate,
                            decision=d, local=computed)
         if d.defer:  # wants the cloud, none now, and no local work allowed
             if self._defer(req, d, computed):
@@ -256,7 +258,7 @@ class CloudBridge:
         if local_allowed:
             computed = computed if computed is not None else thunk()
             tail = "deferred to the outbox" if deferred else "answered locally"
-            return Outcome("edge", computed.answer, elapsed(), f"{reason}: {tail}", True, deferred=deferred, escalated=True,
+            return Outcome("edge", computed.summary, elapsed(), f"{reason}: {tail}", True, deferred=deferred, escalated=True,
                            attempts=failure.attempts, decision=d, local=computed)
         if deferred:
             return Outcome("cloud", None, elapsed(), f"{reason}: deferred to the outbox", True, deferred=True, escalated=True,
@@ -310,35 +312,21 @@ class CloudBridge:
         return recent[len(recent) // 2]
 
     # deferred delivery -------------------------------------------------------------------------
-    def deliver_once(self, publish: Publish, render: Render | None = None, limit: int = 16) -> int:
-        """Deliver what is due in the outbox once; returns how many were delivered."""
-        n = self.outbox.deliver_once(lambda item: self._deliver(item, publish, render or default_render), limit)
-        if n:
-            self._count("delivered", n)
-        return n
-
-    def deliver_pending(self, publish: Publish, stop: threading.Event, render: Render | None = None, poll_s: float = 1.0) -> None:
-        """The outbox loop for a worker thread: deliver until ``stop`` is set.
+    def deliver_item(self, item: OutboxItem, publish: Publish, render: Render) -> None:
+        """Deliver one claimed outbox row (``Outbox.deliver_once`` / ``deliver_pending`` call it):
+        ask the cloud (unless its answer is stored), store the rendered answer, publish it.
 
         Args:
+            item: the claimed row.
             publish: ``publish(response_topic, correlation_data, payload)``; must raise when the
                 message was not accepted (QoS 1 not acknowledged), so it is retried.
-            stop: set it to end the loop.
-            render: builds the payload from the stored item and the cloud's answer or final error
-                (default :func:`default_render`).
-            poll_s: pause between passes.
-        """
-        while not stop.is_set():
-            try:
-                self.deliver_once(publish, render)
-            except Exception:
-                log.exception("outbox delivery pass failed")
-            stop.wait(poll_s)
+            render: builds the payload from the row and the cloud's answer or final error.
 
-    def deliver_item(self, item: OutboxItem, publish: Publish, render: Render | None = None) -> None:
-        """Deliver one claimed outbox row: ask the cloud (unless its answer is stored), store the
-        rendered answer, publish it. Raises (and the row stays pending) when it could not be published."""
-        self._deliver(item, publish, render or default_render)
+        Raises:
+            Postpone, CloudError, or what ``publish`` raises: the row stays pending.
+        """
+        self._deliver(item, publish, render)
+        self._count("delivered")
 
     def _deliver(self, item: OutboxItem, publish: Publish, render: Render) -> None:
         result = item.result
@@ -358,8 +346,6 @@ class CloudBridge:
         if not self.budget.try_acquire():
             raise Postpone("the cloud request budget is spent", max(1.0, self.budget.resets_in_s()))
         r = item.payload.get("request", {})
-        import base64
-
         image = base64.b64decode(r["image_b64"]) if r.get("image_b64") else None
         deadline = self.settings.timeout_s * (self.settings.max_retries + 1) + 1.0
         try:
@@ -405,17 +391,3 @@ def outbox_key(req: BridgeRequest) -> str:
 
     where = hashlib.sha256((req.response_topic or "").encode() + b"\0" + (req.correlation_data or b"")).hexdigest()[:16]
     return f"{req.id}@{where}"
-
-
-def default_render(item: OutboxItem, result: CloudAnswer | CloudError) -> dict:
-    """The delivered payload: the stored response template completed with the cloud's answer or error."""
-    resp = dict(item.payload.get("response") or {})
-    resp.update({"id": item.payload.get("request_id", item.id), "source": "cloud", "deferred": True, "escalation_reason": item.payload.get("reason")})
-    if isinstance(result, CloudAnswer):
-        latency = dict(resp.get("latency_ms") or {}) if isinstance(resp.get("latency_ms"), dict) else {}
-        latency["cloud"] = round(result.latency_ms, 1)
-        resp.update({"status": "ok", "text": result.text, "cloud_model": result.model, "cloud_input": result.cloud_input,
-                     "degraded": False, "latency_ms": latency})
-    else:
-        resp.update({"status": "error", "error": {"code": "cloud_unavailable", "message": scrub(str(result))}})
-    return resp

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from .policy import MEASURES, confidence
+from ..tasks.result import MEASURES, confidence
 
 __all__ = ["CurvePoint", "DetectionCurvePoint", "detection_curve", "escalation_curve", "confidences", "image_confidence"]
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..sqlite_db import open_wal
 from .errors import OutboxError
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,7 @@ class Outbox:
         self.owner = uuid.uuid4().hex
         self._lock = threading.Lock()
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(p), timeout=10.0, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # an accepted request must survive a power cut
-            self._db.executescript(_SCHEMA)
+            self._db = open_wal(p, "FULL", _SCHEMA)  # an accepted request must survive a power cut
         except (sqlite3.Error, OSError) as exc:
             raise OutboxError(f"outbox {str(p)!r} cannot be opened: {exc}") from None
 
@@ -170,7 +167,7 @@ class Outbox:
             "WHERE id = ? AND status = 'pending'", (now, request_id)))
         return cur.rowcount == 1
 
-    def release(self, request_id: str, error: str, retry_in_s: float) -> None:
+    def unlease(self, request_id: str, error: str, retry_in_s: float) -> None:
         """Give a claimed row back after a failed delivery; it is due again in ``retry_in_s``."""
         now = self._clock()
         self._run(lambda db: db.execute(
@@ -215,9 +212,9 @@ class Outbox:
     # delivery ----------------------------------------------------------------------------------
     def deliver_once(self, send: Callable[[OutboxItem], None], limit: int = 16,
                      retry_in_s: Callable[[OutboxItem, Exception], float] | None = None) -> int:
-        """Claim due rows and ``send`` each; mark delivered when ``send`` returns, release when it raises.
+        """Claim due rows and ``send`` each; mark delivered when ``send`` returns, unlease when it raises.
 
-        ``send`` raising :class:`Postpone` releases the row without counting a failure
+        ``send`` raising :class:`Postpone` unleases the row without counting a failure
         (e.g. the cloud budget is spent for this minute). Returns how many were delivered.
         """
         delivered = 0
@@ -227,7 +224,7 @@ class Outbox:
             except Exception as exc:
                 wait = exc.retry_in_s if isinstance(exc, Postpone) else (retry_in_s or _default_retry)(item, exc)
                 log.info("outbox %s: not delivered (%s); next try in %.0f s", item.id, exc, wait)
-                self.release(item.id, str(exc), wait)
+                self.unlease(item.id, str(exc), wait)
                 continue
             if self.mark_delivered(item.id):
                 delivered += 1

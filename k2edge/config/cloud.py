@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from .tables import bound
+
 __all__ = ["CloudSettings", "EscalationSettings", "MOONSHOT_BASE_URL", "K2_TEMPERATURE"]
 
 MOONSHOT_BASE_URL = "https://api.moonshot.ai/v1"
@@ -141,37 +143,10 @@ class EscalationSettings(BaseModel):
     prompts: Literal["cloud", "local"] = "cloud"
     warm_profile: str | None = None
 
-    @field_validator("warm_threshold")
-    @classmethod
-    def _warm_not_lower(cls, v, info: ValidationInfo):
-        t = info.data.get("threshold")
-        if v is not None and t is not None and v < t:
-            raise ValueError(f"must be >= threshold ({t}): warm escalates sooner, not later; got {v}")
-        return v
-
-    @field_validator("high")
-    @classmethod
-    def _band(cls, v, info: ValidationInfo):
-        low = info.data.get("low")
-        if low is not None and v <= low:
-            raise ValueError(f"must be above low ({low}), got {v}")
-        return v
-
-    @field_validator("warm_low")
-    @classmethod
-    def _warm_low_wider(cls, v, info: ValidationInfo):
-        low = info.data.get("low")
-        if v is not None and low is not None and v > low:
-            raise ValueError(f"must be <= low ({low}): warm widens the band; got {v}")
-        return v
-
-    @field_validator("warm_high")
-    @classmethod
-    def _warm_high_wider(cls, v, info: ValidationInfo):
-        high = info.data.get("high")
-        if v is not None and high is not None and v < high:
-            raise ValueError(f"must be >= high ({high}): warm widens the band; got {v}")
-        return v
+    _warm_not_lower = bound("warm_threshold", ">=", "threshold", "warm escalates sooner, not later")
+    _band = bound("high", ">", "low")
+    _warm_low_wider = bound("warm_low", "<=", "low", "warm widens the band")
+    _warm_high_wider = bound("warm_high", ">=", "high", "warm widens the band")
 
     def band(self, warm: bool = False) -> tuple[float, float]:
         """The ``uncertain_boxes`` band [low, high), widened in the warm state."""

@@ -18,7 +18,7 @@ from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
 from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
-from .lifecycle import DeploySettings, MetricsSettings, TrustSettings
+from .deploy import DeploySettings, TrustSettings
 from .thermal import ThermalSettings
 
 DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
@@ -149,11 +149,23 @@ class ServiceConfig(_Strict):
     max_answer_bytes: int = Field(1024 * 1024, ge=1024,
                                   description="an answer larger than this (task = \"tensor\" outputs) is refused with payload_too_large")
     staging_threads: int = Field(1, ge=1, le=64, description="threads decoding a batch's images; 1: the model's line decodes them")
+    threads_per_lane: int = Field(
+        1, ge=0, le=256,
+        description="ONNX Runtime intra-op threads of each CPU lane's session; 0: the cores left after one, shared by the "
+                    "lanes. The daemon's own parallelism is its lanes and batches: one thread per run wakes no sleeping "
+                    "pool threads (no millisecond tails on shared cores); TensorRT engines ignore it")
     telemetry_interval_s: float = Field(5.0, gt=0)
     default_deadline_ms: float | None = Field(None, ge=1, le=3_600_000, description="deadline for requests that give none")
     drain_timeout_s: float = Field(30.0, gt=0)
     cache_dir: Path | None = Field(None, description="engine cache; default $CACHE_DIRECTORY or ~/.cache/k2edge")
     state_dir: Path | None = Field(None, description="answers, outbox and state; default $STATE_DIRECTORY or ~/.local/state/k2edge")
+
+
+class MetricsSettings(_Strict):
+    """The Prometheus endpoint (``/metrics``); present means on."""
+
+    port: int = Field(9108, ge=0, le=65535, description="0: any free port (tests)")
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 exposes it to the network")
 
 
 class FleetConfig(_Strict):

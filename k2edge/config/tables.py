@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+import operator
+from typing import Callable, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, create_model, field_validator
 
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
 
-__all__ = ["SettingsError", "validate_settings"]
+__all__ = ["SettingsError", "bound", "validate_settings"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -38,3 +39,31 @@ def validate_settings(cls: type[M], data: dict | None, prefix: str = "") -> M:
     except ValidationError as exc:
         keys = {((prefix,) if prefix else ()) + k: v for k, v in model_keys(cls).items()}
         raise SettingsError(describe_validation_error(exc, keys)) from None
+
+
+_ORDER = {">": ("above", operator.gt), ">=": (">=", operator.ge), "<": ("below", operator.lt), "<=": ("<=", operator.le)}
+
+
+def bound(name: str, op: str, other: str, why: str = "", value: Callable[[dict], float | None] | None = None):
+    """A field validator: field ``name`` must be ``op`` (``>``, ``>=``, ``<``, ``<=``) another one.
+
+    Args:
+        name: the field checked.
+        op: the order it must keep.
+        other: the field it is compared with (declared before it), or how the message names ``value``.
+        why: said in the message after the limit.
+        value: computes the limit from the fields validated so far (default: the field ``other``).
+
+    Returns:
+        A pydantic validator to assign in the class body (``_hard_above_soft = bound("hard_c", ">", "soft_c")``);
+        None on either side skips the check. Its message: ``must be above soft_c (75.0), got 70.0``.
+    """
+    word, keeps = _ORDER[op]
+
+    def check(cls, v, info: ValidationInfo):
+        limit = value(info.data) if value is not None else info.data.get(other)
+        if v is not None and limit is not None and not keeps(v, limit):
+            raise ValueError(f"must be {word} {other} ({limit}){f': {why};' if why else ','} got {v}")
+        return v
+
+    return field_validator(name)(classmethod(check))

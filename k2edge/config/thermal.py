@@ -7,7 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from .tables import bound
+
 __all__ = ["ThermalSettings"]
+
+
+def _gap(fields: dict) -> float | None:
+    soft, hard = fields.get("soft_c"), fields.get("hard_c")
+    return hard - soft if soft is not None and hard is not None else None
 
 
 class ThermalSettings(BaseModel):
@@ -43,26 +50,6 @@ class ThermalSettings(BaseModel):
             raise ValueError("source 'trace' needs trace = PATH (a .jsonl or .csv trace)")
         return v
 
-    @field_validator("hard_c")
-    @classmethod
-    def _hard_above_soft(cls, v, info: ValidationInfo):
-        soft = info.data.get("soft_c")
-        if soft is not None and v <= soft:
-            raise ValueError(f"must be above soft_c ({soft}), got {v}")
-        return v
-
-    @field_validator("critical_c")
-    @classmethod
-    def _critical_above_hard(cls, v, info: ValidationInfo):
-        hard = info.data.get("hard_c")
-        if hard is not None and v <= hard:
-            raise ValueError(f"must be above hard_c ({hard}), got {v}")
-        return v
-
-    @field_validator("hysteresis_c")
-    @classmethod
-    def _hysteresis_below_gap(cls, v, info: ValidationInfo):
-        soft, hard = info.data.get("soft_c"), info.data.get("hard_c")
-        if soft is not None and hard is not None and v >= hard - soft:
-            raise ValueError(f"must be below hard_c - soft_c ({hard - soft}), got {v}")
-        return v
+    _hard_above_soft = bound("hard_c", ">", "soft_c")
+    _critical_above_hard = bound("critical_c", ">", "hard_c")
+    _hysteresis_below_gap = bound("hysteresis_c", "<", "hard_c - soft_c", value=_gap)

@@ -76,7 +76,7 @@ def evaluate_instances(engine, dataset: CocoDataset, advance: Callable[[int], No
     Decoded with evaluation thresholds (scores down to 0.001, up to 300 an image; best class per
     anchor), answers built as served (masks at the original resolution, keypoints in its pixels).
     """
-    from ..tasks.answers import TaskDecoder
+    from ..tasks.decoder import TaskDecoder
     from ..tasks.coco_eval import coco_answer_results, coco_map
 
     card = engine.card

@@ -20,27 +20,47 @@ import time
 from .. import __version__
 from ..config.schema import ConfigError, DaemonConfig, state_dir
 from . import topics
-from .answers import Answer, AnswerBook, AnswerKey
-from .deploy import MAX_WAITING, SWAP_TIMEOUT_S, Hooks, ModelLifecycle
+from .answer_book import AnswerBook
+from .deploy import MAX_WAITING, ModelLifecycle
 from .escalation import Escalation
-from .protocol import DEADLINE_EXCEEDED, encode, error_body
 from .request_path import RequestPath
 from .runtime import ModelRuntime
 from .sdnotify import Notifier
-from .stats import ServiceStats
+from .metrics import Metrics, ServiceStats
 from .transport import MqttTransport
 
 log = logging.getLogger(__name__)
-DELIVERY_WAIT_S = 10.0  # how long the outbox loop waits for the broker to acknowledge one answer
 
 
 class Daemon:
-    """The serving process. ``run()`` blocks until drained; returns the exit code."""
+    """The serving process. ``run()`` blocks until drained; returns the exit code.
+
+    It wires the objects (the request connection serves the request path; the control connection
+    the deploy lifecycle; the answer book publishes through the request connection), builds the
+    engines, keeps status, telemetry and the watchdog, and drains in :attr:`DRAIN` order. It is the
+    thermal governor's listener (a profile switch is a swap of each model's engines) and the
+    deploy lifecycle's host (it builds runtimes and announces deploys).
+    """
+
+    DRAIN = (  # the order matters: each step needs what the ones after it still provide
+        "_stop_admitting",            # new requests stay with the broker for the next start
+        "_stop_deploys",              # a deploy not committed is dropped unanswered: redelivered at the next start
+        "_finish_requests",           # every admitted request answered or handed to the cloud
+        "_finish_cloud_work",         # running cloud calls answered; queued ones back in the outbox
+        "_wait_answers_delivered",    # so every request can be acknowledged before we go
+        "_close_cloud",               # after the deliveries: each marks its outbox row delivered
+        "_say_offline",               # the retained status, acknowledged by the broker
+        "_disconnect",
+        "_stop_lines",
+        "_close_answer_book",
+        "_stop_metrics",
+        "_release_engines",
+    )
 
     def __init__(self, cfg: DaemonConfig, notifier: Notifier | None = None) -> None:
         self.cfg = cfg
         self.notify = notifier or Notifier()
-        self.stats = ServiceStats()
+        self.stats: ServiceStats | None = None
         self.models: dict[str, ModelRuntime] = {}
         self._draining = threading.Event()
         self.transport: MqttTransport | None = None
@@ -63,7 +83,7 @@ class Daemon:
         for m in self.cfg.models:
             plan = self.lifecycle.initial(m)
             self.notify.notify(f"STATUS=building engines for {m.name}")
-            self.models[m.name] = self._runtime(plan.config, plan.version)
+            self.models[m.name] = self.build_runtime(plan.config, plan.version)
             self.escalation.policy.models[m.name] = self._escalation_for(self.models[m.name])
             self.lifecycle.started(plan)
             if self.metrics is not None:
@@ -77,29 +97,43 @@ class Daemon:
         except ValueError as exc:
             raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
 
-    def _runtime(self, m, version: str | None) -> ModelRuntime:
-        """An activated runtime of one model version, its engines built through the cache (start, deploy)."""
+    # the deploy lifecycle's host -------------------------------------------------------------------
+    def build_runtime(self, m, version: str | None) -> ModelRuntime:
+        """An activated runtime of one model version, its engines built through the cache, on the
+        profile the thermal state asks for (at start, and on the deploy lifecycle's worker thread)."""
         log.info("model %s%s: building engines (profile %s, board %s)", m.name, f" {version}" if version else "",
                  m.profile, self._board)
-        rt = ModelRuntime(m, self.cfg.service.max_batch, self._board, self.cfg.service.cache_dir, version=version)
+        s = self.cfg.service
+        rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane or None)
         self._escalation_for(rt)
         rt.activate()
-        return rt
+        return rt.with_profile(self.escalation.prefer_dla)
 
-    # the lifecycle's hooks (its worker thread) ----------------------------------------------------
-    def _deploy_build(self, m, version: str) -> ModelRuntime:
-        rt = self._runtime(m, version)
-        rt.prefer_warm(getattr(self.escalation.thermal, "prefer_dla", False))
-        return rt
-
-    def _deploy_swapped(self, name: str, rt: ModelRuntime) -> None:
-        rt.prefer_warm(getattr(self.escalation.thermal, "prefer_dla", False))  # a transition during the build
+    def deployed(self, name: str, rt: ModelRuntime) -> None:
+        """A deploy or rollback swapped ``rt`` in: policy, metrics, status."""
+        self._thermal_profile(name)  # a transition during the build
         self.escalation.policy.models[name] = self._escalation_for(rt)
         if self.metrics is not None:
             self.metrics.set_model(name, rt.version, rt.profile_name)
-        self._publish_status()
+        self.publish_status()
 
-    def _publish_status(self) -> None:
+    # the thermal governor's listener ---------------------------------------------------------------
+    def on_thermal(self, st) -> None:
+        """A thermal transition (the sampler's thread): each model's engines switch profile between
+        two batches, without waiting here."""
+        for name in self.models:
+            rt = self._thermal_profile(name)
+            if self.metrics is not None:
+                self.metrics.set_model(name, rt.version, rt.profile_name)
+        self.publish_status()
+
+    def _thermal_profile(self, name: str) -> ModelRuntime:
+        """Ask model ``name``'s line for the profile the thermal state prefers; the runtime it will run."""
+        rt = self.path.running(name).with_profile(self.escalation.prefer_dla)
+        self.path.swap(name, rt, None)
+        return rt
+
+    def publish_status(self) -> None:
         """The retained status, now (from any thread: a deploy's progress, a thermal transition). The first
         "online" waits until the control connection, too, has its subscriptions: whoever waits for it can deploy."""
         if self.control is not None and self.control.subscribed.is_set():
@@ -121,8 +155,8 @@ class Daemon:
             "device": self.cfg.device_id,
             "version": __version__,
             "models": [{"name": name, "model_version": rt.version, "task": rt.task, "profile": rt.profile_name,
-                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "warm_profile": rt.warm_profile,
-                        "cache": rt.cache} for name, rt in self.models.items()],
+                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": self._slots(name),
+                        "warm_profile": rt.warm_profile, "cache": rt.cache} for name, rt in self.models.items()],
             "topics": {"requests": topics.request_filter(self.cfg.prefix),
                        "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},
             "thermal": self.thermal_state,
@@ -132,6 +166,10 @@ class Daemon:
             "metrics": f"{self.cfg.metrics.host}:{self.metrics.port}" if self.metrics is not None and self.metrics.port else None,
             "time": time.time(),
         }).encode()
+
+    def _slots(self, name: str) -> int | None:
+        """Batches the model's line keeps in flight at once (1: run inline)."""
+        return self.path.lines[name].slots if self.path is not None else None
 
     def telemetry_payload(self) -> bytes:
         snap = self.stats.snapshot()
@@ -147,61 +185,11 @@ class Daemon:
                      "escalation_rate": counts.get("escalated", 0) / answered if answered else 0.0, "time": time.time()})
         return json.dumps(snap).encode()
 
-    # answers that do not come from the request path's own threads ---------------------------------
-    def _publish_answer(self, topic: str, payload: bytes, correlation: bytes | None, on_delivered) -> None:
-        # QoS 1: a request is acknowledged when its answer is (QoS 2 answers were lost across a mosquitto 2.0.11
-        # restart with paho 2.2: bench/mqtt_qos2_restart.py)
-        self.transport.publish(topic, payload, qos=1, correlation=correlation, on_delivered=on_delivered)
-
-    def _answer_and_wait(self, answer: Answer) -> None:
-        """Publish through the answer book and wait for the broker's acknowledgement (outbox thread)."""
-        delivered = threading.Event()
-        answer.on_delivered = delivered.set
-        self.answers.answer([answer])
-        if not delivered.wait(DELIVERY_WAIT_S):
-            raise RuntimeError(f"the broker did not acknowledge the answer on {answer.topic} within {DELIVERY_WAIT_S:g} s")
-
-    def _resume(self, item) -> None:
-        """Answer a request whose cloud work an earlier run took but did not finish (outbox thread)."""
-        p = item.payload
-        key = AnswerKey(*p["key"]) if p.get("key") else None
-        template = p.get("response") or {}
-        if key is not None and self.answers.recorded(key):
-            body = b""  # answered already: the book re-publishes that answer if it was never delivered
-        else:
-            outcome = self.escalation.resume_outcome(item)
-            ids = (template.get("id"), template.get("attempt", 0), template.get("model"), self.cfg.device_id,
-                   template.get("model_version"))
-            if outcome is None:
-                body = encode(error_body(DEADLINE_EXCEEDED, "the deadline passed while the daemon was not running", *ids))
-            elif outcome.error_code:
-                body = encode(error_body(outcome.error_code, outcome.reason, *ids))
-            else:
-                answer = dict(template)
-                answer.update({"source": outcome.source, "escalation_reason": outcome.reason, "degraded": outcome.degraded,
-                               "thermal_state": self.thermal_state})
-                if outcome.source == "cloud":
-                    answer["text"] = outcome.text
-                body = encode(answer)
-        self._answer_and_wait(Answer(key, item.response_topic, body, item.correlation_data))
-
-    def _publish_followup(self, topic: str, correlation: bytes | None, payload: dict) -> None:
-        """A deferred request's later cloud answer, once per request (outbox thread)."""
-        key = AnswerKey(topic, f"deferred:{payload.get('id')}", int(payload.get("attempt") or 0))
-        self._answer_and_wait(Answer(key, topic, encode(payload), correlation))
-
     def _status_summary(self) -> tuple:
         """What the retained status says that can change while serving."""
         bridge = self.escalation.bridge if self.escalation else None
         cloud = (bridge.breaker.state, bridge.outbox.depth()) if bridge else None
-        return (self.thermal_state, tuple(rt.profile_name for rt in self.models.values()), cloud)
-
-    def _on_thermal(self, st) -> None:
-        for rt in self.models.values():
-            rt.prefer_warm(st.prefer_dla)
-            if self.metrics is not None:
-                self.metrics.set_model(rt.name, rt.version, rt.profile_name)
-        self._publish_status()
+        return (self.thermal_state, tuple((rt.profile_name, self._slots(name)) for name, rt in self.models.items()), cloud)
 
     def _observe(self) -> None:
         """The gauges of /metrics (serving loop, once a second)."""
@@ -214,21 +202,12 @@ class Daemon:
             m.set_outbox_depth(esc.bridge.outbox.depth())
 
     # run -----------------------------------------------------------------------------------------
-    def _on_connected(self) -> None:
-        self._publish_status()
-
-    def _control_transport(self) -> MqttTransport:
-        """Deploys and rollbacks on a connection of their own: QoS 1 acknowledgements go in arrival
+    def _control_config(self) -> DaemonConfig:
+        """Deploys and rollbacks go on a connection of their own: QoS 1 acknowledgements go in arrival
         order per connection, so a deploy building engines for minutes would hold back every request's."""
         cfg = self.cfg
-        ctl = cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"client_id": f"{cfg.client_id}-control"}),
-                                     "service": cfg.service.model_copy(update={"queue_size": MAX_WAITING})})
-        return MqttTransport(ctl, self.lifecycle.subscriptions(), self.lifecycle.on_message, self._on_control_connected,
-                             None, saturated=self.lifecycle.saturated)
-
-    def _on_control_connected(self) -> None:
-        self.lifecycle.on_connected()
-        self._publish_status()
+        return cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"client_id": f"{cfg.client_id}-control"}),
+                                      "service": cfg.service.model_copy(update={"queue_size": MAX_WAITING})})
 
     def request_drain(self, *_):
         if not self._draining.is_set():
@@ -240,35 +219,29 @@ class Daemon:
     def run(self) -> int:
         cfg = self.cfg
         # secrets, TLS files and the cloud key are checked before the (possibly long) engine builds
-        self.escalation = Escalation(cfg, on_thermal=self._on_thermal)
+        self.escalation = Escalation(cfg, self)
         subs = [topics.request_filter(cfg.prefix)]
         if cfg.fleet.group:
             subs.append(topics.shared_filter(cfg.fleet.group))
         will = (topics.status_topic(cfg.prefix), json.dumps({"state": "offline", "device": cfg.device_id}).encode())
-        self.transport = MqttTransport(cfg, subs, lambda msg, token: self.path.admit(msg, token), self._on_connected, will,
-                                       saturated=lambda: self.path.saturated())
-        self.answers = AnswerBook(state_dir(cfg), self._publish_answer, self.transport.done,
-                                  retention_s=cfg.mqtt.session_expiry_s)
+        self.transport = MqttTransport(cfg, "requests", subs, will)
+        self.answers = AnswerBook(state_dir(cfg), self.transport, retention_s=cfg.mqtt.session_expiry_s)
         self.lifecycle = ModelLifecycle(cfg, state_dir(cfg))
-        self.control = self._control_transport()
-        self.lifecycle.attach(self.control, Hooks(build=self._deploy_build,
-                                                  swap=lambda name, rt: self.path.swap(name, rt, SWAP_TIMEOUT_S),
-                                                  swapped=self._deploy_swapped, running=lambda name: self.models.get(name),
-                                                  progress=self._publish_status))
+        self.control = MqttTransport(self._control_config(), "control", self.lifecycle.subscriptions())
         if cfg.metrics is not None:
-            from .metrics import Metrics
-
             self.metrics = Metrics()
             self.metrics.start(cfg.metrics.host, cfg.metrics.port)
+        self.stats = ServiceStats(self.metrics)
         self._build_models()
-        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, wake=self.transport.wake,
-                                input_pending=self.transport.input_pending, metrics=self.metrics)
+        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, self.transport)
+        self.lifecycle.attach(self.control, self.path, self)
         self.path.start()
-        self.transport.start()
-        self.control.start()
+        self.transport.start(self.path)
+        self.control.start(self.lifecycle)
         self.lifecycle.start()
-        self.escalation.start(resume=self._resume, publish_followup=self._publish_followup)
+        self.escalation.start()
         ready = False
+        announced = (0, False)  # (request connections, control subscribed once) when the status was last published
         watchdog = self.notify.watchdog_interval()
         last_dog = last_telemetry = last_flush = 0.0
         last_purge = time.monotonic()
@@ -277,6 +250,11 @@ class Daemon:
         while not self._draining.is_set():
             now = time.monotonic()
             connected = self.transport.connected.is_set()
+            # (re)connected: the will may have said offline; or the control connection can take deploys now
+            seen = (self.transport.connections, self._control_ready.is_set() or self.control.subscribed.is_set())
+            if seen != announced:
+                announced = seen
+                self.publish_status()
             if connected and not ready:
                 ready = True
                 self.notify.notify("READY=1", f"STATUS=serving {', '.join(self.models)} on {cfg.mqtt.host}:{cfg.mqtt.port}")
@@ -301,7 +279,7 @@ class Daemon:
                 last_telemetry = now
                 summary = self._status_summary()
                 if summary != last_summary:  # keep the retained status true: breaker, outbox, thermal
-                    self._publish_status()
+                    self.publish_status()
                     last_summary = summary
                 if self.escalation.bridge is not None and now - last_purge > 3600:
                     self.escalation.bridge.outbox.purge_delivered()
@@ -309,33 +287,61 @@ class Daemon:
             self._draining.wait(0.2)
         return self._drain()
 
+    # drain, in DRAIN order -------------------------------------------------------------------------
     def _drain(self) -> int:
-        cfg = self.cfg
-        self.path.draining.set()
-        self.notify.notify("STOPPING=1", "STATUS=draining")
-        self._publish_status()  # draining
-        self.lifecycle.stop(5.0)  # a deploy not committed is dropped unanswered: redelivered at the next start
-        if not self.path.wait_idle(cfg.service.drain_timeout_s):
-            log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", cfg.service.drain_timeout_s)
-        offline = self.status_payload("offline")  # before the bridge closes its outbox
-        self.escalation.stop()  # running cloud calls finish; their answers are published
-        # every answer acknowledged by the broker, so every request can be acknowledged before we go
-        if not self.answers.wait_delivered(cfg.service.drain_timeout_s):
-            log.warning("%d answer(s) not acknowledged by the broker before exit; their requests stay with the broker",
-                        self.answers.undelivered)
-        delivered = threading.Event()
-        self.transport.publish(topics.status_topic(cfg.prefix), offline, qos=1, retain=True, on_delivered=delivered.set)
-        delivered.wait(2.0 if self.transport.connected.is_set() else 0.0)
-        self.transport.stop()
-        self.control.stop()
-        self.path.stop()
-        self.answers.close()
-        if self.metrics is not None:
-            self.metrics.stop()
-        for rt in self.models.values():
-            rt.deactivate()
+        for step in self.DRAIN:
+            getattr(self, step)()
         log.info("drained; offline")
         return 0
+
+    def _stop_admitting(self) -> None:
+        self.path.draining.set()
+        self.notify.notify("STOPPING=1", "STATUS=draining")
+        self.publish_status()  # draining
+
+    def _stop_deploys(self) -> None:
+        self.lifecycle.stop(5.0)
+
+    def _finish_requests(self) -> None:
+        timeout = self.cfg.service.drain_timeout_s
+        if not self.path.wait_idle(timeout):
+            log.warning("drain timed out after %.0f s; unanswered requests stay with the broker", timeout)
+
+    def _finish_cloud_work(self) -> None:
+        self._offline = self.status_payload("offline")
+        self.escalation.stop()  # running cloud calls finish; their answers are published
+
+    def _wait_answers_delivered(self) -> None:
+        if not self.answers.wait_delivered(self.cfg.service.drain_timeout_s):
+            log.warning("%d answer(s) not acknowledged by the broker before exit; their requests stay with the broker",
+                        self.answers.undelivered)
+
+    def _close_cloud(self) -> None:
+        self.escalation.close()
+
+    def _say_offline(self) -> None:
+        delivered = threading.Event()
+        self.transport.publish(topics.status_topic(self.cfg.prefix), self._offline, qos=1, retain=True,
+                               on_delivered=delivered.set)
+        delivered.wait(2.0 if self.transport.connected.is_set() else 0.0)
+
+    def _disconnect(self) -> None:
+        self.transport.stop()
+        self.control.stop()
+
+    def _stop_lines(self) -> None:
+        self.path.stop()
+
+    def _close_answer_book(self) -> None:
+        self.answers.close()
+
+    def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+
+    def _release_engines(self) -> None:
+        for rt in self.models.values():
+            rt.deactivate()
 
 
 def serve(cfg: DaemonConfig) -> int:

@@ -35,9 +35,9 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..bundle import AuditLog, BundleResult, Limits, ModelStore, audit_record, load_trust
 from ..bundle.audit import AUDIT_NAME
@@ -64,23 +64,27 @@ class Plan:
     activate: bool = False  # a first version from the config's bundle: make it current once built
 
 
-@dataclass(frozen=True)
-class Hooks:
-    """What the lifecycle asks of the daemon.
+class DeployHost(Protocol):
+    """What the lifecycle asks of the daemon."""
 
-    Attributes:
-        build: ``build(config, version)`` -> an activated ModelRuntime (raises on failure).
-        swap: ``swap(name, runtime)`` -> the runtime replaced, or None when the line did not come to rest.
-        swapped: ``swapped(name, runtime)``: after a swap was committed (policy, metrics, status).
-        running: ``running(name)`` -> the ModelRuntime serving ``name``.
-        progress: ``progress()``: the worker's state changed (the daemon republishes its status).
-    """
+    def build_runtime(self, config: ModelConfig, version: str | None):
+        """An activated ModelRuntime of one model version (raises on failure)."""
 
-    build: Callable
-    swap: Callable
-    swapped: Callable
-    running: Callable
-    progress: Callable = lambda: None
+    def deployed(self, name: str, runtime) -> None:
+        """A swap was committed: policy, metrics, status."""
+
+    def publish_status(self) -> None:
+        """The worker's state changed: republish the retained status."""
+
+
+class EngineSwitch(Protocol):
+    """Where a model's engines run (the request path)."""
+
+    def swap(self, name: str, runtime, timeout: float | None):
+        """Between two batches, make ``runtime`` model ``name``'s engines; the one replaced, or None."""
+
+    def running(self, name: str):
+        """The ModelRuntime serving ``name``."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class _Job:
     response_topic: str | None
     correlation: bytes | None
     token: object
+    log: dict = field(default_factory=dict)  # what the log line says of a deploy: source, key id
 
     @property
     def digest(self) -> str:
@@ -141,7 +146,8 @@ class ModelLifecycle:
         self.store = ModelStore(state, load_trust(trust.keys), Limits.from_settings(cfg.deploy), trust.allow_unsigned) \
             if trust is not None else None
         self.transport = None
-        self.hooks: Hooks | None = None
+        self.engines: EngineSwitch | None = None
+        self.host: DeployHost | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._audit_lock = threading.Lock()
@@ -159,8 +165,10 @@ class ModelLifecycle:
             subs += [topics.group_deploy_topic(group), topics.group_rollback_topic(group)]
         return subs
 
-    def attach(self, transport, hooks: Hooks) -> None:
-        self.transport, self.hooks = transport, hooks
+    def attach(self, transport, engines: EngineSwitch, host: DeployHost) -> None:
+        """Serve the control connection ``transport``, swapping engines in ``engines`` (the request
+        path), built and announced by ``host`` (the daemon)."""
+        self.transport, self.engines, self.host = transport, engines, host
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="k2edge-deploy", daemon=True)
@@ -281,14 +289,14 @@ class ModelLifecycle:
             finally:
                 self._progress = {"state": "idle"}
             self._answer(job, body)
-            self.hooks.progress()
+            self.host.publish_status()
 
     def _set_progress(self, state: str, **what) -> None:
         self._progress = {"state": state, **what, "since": time.time()}
-        self.hooks.progress()
+        self.host.publish_status()
 
     def _running_version(self, name: str | None) -> str | None:
-        rt = self.hooks.running(name) if name in self._names() else None
+        rt = self.engines.running(name) if name in self._names() else None
         return rt.version if rt is not None else None
 
     def _names(self) -> set[str]:
@@ -306,7 +314,12 @@ class ModelLifecycle:
         # acknowledged once the broker has the answer: a crash before leaves the message with the broker
         self.transport.publish(topic, json.dumps(body).encode(), qos=1, correlation=job.correlation,
                                on_delivered=lambda: self.transport.done(job.token))
-        log.warning("%s: %s %s %s: %s", job.kind, body["status"], body["model"], body["version"], body["reason"])
+        if body["model"] is not None:
+            log.warning("%s: %s %s %s: %s", job.kind, body["status"], body["model"], body["version"], body["reason"])
+        else:  # refused before a manifest could be trusted: name what was sent and who signed it
+            key = job.log.get("key_id")
+            log.warning("%s: %s %s: %s: %s%s", job.kind, body["status"], job.log.get("source", job.topic),
+                        body["check"] or "refused", body["reason"], f" (key id {key[:16]}…)" if key else "")
 
     def _deploy(self, job: _Job) -> dict:
         self._set_progress("receiving", kind="deploy")
@@ -318,8 +331,9 @@ class ModelLifecycle:
             return self._answer_body(REFUSED, reason="this device has no [trust] table: it takes no deployments",
                                      check="no_trust")
         source, data = f"mqtt:{job.topic}", req.bundle
+        job.log["source"] = req.source
         if req.url is not None:
-            from .fetch import FetchError, fetch_bundle
+            from ..bundle.fetch import FetchError, fetch_bundle
 
             self._set_progress("fetching", kind="deploy", url=req.url)
             try:
@@ -331,6 +345,7 @@ class ModelLifecycle:
         self._set_progress("verifying", kind="deploy")
         result = self.store.install(data, allow_downgrade=req.allow_downgrade, expected_name=self._names())
         self.audit(result, "install", source, request=job.digest)
+        job.log["key_id"] = result.key_id
         if not result.ok:
             if result.status == "not_newer" and self._is_current(result):
                 return self._answer_body(DEPLOYED, result.name, result.version, check="already_current",
@@ -384,10 +399,10 @@ class ModelLifecycle:
     def _switch(self, name: str, version: str, paths: dict, source: str, action: str, done: str,
                 commit: Callable[[], BundleResult]) -> dict:
         """Build ``version``'s engines, swap them in between batches, then commit the pointer."""
-        running = self.hooks.running(name)
+        running = self.engines.running(name)
         self._set_progress("building", kind=action, model=name, version=version)
         try:
-            rt = self.hooks.build(version_config(self.cfg.model(name), paths), version)
+            rt = self.host.build_runtime(version_config(self.cfg.model(name), paths), version)
         except Exception as exc:  # K2EdgeError from the engine, or anything a backend raises
             if not isinstance(exc, K2EdgeError):
                 log.exception("model %s %s: building the engines failed", name, version)
@@ -398,7 +413,7 @@ class ModelLifecycle:
             rt.deactivate()
             raise _Stopping
         self._set_progress("swapping", kind=action, model=name, version=version)
-        old = self.hooks.swap(name, rt)
+        old = self.engines.swap(name, rt, SWAP_TIMEOUT_S)
         if old is None:
             rt.deactivate()
             result = BundleResult(FAILED, f"model {name}'s batches did not finish within {SWAP_TIMEOUT_S:g} s; "
@@ -408,9 +423,9 @@ class ModelLifecycle:
         result = commit()
         self.audit(result, action, source)
         if not result.ok:  # the pointer still names the old version: run it again
-            if self.hooks.swap(name, old) is not None:
+            if self.engines.swap(name, old, SWAP_TIMEOUT_S) is not None:
                 rt.deactivate()
             return self._answer_body(FAILED, name, version, result.detail, result.status)
         old.deactivate()
-        self.hooks.swapped(name, rt)
+        self.host.deployed(name, rt)
         return self._answer_body(done, name, version, result.detail, result.status, previous=old.version)

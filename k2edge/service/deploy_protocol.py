@@ -2,7 +2,7 @@
 
 A deploy (``{prefix}/models/deploy`` or ``k2edge/group/{group}/models/deploy``) carries either the
 bundle itself, with content type ``application/x-tar`` or ``application/gzip`` (``allow_downgrade``
-as a user property), or ``application/json``::
+and the bundle's ``file`` name as user properties), or ``application/json``::
 
     {"url": "https://fleet.example/digits-1.3.0.k2b", "sha256": "<64 hex digits of the file>",
      "allow_downgrade": false}
@@ -47,10 +47,12 @@ class DeployRequest:
     url: str | None = None
     sha256: str | None = None
     allow_downgrade: bool = False
+    file: str | None = None  # the bundle's file name, as the sender gave it (user property ``file``)
 
     @property
     def source(self) -> str:
-        return self.url or f"{len(self.bundle or b'')} bytes"
+        """Where the bundle came from, for a log line: its URL, its file name, or its size."""
+        return self.url or self.file or f"{len(self.bundle or b'')} bytes"
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,9 @@ def parse_deploy(payload: bytes, content_type: str | None, user_properties: dict
     if not payload:
         raise ControlError("the deploy message is empty")
     if _kind(payload, content_type or "") == "bundle":
-        return DeployRequest(bundle=bytes(payload), allow_downgrade=_flag(user_properties, "allow_downgrade"))
+        name = user_properties.get("file")
+        return DeployRequest(bundle=bytes(payload), allow_downgrade=_flag(user_properties, "allow_downgrade"),
+                             file=name[:200] if name and name.isprintable() else None)
     try:
         body = msgspec.json.decode(payload, type=_UrlBody)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -1,14 +1,20 @@
-"""Cloud escalation as the request path uses it: the thermal governor, the escalation policy and,
-when ``[cloud]`` is configured, the cloud bridge with its worker pool and durable outbox.
+"""The cloud side of a request: the thermal governor, the escalation policy and, when ``[cloud]``
+is configured, the cloud bridge with its worker pool and durable outbox.
 
-The request path asks the policy once per request — before local inference when the thermal
-state is hot or critical (so no local work is spent), after it otherwise — and hands a request
-the policy sends to the cloud to :meth:`Escalation.send`. ``send`` first puts the request in the
-outbox (SQLite), so the MQTT request can be acknowledged at once: a slow cloud call must not hold
-back the in-order acknowledgements of every later request. A worker then asks the cloud within
-the request's deadline and returns the outcome to the request path, which answers. Should the
-daemon die first, the next start finds the row in the outbox and answers it (``deadline_exceeded``
-once its deadline has passed).
+The request path asks :meth:`Escalation.decide` once per request — before local inference when
+the thermal state is hot or critical (so no local work is spent), after it otherwise — and hands
+the decision to :meth:`Escalation.carry_out`, which returns the answer body, or None when the
+request went to the cloud pool. Going to the pool, a request is first put in the outbox (SQLite),
+so the MQTT request can be acknowledged at once: a slow cloud call must not hold back the in-order
+acknowledgements of every later request. A worker then asks the cloud within the request's
+deadline and hands the answer back to the request path (:meth:`RequestPath.answer_late`). Should
+the daemon die first, the next start finds the row in the outbox and answers it
+(``deadline_exceeded`` once its deadline has passed); deferred requests are answered from the
+outbox once the cloud answers.
+
+Every answer that carries a cloud outcome — live, resumed after a restart, delivered later from
+the outbox — is built by one function, :func:`answer_from_outcome`, from the request's answer
+template (the ``ok`` answer the edge would give).
 
 Without ``[cloud]`` the policy still runs: the cloud is reported unavailable, so escalations come
 back as local answers with ``degraded: true`` and the reason, and critical refuses local work.
@@ -17,36 +23,122 @@ back as local answers with ``degraded: true`` and the reason, and critical refus
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Protocol
 
-from ..cloud_bridge import (BridgeRequest, CloudBridge, CloudHealth, CloudRejected, Decision, EscalationPolicy,
-                            EscalationRequest, LocalResult, Outcome)
+from ..cloud_bridge import (BridgeRequest, CloudAnswer, CloudBridge, CloudError, CloudHealth, CloudRejected, Decision,
+                            EscalationPolicy, EscalationRequest, LocalResult, Outcome)
+from ..cloud_bridge.outbox import OutboxItem
+from ..cloud_bridge.retry import scrub
 from ..config.schema import DaemonConfig, state_dir
 from ..deadline import Deadline
 from ..telemetry import thermal_sampler
+from .answer_book import Answer, AnswerBook, AnswerKey
+from .protocol import BUSY, CLOUD_UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, Request, encode, error_body
 
 log = logging.getLogger(__name__)
 
 EARLY_STATES = ("hot", "critical")  # states in which the policy is asked before any local work
+DELIVERY_WAIT_S = 10.0  # how long the outbox loop waits for the broker to acknowledge one answer
+
+
+class Work(Protocol):
+    """A request as the cloud side reads it (the request path's :class:`~k2edge.service.request_path.Work`)."""
+
+    req: Request
+    key: AnswerKey | None
+    reply_topic: str
+    correlation: bytes | None
+    content_type: str | None
+
+    @property
+    def deadline(self) -> Deadline: ...
+
+
+class Answerer(Protocol):
+    """What the cloud side needs of the request path: answers in its shape, and its answering."""
+
+    def template(self, w: Work, **fields) -> dict:
+        """``w``'s ``ok`` answer as the edge gives it."""
+
+    def error(self, w: Work, code: str, message: str) -> dict:
+        """``w``'s error answer."""
+
+    def handed_to_cloud(self, w: Work) -> None:
+        """``w``'s cloud work is in the outbox: acknowledge it now."""
+
+    def answer_late(self, w: Work, body: dict, on_delivered: Callable[[], None]) -> None:
+        """Answer ``w`` from a cloud worker."""
+
+
+class ThermalListener(Protocol):
+    def on_thermal(self, state) -> None:
+        """A thermal transition (the sampler's thread: must not block)."""
+
+
+def answer_from_outcome(template: dict, outcome: Outcome, thermal_state: str) -> dict:
+    """The answer to a request whose decision was carried out: live, resumed or delivered later.
+
+    Args:
+        template: the ``ok`` answer the edge would give (id, attempt, model, model_version, profile,
+            device, the task's fragment, confidence, latency_ms, ...).
+        outcome: what became of the request.
+        thermal_state: the state now.
+    """
+    if outcome.error_code:
+        return error_body(outcome.error_code, outcome.reason, template.get("id"), template.get("attempt", 0),
+                          template.get("model"), template.get("device"), template.get("model_version"))
+    body = {k: v for k, v in template.items() if k not in ("text", "cloud_input", "escalation_reason", "deferred", "error")}
+    cloud = outcome.source == "cloud"
+    latency = dict(template.get("latency_ms") or {})
+    if cloud:
+        latency["cloud"] = round(outcome.latency_ms, 3)
+    body.update(status="ok", source=outcome.source, latency_ms=latency, thermal_state=thermal_state,
+                degraded=outcome.degraded)
+    if outcome.decision is not None and outcome.decision.confidence is not None:
+        body["confidence"] = outcome.decision.confidence
+    if cloud and outcome.text is not None:
+        body["text"] = outcome.text
+    if cloud and outcome.cloud_input is not None:
+        body["cloud_input"] = outcome.cloud_input
+    if outcome.escalated and outcome.reason:
+        body["escalation_reason"] = outcome.reason
+    if outcome.deferred:
+        body["deferred"] = True
+    return body
+
+
+def deferred_answer(item: OutboxItem, result: CloudAnswer | CloudError, thermal_state: str) -> dict:
+    """A deferred request's later answer: its stored template completed with the cloud's answer or
+    its final error (by :func:`answer_from_outcome`)."""
+    template = {**(item.payload.get("response") or {}), "id": item.payload.get("request_id", item.id)}
+    reason = item.payload.get("reason") or "deferred"
+    if isinstance(result, CloudAnswer):
+        outcome = Outcome("cloud", result.text, result.latency_ms, reason, deferred=True, escalated=True,
+                          cloud_model=result.model, cloud_input=result.cloud_input)
+    else:
+        outcome = Outcome("cloud", None, 0.0, f"{reason}; cloud failed: {scrub(str(result))}", True, CLOUD_UNAVAILABLE,
+                          deferred=True, escalated=True)
+    return answer_from_outcome(template, outcome, thermal_state)
 
 
 class Escalation:
-    """Thermal sampler + escalation policy + (optional) cloud bridge.
+    """Thermal sampler + escalation policy + (optional) cloud bridge, its pool and its outbox loop.
 
     Args:
         cfg: daemon config.
-        on_thermal: called with the GovernorState on every transition.
+        listener: told of every thermal transition (``on_thermal(GovernorState)``).
     """
 
-    def __init__(self, cfg: DaemonConfig, on_thermal: Callable) -> None:
+    def __init__(self, cfg: DaemonConfig, listener: ThermalListener) -> None:
         self.cfg = cfg
-        self._on_thermal = on_thermal
+        self._listener = listener
         self.policy = EscalationPolicy({m.name: m.escalation for m in cfg.models})
         self.sampler = thermal_sampler(cfg.thermal, on_transition=self._transition)
         self.bridge: CloudBridge | None = None
@@ -56,51 +148,73 @@ class Escalation:
         self._waiting: dict[str, object] = {}  # outbox id -> future, for the drain
         self._lock = threading.Lock()
         if cfg.cloud is not None:
-            self.bridge = CloudBridge(cfg.cloud, state_dir(cfg), policy=self.policy, thermal_state=lambda: self.sampler.state)
+            self.bridge = CloudBridge(cfg.cloud, state_dir(cfg), policy=self.policy, thermal_state=self._thermal_state)
             self.pool = ThreadPoolExecutor(max(2, 2 * cfg.cloud.concurrency), thread_name_prefix="k2edge-cloud")
         self._stop = threading.Event()
         self._outbox_thread: threading.Thread | None = None
+        self.path: Answerer | None = None
+        self.book: AnswerBook | None = None
 
     # lifecycle -----------------------------------------------------------------------------------
-    def start(self, resume: Callable, publish_followup: Callable) -> None:
-        """Start sampling, and (with a cloud) the outbox loop.
+    def attach(self, path: Answerer, book: AnswerBook) -> None:
+        """Serve ``path`` (the request path makes itself known when it is made).
 
         Args:
-            resume: ``resume(item)`` answers a request the cloud pool had taken when an earlier run
-                stopped (a row with ``live`` set); it publishes and waits for the broker's ack.
-            publish_followup: ``publish(topic, correlation, payload)`` for a deferred request's later
-                cloud answer; raises when the broker did not acknowledge it.
+            path: where live cloud answers go (:meth:`RequestPath.answer_late`) and whose answer
+                templates the cloud's answers complete.
+            book: where answers from the outbox (resumed, deferred) are recorded and published.
         """
+        self.path, self.book = path, book
+
+    def start(self) -> None:
+        """Start sampling, and (with a cloud) the outbox loop."""
         self.sampler.start()
         if self.bridge is not None:
-            self._outbox_thread = threading.Thread(target=self._outbox_loop, args=(resume, publish_followup),
-                                                   name="k2edge-outbox", daemon=True)
+            self._outbox_thread = threading.Thread(target=self._outbox_loop, name="k2edge-outbox", daemon=True)
             self._outbox_thread.start()
 
     def stop(self) -> None:
-        """Finish the cloud calls already running (each bounded by its deadline); hand the queued ones
-        back to the outbox for the next start; stop the rest."""
+        """Finish the cloud calls already running (each bounded by its deadline) and publish their
+        answers; hand the queued ones back to the outbox for the next start; stop the outbox loop and
+        the sampler. The outbox stays open for the deliveries still to be acknowledged: :meth:`close`."""
         if self.pool is not None:
             with self._lock:
                 queued = [oid for oid, fut in self._waiting.items() if fut.cancel()]
             for oid in queued:
-                self.bridge.outbox.release(oid, "the daemon stopped before the cloud call", 0.0)
+                self.bridge.outbox.unlease(oid, "the daemon stopped before the cloud call", 0.0)
             self.pool.shutdown(wait=True)
         self._stop.set()
         if self._outbox_thread is not None:
             self._outbox_thread.join(timeout=10)
         self.sampler.stop()
+
+    def close(self) -> None:
+        """Close the cloud client and the outbox (after every answer was acknowledged: a live answer's
+        acknowledgement marks its outbox row delivered)."""
         if self.bridge is not None:
             self.bridge.close()
 
     def _transition(self, st) -> None:
         log.warning("thermal state %s: %s", st.state, st.reason)
-        self._on_thermal(st)
+        self._listener.on_thermal(st)
 
     # state -----------------------------------------------------------------------------------------
     @property
     def thermal(self):
         return self.sampler.state
+
+    def _thermal_state(self):
+        return self.sampler.state
+
+    @property
+    def thermal_name(self) -> str:
+        st = self.sampler.state
+        return getattr(st, "state", st) or "unknown"
+
+    @property
+    def prefer_dla(self) -> bool:
+        """The governor asks for the DLA-heavier warm profiles."""
+        return bool(getattr(self.sampler.state, "prefer_dla", False))
 
     @property
     def cloud_waiting(self) -> int:
@@ -129,82 +243,113 @@ class Escalation:
                                self._budget())
         return None if d.provisional else d
 
-    def wants_cloud(self, d: Decision) -> bool:
-        """True when carrying ``d`` out needs the bridge (a cloud call, or the outbox for later)."""
-        return self.bridge is not None and (d.action == "cloud" or d.defer)
+    # carrying a decision out -----------------------------------------------------------------------
+    def carry_out(self, w: Work, d: Decision, local) -> dict | None:
+        """The answer body for ``w`` under decision ``d``, or None when the request went to the cloud
+        pool (safe in the outbox: acknowledged now, answered by :meth:`RequestPath.answer_late`).
 
-    def carry_out_now(self, req: BridgeRequest, d: Decision, local: LocalResult) -> Outcome:
-        """A decision that needs no cloud call now (answer locally and defer to the outbox): done inline."""
-        return self.bridge.carry_out(req, d, local, 0.0)
-
-    # handing a request to the cloud ----------------------------------------------------------------
-    def send(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, key: tuple | None,
-             finish: Callable[[Outcome | BaseException, str], None]) -> str | None:
-        """Put a request the policy sends to the cloud in the outbox and queue its cloud call.
-
-        Args:
-            req: the request as the bridge sees it (``response`` is the answer template).
-            d: the policy's decision.
-            local: the edge's result, or a callable computing it for a fallback, or None.
-            deadline: the request's deadline (the cloud's own time budget applies when none).
-            key: the request's answer key (topic, id, attempt), kept in the outbox row.
-            finish: ``finish(outcome, outbox_id)`` — called from a cloud worker with the outcome.
-
-        Returns:
-            The outbox id (the request may be acknowledged now), or None when ``queue_size``
-            requests already wait for the cloud (answer it locally instead).
+        ``local``: the edge's LocalResult, or a callable computing it (a decision made before inference).
         """
-        if self.bridge is None or not self._cloud_slots.acquire(blocking=False):
-            return None
+        path = self.path
+        computed = local if isinstance(local, LocalResult) else None
+        if d.action == "refuse":
+            return path.error(w, d.error_code or BUSY, d.reason)
+        if self.bridge is not None and (d.action == "cloud" or d.defer):
+            breq = self._bridge_request(w)
+            if d.action == "cloud":
+                if self._send(breq, d, local, w):
+                    return None
+                d = degrade(d, f"{self.cfg.service.queue_size} requests already wait for the cloud")
+            else:  # answer locally now and leave the cloud's later answer to the outbox
+                computed = computed or local()
+                outcome = self.bridge.carry_out(breq, d, computed, 0.0)
+                return answer_from_outcome(path.template(w), outcome, self.thermal_name)
+        if computed is None:
+            if d.action != "local":
+                return path.error(w, d.error_code or BUSY, d.reason)
+            computed = local()
+        below = d.confidence is not None and d.threshold is not None and d.confidence < d.threshold
+        wanted = d.escalate or d.degraded or below  # (below and forbidden: the reason says so)
+        return path.template(w, confidence=d.confidence, degraded=d.degraded, escalation_reason=d.reason if wanted else None)
+
+    def _bridge_request(self, w: Work) -> BridgeRequest:
+        r = w.req
+        mime = w.content_type if w.content_type and w.content_type.startswith("image/") else None
+        return BridgeRequest(id=r.id or f"anon-{id(w):x}", model=r.model, prompt=r.prompt, image=r.image, mime=mime,
+                             allow_cloud=r.allow_cloud, deferrable=r.deferrable, response_topic=w.reply_topic,
+                             correlation_data=w.correlation, response=self.path.template(w))
+
+    def _send(self, req: BridgeRequest, d: Decision, local, w: Work) -> bool:
+        """Put a request the policy sends to the cloud in the outbox, acknowledge it, and queue its
+        cloud call. False when ``queue_size`` requests already wait for the cloud (answer locally)."""
+        if not self._cloud_slots.acquire(blocking=False):
+            return False
         c = self.cfg.cloud
+        deadline = w.deadline
         budget = deadline.remaining() if deadline.set else c.timeout_s * (c.max_retries + 1) + 1.0
         oid = f"live-{uuid.uuid4().hex}"
+        computed = local if isinstance(local, LocalResult) else None
         try:
-            stored = self.bridge.stored_request(req, local if isinstance(local, LocalResult) else None)
+            stored = self.bridge.stored_request(req, computed)
         except CloudRejected:  # an image the cloud cannot take: the row keeps the rest
-            stored = self.bridge.stored_request(replace(req, image=None), local if isinstance(local, LocalResult) else None)
-        payload = {"live": True, "key": list(key) if key else None, "deadline_wall": time.time() + budget,
+            stored = self.bridge.stored_request(replace(req, image=None), computed)
+        payload = {"live": True, "key": list(w.key) if w.key else None, "deadline_wall": time.time() + budget,
                    "reason": d.reason, "request_id": req.id, "response": req.response or {}, "request": stored}
         try:
             self.bridge.outbox.put(oid, req.response_topic or "", req.correlation_data, payload, claim_s=budget + 30.0)
         except Exception:
             self._cloud_slots.release()
             log.exception("request %s: the outbox refused the cloud work; answering locally", req.id)
-            return None
+            return False
+        self.path.handed_to_cloud(w)
         with self._lock:
-            self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, finish)
-        return oid
+            self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w)
+        return True
 
-    def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str, finish) -> None:
+    def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str, w: Work) -> None:
+        """A cloud worker: the cloud's outcome, answered through the request path."""
         try:
             outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
+            body = answer_from_outcome(self.path.template(w), outcome, self.thermal_name)
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours
             log.exception("request %s: cloud offload failed", req.id)
-            outcome = exc
+            body = self.path.error(w, INTERNAL, f"internal error in the cloud offload: {type(exc).__name__}")
         finally:
             with self._lock:
                 self._waiting.pop(oid, None)
             self._cloud_slots.release()
-        finish(outcome, oid)
-
-    def delivered(self, oid: str) -> None:
-        """The answer for outbox row ``oid`` was delivered."""
-        if self.bridge is not None:
-            self.bridge.outbox.mark_delivered(oid)
+        self.path.answer_late(w, body, functools.partial(self.bridge.outbox.mark_delivered, oid))
 
     # the outbox loop: deferred answers, and cloud work an earlier run did not finish ---------------
-    def _outbox_loop(self, resume: Callable, publish_followup: Callable) -> None:
-        def send(item) -> None:
-            if item.payload.get("live"):
-                resume(item)
+    def _outbox_loop(self) -> None:
+        self.bridge.outbox.deliver_pending(self._deliver, self._stop)
+
+    def _deliver(self, item: OutboxItem) -> None:
+        if item.payload.get("live"):
+            self._resume(item)
+        else:
+            self.bridge.deliver_item(item, self._publish_followup, self.render)
+
+    def _resume(self, item: OutboxItem) -> None:
+        """Answer a request whose cloud work an earlier run took but did not finish."""
+        p = item.payload
+        key = AnswerKey(*p["key"]) if p.get("key") else None
+        template = p.get("response") or {}
+        if key is not None and self.book.recorded(key):
+            body = b""  # answered already: the book re-publishes that answer if it was never delivered
+        else:
+            outcome = self._resume_outcome(item)
+            if outcome is None:
+                body = encode(error_body(DEADLINE_EXCEEDED, "the deadline passed while the daemon was not running",
+                                         template.get("id"), template.get("attempt", 0), template.get("model"),
+                                         self.cfg.device_id, template.get("model_version")))
             else:
-                self.bridge.deliver_item(item, publish_followup)
+                body = encode(answer_from_outcome(template, outcome, self.thermal_name))
+        self._answer_and_wait(Answer(key, item.response_topic, body, item.correlation_data))
 
-        self.bridge.outbox.deliver_pending(send, self._stop)
-
-    def resume_outcome(self, item) -> Outcome | None:
-        """For an outbox row the cloud pool had taken: the cloud's outcome, or None when its
-        deadline passed while the daemon was down."""
+    def _resume_outcome(self, item: OutboxItem) -> Outcome | None:
+        """The cloud's outcome for a row the pool had taken, or None when its deadline passed
+        while the daemon was down."""
         remaining = item.payload.get("deadline_wall", 0) - time.time()
         if remaining <= 0:
             return None
@@ -217,6 +362,23 @@ class Escalation:
                             else None) if r.get("top_k") or r.get("detections") is not None else None
         d = Decision("cloud", item.payload.get("reason") or "resumed after a restart", escalate=True)
         return self.bridge.carry_out(req, d, local, remaining)
+
+    def render(self, item: OutboxItem, result: CloudAnswer | CloudError) -> dict:
+        """A deferred request's later answer (see :func:`deferred_answer`), in today's thermal state."""
+        return deferred_answer(item, result, self.thermal_name)
+
+    def _publish_followup(self, topic: str, correlation: bytes | None, payload: dict) -> None:
+        """A deferred request's later cloud answer, once per request."""
+        key = AnswerKey(topic, f"deferred:{payload.get('id')}", int(payload.get("attempt") or 0))
+        self._answer_and_wait(Answer(key, topic, encode(payload), correlation))
+
+    def _answer_and_wait(self, answer: Answer) -> None:
+        """Publish through the answer book and wait for the broker's acknowledgement."""
+        delivered = threading.Event()
+        answer.on_delivered = delivered.set
+        self.book.answer([answer])
+        if not delivered.wait(DELIVERY_WAIT_S):
+            raise RuntimeError(f"the broker did not acknowledge the answer on {answer.topic} within {DELIVERY_WAIT_S:g} s")
 
     def status(self) -> dict:
         return {"thermal": self.sampler.snapshot(), "cloud": self.bridge.status() if self.bridge else {"state": "not configured"},

@@ -1,4 +1,8 @@
-"""Prometheus metrics of the daemon: what it answered, how fast, and the state around it.
+"""The daemon's numbers: what it answered, how fast, and the state around it.
+
+:class:`ServiceStats` is the one place an answer is counted: it keeps the counters and recent
+latencies that status and telemetry report, and hands each observation on to the Prometheus
+:class:`Metrics` when the config has a ``[metrics]`` table.
 
 One :class:`Metrics` per daemon, with its own ``CollectorRegistry`` (never the process-global
 one, so two daemons in one test process, or a library user's own metrics, do not collide). The
@@ -19,18 +23,24 @@ counted as ``(unknown)``, an unknown status or reason as ``other``.
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter as Tally
+from collections import deque
 from typing import Mapping
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, generate_latest, start_http_server
 
+from ..cloud_bridge.policy import reason_kind
 from ..errors import K2EdgeError
+from .protocol import ERROR_CODES
 
-__all__ = ["BREAKER_STATES", "ESCALATION_REASONS", "STAGES", "STATUSES", "THERMAL_STATES", "Metrics", "MetricsError"]
+__all__ = ["BREAKER_STATES", "ESCALATION_REASONS", "STAGES", "STATUSES", "THERMAL_STATES", "Metrics", "MetricsError",
+           "ServiceStats"]
 
 STAGES = ("queue", "stage", "batch_wait", "infer", "cloud", "total")
 """The stages of an answer's ``latency_ms`` that get a histogram; other keys are ignored."""
-STATUSES = ("ok", "bad_request", "payload_too_large", "unknown_model", "busy", "deadline_exceeded",
-            "cloud_unavailable", "internal")
+STATUSES = ("ok", *ERROR_CODES)
 SOURCES = ("edge", "cloud", "none")
 ESCALATION_REASONS = ("prompt", "low_confidence", "thermal", "no_edge_model", "other")
 THERMAL_STATES = ("normal", "warm", "hot", "critical", "unknown")
@@ -188,3 +198,63 @@ class Metrics:
     @property
     def port(self) -> int | None:
         return self._server.server_port if self._server is not None else None
+
+
+class ServiceStats:
+    """Counters and recent latencies for status and telemetry (thread-safe); each observation also
+    goes to ``metrics`` (the Prometheus metrics) when given.
+
+    Args:
+        metrics: the Prometheus metrics, or None without ``[metrics]``.
+        window: how many recent latencies and batch sizes the percentiles are taken over.
+    """
+
+    def __init__(self, metrics: Metrics | None = None, window: int = 2048) -> None:
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._latency = deque(maxlen=window)
+        self._batch = deque(maxlen=window)
+        self.counts: Tally = Tally()
+        self.started = time.time()
+
+    def answer(self, model: str | None, body: dict, total_ms: float) -> None:
+        """One answer sent (ok or error): its status, source, escalation and latency."""
+        ok = body["status"] == "ok"
+        status = "ok" if ok else body["error"]["code"]
+        escalated = body.get("escalation_reason")
+        with self._lock:
+            self.counts[status] += 1
+            if ok:
+                self._latency.append(total_ms)
+                self.counts[f"source_{body['source']}"] += 1
+                if escalated and not body["degraded"]:
+                    self.counts["escalated"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_answer(model, status, body.get("source"), body.get("latency_ms"))
+            if escalated:
+                self.metrics.observe_escalation(model, reason_kind(escalated))
+
+    def count(self, name: str) -> None:
+        with self._lock:
+            self.counts[name] += 1
+
+    def batch(self, model: str, size: int) -> None:
+        """One batch run on an engine."""
+        with self._lock:
+            self._batch.append(size)
+            self.counts["batches"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_batch(model, size)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            lat = np.array(self._latency, dtype=np.float64)
+            batches = list(self._batch)
+            counts = dict(self.counts)
+        pct = {f"p{q}": round(float(np.percentile(lat, q)), 3) for q in (50, 90, 99)} if lat.size else {}
+        return {
+            "uptime_s": round(time.time() - self.started, 1),
+            "counts": counts,
+            "latency_ms": pct,
+            "mean_batch": round(sum(batches) / len(batches), 2) if batches else None,
+        }

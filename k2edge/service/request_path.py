@@ -1,22 +1,27 @@
 """The request path: one request from the broker to its answer, in the order it happens.
 
-1. **admit** (the MQTT network thread): parse and validate the payload, compute the request's
-   key (reply topic, id, attempt), let the answer book recognise a redelivery, check the model and
-   the bound, and put the request on its model's line. Nothing here decodes an image or runs a
-   model; a request refused here is answered here.
-2. **a model's line** (one thread per model): take everything waiting, up to ``max_batch``, as
-   soon as the engine has room (``batch_timeout_ms`` may hold a batch for companions), then for
-   that batch, in that thread (a lone request for an idle, quick, one-lane engine, with nothing else
-   waiting to be read, is run the same way by the network thread itself — one thread, no hand-off):
-   a. drop what passed its deadline (``deadline_exceeded``), decode each input into a sample,
-      and ask the escalation policy early only in the hot and critical thermal states;
-   b. infer: inline when the engine has one lane, else on the lanes (finishing on the lane that
-      ran the batch);
-   c. decide (the policy, once per request, on the local result) and answer: locally, or hand the
-      request to the cloud pool (its answer comes back to :meth:`RequestPath.cloud_finished`).
-3. **answer** (:class:`~k2edge.service.answers.AnswerBook`): every answer — ok, error, busy, cloud,
-   deferred — is recorded under its key before it is published, and its request is acknowledged
-   once the broker acknowledged the answer (or once its cloud work is in the outbox).
+1. **the request's record** (:class:`Work`): what was asked, where the answer goes, its deadline.
+2. **admit** (:meth:`RequestPath.on_message`, the MQTT network thread): parse and validate the
+   payload, compute the request's key (reply topic, id, attempt), let the answer book recognise a
+   redelivery, check the model and the bound, and put the request on its model's line. Nothing
+   here decodes an image or runs a model; a request refused here is answered here.
+3. **the line** (:class:`Line`, one thread per model): takes any work items (a request today, a
+   video frame next) and forms a batch of everything waiting, up to the engines' largest batch,
+   as soon as the engine has room (``batch_timeout_ms`` may hold a batch for companions). A lone
+   request for an idle, quick, one-lane engine, with nothing else waiting to be read, is run by the
+   network thread itself — one thread, no hand-off. Engines change only between batches
+   (:meth:`RequestPath.swap`: a deploy, a rollback, a thermal profile switch).
+4. **run a batch** (:meth:`RequestPath.run_batch`): drop what passed its deadline
+   (``deadline_exceeded``), decode each input into a sample, ask the escalation policy early only
+   in the hot and critical thermal states, then infer — inline when the engine has one lane, else
+   on the lanes (finishing on the lane that ran the batch).
+5. **finish** (:meth:`RequestPath.finish_batch`): the policy once per request on its local result;
+   :meth:`Escalation.carry_out <k2edge.service.escalation.Escalation.carry_out>` gives the answer,
+   or hands the request to the cloud pool (its answer comes back to :meth:`RequestPath.answer_late`).
+6. **answer** (:meth:`RequestPath.answer`, through the
+   :class:`~k2edge.service.answer_book.AnswerBook`): every answer — ok, error, busy, cloud, deferred —
+   is recorded under its key before it is published, and its request is acknowledged once the
+   broker acknowledged the answer (or once its cloud work is in the outbox).
 
 One :class:`~k2edge.deadline.Deadline` travels with a request and is checked when its batch
 forms and when its answer is ready: an ``ok`` answer is never sent late.
@@ -24,35 +29,36 @@ forms and when its answer is ready: an ``ok`` answer is never sent late.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
-from ..cloud_bridge import BridgeRequest, LocalResult, Outcome
-from ..cloud_bridge.policy import reason_kind
+from ..tasks.result import LocalResult
 from ..config.schema import DaemonConfig
 from ..deadline import Deadline, clock
 from ..errors import InputError, first_line
 from . import topics
-from .answers import Answer, AnswerBook, AnswerKey
-from .escalation import Escalation, degrade
+from .answer_book import Answer, AnswerBook, AnswerKey
+from .escalation import Escalation
 from .protocol import (BAD_REQUEST, BUSY, DEADLINE_EXCEEDED, INTERNAL, PAYLOAD_TOO_LARGE, UNKNOWN_MODEL, Request,
                        RequestError, encode, error_body, ok_body, parse_request, peek_key)
 from .runtime import ModelRuntime
-from .stats import ServiceStats
+from .metrics import ServiceStats
 
 log = logging.getLogger(__name__)
 
 
+# 1. the request's record ------------------------------------------------------------------------
 @dataclass(slots=True)
 class Work:
-    """One admitted request on its way to its answer."""
+    """One admitted request on its way to its answer (a work item of its model's line)."""
 
     req: Request
     key: AnswerKey | None
@@ -65,7 +71,7 @@ class Work:
     sample: np.ndarray | None = None
     geometry: object = None  # where an image landed in the sample (detection boxes are mapped back through it)
     result: dict = field(default_factory=dict)  # the task's answer fragment: top_k, detections or outputs
-    settled: bool = False  # answered, or handed to the cloud pool
+    answered: bool = False  # answered, or handed to the cloud pool
     runtime: ModelRuntime | None = None  # the engines its batch ran on (a deploy may swap the line's since)
 
     @property
@@ -73,32 +79,39 @@ class Work:
         return self.req.deadline
 
 
+class Broker(Protocol):
+    """What the request path needs of the broker connection (:class:`~k2edge.service.transport.MqttTransport`)."""
+
+    def wake(self) -> None:
+        """Room to read again after backpressure: wake the network thread."""
+
+    def input_pending(self) -> bool:
+        """True while more requests wait to be read."""
+
+
 class RequestPath:
     """Admission, per-model lines, and answers; see the module docstring for the order of events.
 
+    It is the request connection's handler (``on_message``, ``on_connected``, ``saturated``).
+
     Args:
         cfg: daemon config.
-        models: served models by name.
+        models: served models by name (kept current: a swap replaces the entry).
         answers: the answer book (records, publishes, acknowledges).
-        escalation: thermal state, policy and cloud.
-        stats: counters for status and telemetry.
-        wake: wakes the network thread (room to read again after backpressure).
-        input_pending: True while more requests wait to be read (then a request never runs on the
-            network thread: it goes to its line, where it can batch with the others).
-        metrics: the Prometheus metrics, when ``[metrics]`` is configured.
+        escalation: thermal state, policy and cloud (it answers cloud work through this path).
+        stats: counts every answer (status, telemetry, and the Prometheus metrics when configured).
+        broker: wakes the network thread; says whether more requests wait to be read (then a
+            request never runs on the network thread: it goes to its line, where it can batch).
     """
 
     def __init__(self, cfg: DaemonConfig, models: dict[str, ModelRuntime], answers: AnswerBook, escalation: Escalation,
-                 stats: ServiceStats, wake: Callable[[], None] = lambda: None,
-                 input_pending: Callable[[], bool] = lambda: True, metrics=None) -> None:
+                 stats: ServiceStats, broker: Broker) -> None:
         self.cfg = cfg
-        self.metrics = metrics
         self.models = models
         self.answers = answers
         self.escalation = escalation
         self.stats = stats
-        self._wake = wake
-        self._input_pending = input_pending
+        self.broker = broker
         s = cfg.service
         self.hold = s.queue_size  # above this many waiting, the network thread stops reading
         self.hard_limit = 2 * s.queue_size + 64  # the broker overshot: beyond this, busy
@@ -107,7 +120,8 @@ class RequestPath:
         self._idle = threading.Condition()
         self._decoders = ThreadPoolExecutor(s.staging_threads, thread_name_prefix="k2edge-decode") \
             if s.staging_threads > 1 else None
-        self.lines = {name: _Line(self, rt) for name, rt in models.items()}
+        self.lines = {name: Line(name, rt, self, s.batch_timeout_ms / 1e3) for name, rt in models.items()}
+        escalation.attach(self, answers)
 
     # lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -124,17 +138,31 @@ class RequestPath:
         """True when every line lives and has looped within ``max_age`` seconds (the watchdog)."""
         return all(line.alive(max_age) for line in self.lines.values())
 
-    def swap(self, name: str, runtime: ModelRuntime, timeout: float) -> ModelRuntime | None:
-        """Between two batches, make ``runtime`` the engines of model ``name``'s line (a deploy).
+    def swap(self, name: str, runtime: ModelRuntime, timeout: float | None) -> ModelRuntime | None:
+        """Make ``runtime`` the engines of model ``name``'s line, between two batches: every answer
+        of the old engines is published before the first of the new.
+
+        Args:
+            name: the model.
+            runtime: its new engines (a deploy's version; the same version's other profile).
+            timeout: how long to wait for the line to come to rest (a deploy); None to return at
+                once and let the line take it when it is at rest (a thermal switch: the governor's
+                thread never waits; a later swap supersedes one not yet taken).
 
         Returns:
             The runtime replaced (idle: no batch of it is in flight), or None when the line did not
-            come to rest within ``timeout`` (nothing changed).
+            come to rest within ``timeout`` (nothing changed) or when not waiting.
         """
-        old = self.lines[name].swap(runtime, timeout)
-        if old is not None:
-            self.models[name] = runtime
-        return old
+        return self.lines[name].swap(runtime, timeout)
+
+    def swapped(self, name: str, runtime: ModelRuntime) -> None:
+        """A line took ``runtime`` (its thread, or the swapping one)."""
+        self.models[name] = runtime
+
+    def running(self, name: str) -> ModelRuntime | None:
+        """The engines model ``name`` runs, or will run once a pending swap is taken."""
+        line = self.lines.get(name)
+        return line.next_runtime() if line is not None else None
 
     def waiting(self) -> int:
         """Requests admitted and not yet in a batch."""
@@ -142,6 +170,9 @@ class RequestPath:
 
     def saturated(self) -> bool:
         return self.waiting() >= self.hold
+
+    def on_connected(self) -> None:
+        """Nothing to do per connection: answers queued while disconnected go out with the session."""
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until every admitted request was answered or handed to the cloud (drain)."""
@@ -154,19 +185,20 @@ class RequestPath:
                 self._idle.wait(left)
         return True
 
-    def _settled(self, n: int = 1) -> None:
+    def _close(self, n: int = 1) -> None:
+        """``n`` admitted requests need this path no more (answered, or handed to the cloud pool)."""
         with self._idle:
             self._open -= n
             if self._open <= 0:
                 self._idle.notify_all()
 
-    # 1. admit (network thread) --------------------------------------------------------------------
-    def admit(self, msg, token) -> None:
-        """Take one MQTT message; must not block (it runs on the network thread)."""
+    # 2. admit (network thread) --------------------------------------------------------------------
+    def on_message(self, msg, token) -> None:
+        """Admit one MQTT message; must not block (it runs on the network thread)."""
         if self.draining.is_set():
             return  # not acknowledged: the broker keeps it in our session for the next start
         received = clock()
-        props = getattr(msg, "properties", None)
+        props = msg.properties
         response_topic = getattr(props, "ResponseTopic", None) or None
         correlation = getattr(props, "CorrelationData", None)
         content_type = getattr(props, "ContentType", None)
@@ -208,16 +240,23 @@ class RequestPath:
             self.answer([(work, self.error(work, error.code, error.message))])
             return
         line = self.lines[model]
-        if not self._input_pending() and line.take_idle():
+        if not self.broker.input_pending() and line.take_idle():
             line.run([work])  # alone, and the engine idle and quick: answered here, no hand-off to wait for
         else:
             line.put(work)
 
-    # 2. a batch, on its model's line ----------------------------------------------------------------
-    def run_batch(self, line: "_Line", batch: list[Work], release: Callable[[], None]) -> None:
+    # 3. the line's hooks --------------------------------------------------------------------------
+    def taken(self, n: int) -> None:
+        """A line took ``n`` items off its queue: the network thread may read again."""
+        waiting = self.waiting()
+        if waiting + n >= self.hold > waiting:
+            self.broker.wake()
+
+    # 4. run a batch (on its model's line) -----------------------------------------------------------
+    def run_batch(self, line: "Line", batch: list[Work], slot: "Slot") -> None:
         """Deadlines, decoding and early routing, then inference (inline or on the lanes).
 
-        ``release()`` gives the engine's room back once the batch has left it (idempotent).
+        ``slot.free()`` gives the engine's room back once the batch has left it (idempotent).
         """
         rt = line.runtime
         now = clock()
@@ -241,7 +280,7 @@ class RequestPath:
                 if d is None:
                     live.append(w)
                 else:
-                    body = self._carry_out(w, d, lambda w=w: self._run_one(rt, w))
+                    body = self._carry_out(w, d, functools.partial(self._run_one, rt, w))
                     if body is not None:
                         done.append((w, body))
         staged = clock()
@@ -250,7 +289,7 @@ class RequestPath:
         if done:
             self.answer(done)
         if not live:
-            release()
+            slot.free()
             return
         samples = [w.sample for w in live]
         if line.inline:
@@ -258,27 +297,34 @@ class RequestPath:
                 outputs = rt.infer(samples)
             except Exception as exc:
                 outputs = exc
-            release()
+            slot.free()
             self.finish_batch(rt, live, outputs, staged)
             return
         try:
             future = rt.submit(samples)
         except Exception as exc:
-            release()
+            slot.free()
             self.finish_batch(rt, live, exc, staged)
             return
+        future.add_done_callback(functools.partial(self._lanes_done, rt, live, staged, slot))
 
-        def on_lanes_done(f: Future) -> None:  # on the lane that ran the batch's last segment
-            try:
-                outputs = f.result()
-            except Exception as exc:
-                outputs = exc
-            try:
-                self.finish_batch(rt, live, outputs, staged)
-            finally:  # after the answers: a line with every slot free has no batch left to answer (a swap waits for that)
-                release()
+    def _lanes_done(self, rt: ModelRuntime, live: list[Work], staged: float, slot: "Slot", f: Future) -> None:
+        """A batch's lanes finished (on the lane that ran its last segment)."""
+        try:
+            outputs = f.result()
+        except Exception as exc:
+            outputs = exc
+        try:
+            self.finish_batch(rt, live, outputs, staged)
+        finally:  # after the answers: a line with every slot free has no batch left to answer (a swap waits for that)
+            slot.free()
 
-        future.add_done_callback(on_lanes_done)
+    def fail_batch(self, line: "Line", batch: list[Work], exc: Exception) -> None:
+        """A batch raised: answer what it left unanswered."""
+        log.error("model %s: a batch of %d failed", line.name, len(batch), exc_info=exc)
+        left = [w for w in batch if not w.answered]
+        if left:
+            self.answer([(w, self.error(w, INTERNAL, f"internal error: {type(exc).__name__}")) for w in left])
 
     def _decode(self, rt: ModelRuntime, batch: list[Work]) -> list:
         def one(w: Work):
@@ -303,7 +349,7 @@ class RequestPath:
         w.result, local = result
         return local
 
-    # 3. decide and answer -------------------------------------------------------------------------
+    # 5. finish: the policy on each local result -----------------------------------------------------
     def finish_batch(self, rt: ModelRuntime, live: list[Work], outputs, started: float) -> None:
         """The policy on each local result, then the answers (one record transaction for the batch)."""
         now = clock()
@@ -311,9 +357,7 @@ class RequestPath:
             log.error("model %s: batch of %d failed: %s", rt.name, len(live), outputs)
             self.answer([(w, self.error(w, INTERNAL, f"inference failed: {first_line(outputs)}")) for w in live])
             return
-        self.stats.batch(len(live))
-        if self.metrics is not None:
-            self.metrics.observe_batch(rt.name, len(live))
+        self.stats.batch(rt.name, len(live))
         done: list[tuple[Work, dict]] = []
         results = rt.results(outputs, [w.geometry for w in live], [w.req.top_k or rt.cfg.top_k for w in live])
         for w, result in zip(live, results):
@@ -332,110 +376,54 @@ class RequestPath:
     def _carry_out(self, w: Work, d, local) -> dict | None:
         """The answer body for a decision, or None when the request went to the cloud pool."""
         try:
-            return self._carry_out_decision(w, d, local)
+            return self.escalation.carry_out(w, d, local)
         except Exception as exc:
             log.exception("request %s: carrying out the escalation decision failed", w.req.id)
             return self.error(w, INTERNAL, f"internal error while escalating: {type(exc).__name__}")
 
-    def _carry_out_decision(self, w: Work, d, local) -> dict | None:
-        esc = self.escalation
-        computed = local if isinstance(local, LocalResult) else None
-        if d.action == "refuse":
-            return self.error(w, d.error_code or BUSY, d.reason)
-        if esc.wants_cloud(d):
-            breq = self._bridge_request(w, computed)
-            if d.action == "cloud":
-                oid = esc.send(breq, d, local, w.deadline, w.key, lambda outcome, oid, w=w: self.cloud_finished(w, outcome, oid))
-                if oid is not None:  # safe in the outbox: acknowledge the request now
-                    self.answers.release(w.key, w.tokens)
-                    w.tokens, w.settled = [], True
-                    self._settled()
-                    return None
-                d = degrade(d, f"{self.cfg.service.queue_size} requests already wait for the cloud")
-            else:  # answer locally now and leave the cloud's later answer to the outbox
-                computed = computed or local()
-                return self.body_from_outcome(w, esc.carry_out_now(breq, d, computed))
-        if computed is None:
-            if d.action != "local":
-                return self.error(w, d.error_code or BUSY, d.reason)
-            computed = local()
-        below = d.confidence is not None and d.threshold is not None and d.confidence < d.threshold
-        wanted = d.escalate or d.degraded or below  # (below and forbidden: the reason says so)
-        return ok_body(w.req, self.cfg.device_id, self._profile(w), w.result, self._latency(w),
-                       self._thermal_name(), confidence=d.confidence, degraded=d.degraded,
-                       escalation_reason=d.reason if wanted else None, model_version=self._version(w))
+    def handed_to_cloud(self, w: Work) -> None:
+        """``w``'s cloud work is safe in the outbox: acknowledge the request now; its answer comes later."""
+        self.answers.acknowledge_early(w.key, w.tokens)
+        w.tokens, w.answered = [], True
+        self._close()
 
-    def _bridge_request(self, w: Work, local: LocalResult | None) -> BridgeRequest:
-        r = w.req
-        template = ok_body(r, self.cfg.device_id, self._profile(w), w.result, self._latency(w), self._thermal_name(),
-                           model_version=self._version(w))
-        mime = w.content_type if w.content_type and w.content_type.startswith("image/") else None
-        return BridgeRequest(id=r.id or f"anon-{id(w):x}", model=r.model, prompt=r.prompt, image=r.image, mime=mime,
-                             allow_cloud=r.allow_cloud, deferrable=r.deferrable, response_topic=w.reply_topic,
-                             correlation_data=w.correlation, response=template)
-
-    def cloud_finished(self, w: Work, outcome: Outcome | BaseException, oid: str) -> None:
-        """A cloud worker's outcome for ``w`` (a cloud worker thread)."""
-        if isinstance(outcome, BaseException):
-            body = self.error(w, INTERNAL, f"internal error in the cloud offload: {type(outcome).__name__}")
-        else:
-            body = self.body_from_outcome(w, outcome)
-        self._publish([(w, body)], settle=False, on_delivered=lambda: self.escalation.delivered(oid))
-
-    def body_from_outcome(self, w: Work, outcome: Outcome) -> dict:
-        if outcome.error_code:
-            return self.error(w, outcome.error_code, outcome.reason)
-        cloud_ms = outcome.latency_ms if outcome.source == "cloud" else None
-        return ok_body(w.req, self.cfg.device_id, self._profile(w), w.result, self._latency(w, cloud=cloud_ms),
-                       self._thermal_name(), confidence=outcome.decision.confidence if outcome.decision else None,
-                       source=outcome.source, text=outcome.text if outcome.source == "cloud" else None,
-                       escalation_reason=outcome.reason if outcome.escalated else None,
-                       degraded=outcome.degraded, deferred=outcome.deferred,
-                       cloud_input=outcome.cloud_input if outcome.source == "cloud" else None, model_version=self._version(w))
-
-    # answers ----------------------------------------------------------------------------------------
+    # 6. answer ----------------------------------------------------------------------------------------
     def answer(self, done: list[tuple[Work, dict]]) -> None:
         """Answer admitted requests: never an ``ok`` past its deadline; record, publish, count."""
-        self._publish(done, settle=True)
+        self._publish(done)
+        self._close(len(done))
 
-    def _publish(self, done: list[tuple[Work, dict]], settle: bool, on_delivered: Callable[[], None] | None = None) -> None:
+    def answer_late(self, w: Work, body: dict, on_delivered: Callable[[], None]) -> None:
+        """The answer to a request handed to the cloud pool (a cloud worker's thread)."""
+        self._publish([(w, body)], on_delivered)
+
+    def _publish(self, done: list[tuple[Work, dict]], on_delivered: Callable[[], None] | None = None) -> None:
         now = clock()
         answers = []
+        limit = self.cfg.service.max_answer_bytes
         for w, body in done:
-            w.settled = True
+            w.answered = True
             if body["status"] == "ok" and w.deadline.expired(now):
                 body = self.error(w, DEADLINE_EXCEEDED, f"the answer was ready after the {w.deadline.why}")
             payload = encode(body)
-            if len(payload) > self.cfg.service.max_answer_bytes:
+            if len(payload) > limit:
                 body = self.error(w, PAYLOAD_TOO_LARGE, f"the answer is {len(payload):,} bytes, over max_answer_bytes "
-                                  f"({self.cfg.service.max_answer_bytes:,})")
+                                  f"({limit:,})")
                 payload = encode(body)
-            self._count(body, now, w)
+            self.stats.answer(w.req.model, body, (now - w.received) * 1e3)
             answers.append(Answer(w.key, w.reply_topic, payload, w.correlation, w.tokens, on_delivered))
         self.answers.answer(answers)
-        if settle:
-            self._settled(len(done))
+
+    def template(self, w: Work, **fields) -> dict:
+        """``w``'s ``ok`` answer as the edge gives it (the cloud's answers complete it)."""
+        return ok_body(w.req, self.cfg.device_id, self._profile(w), w.result, self._latency(w),
+                       self.escalation.thermal_name, model_version=self._version(w), **fields)
 
     def error(self, w: Work, code: str, message: str) -> dict:
         return error_body(code, message, w.req.id, w.req.attempt, w.req.model or None, self.cfg.device_id, self._version(w))
 
-    def _count(self, body: dict, now: float, w: Work) -> None:
-        if body["status"] == "ok":
-            self.stats.answered((now - w.received) * 1e3)
-            self.stats.count(f"source_{body['source']}")
-            if body.get("escalation_reason") and not body["degraded"]:
-                self.stats.count("escalated")
-        else:
-            self.stats.failed(body["error"]["code"])
-        if self.metrics is not None:
-            self.metrics.observe_answer(w.req.model, body["status"] if body["status"] == "ok" else body["error"]["code"],
-                                        body.get("source"), body.get("latency_ms"))
-            if body.get("escalation_reason"):
-                self.metrics.observe_escalation(w.req.model, reason_kind(body["escalation_reason"]))
-
-    def _latency(self, w: Work, **extra) -> dict:
+    def _latency(self, w: Work) -> dict:
         latency = {k: round(v, 3) if isinstance(v, float) else v for k, v in w.timings.items()}
-        latency.update({k: round(v, 3) for k, v in extra.items() if v is not None})
         latency["total"] = round((clock() - w.received) * 1e3, 3)
         return latency
 
@@ -447,43 +435,80 @@ class RequestPath:
         rt = w.runtime or self.models.get(w.req.model)
         return rt.version if rt else None
 
-    def _thermal_name(self) -> str:
-        st = self.escalation.thermal
-        return getattr(st, "state", st) or "unknown"
+
+# the line -----------------------------------------------------------------------------------------
+class WorkItem(Protocol):
+    """What a line needs of an item: when it arrived (``batch_timeout_ms`` counts from the oldest)."""
+
+    received: float
 
 
-class _Line:
-    """One model's queue and the thread that forms its batches and runs them.
+class BatchRunner(Protocol):
+    """What a line hands its batches to (the request path)."""
 
-    A batch goes as soon as the engine has room, with everything waiting by then (up to
-    ``max_batch``): an idle engine never makes a lone request wait, a busy one lets requests pile
-    up into the next batch. ``batch_timeout_ms`` > 0 holds a batch up to that long after its oldest
-    request arrived, hoping for companions. Room: one batch when the engine has one lane (run
+    def run_batch(self, line: "Line", batch: list, slot: "Slot") -> None:
+        """Run ``batch`` in the calling thread; ``slot.free()`` once it left the engine."""
+
+    def fail_batch(self, line: "Line", batch: list, exc: Exception) -> None:
+        """``run_batch`` raised: answer what is left."""
+
+    def taken(self, n: int) -> None:
+        """``n`` items left the line's queue."""
+
+    def swapped(self, name: str, runtime: ModelRuntime) -> None:
+        """The line took new engines."""
+
+
+class Slot:
+    """The room one batch takes in its line's engine; freed once, however often ``free`` is called."""
+
+    __slots__ = ("line", "freed")
+
+    def __init__(self, line: "Line") -> None:
+        self.line = line
+        self.freed = False
+
+    def free(self) -> None:
+        if not self.freed:
+            self.freed = True
+            self.line.free_slot()
+
+
+class Line:
+    """One model's queue of work items and the thread that forms their batches and runs them.
+
+    A batch goes as soon as the engine has room, with everything waiting by then (up to the
+    engines' largest batch size): an idle engine never makes a lone item wait, a busy one lets
+    items pile up into the next batch. ``timeout`` > 0 holds a batch up to that long after its
+    oldest item arrived, hoping for companions. Room: one batch when the engine has one lane (run
     inline); with several lanes, one per lane plus one, so the lanes are fed while the next batch
-    is decoded.
+    is decoded. New engines are taken only at rest (no batch in flight), by :meth:`swap`.
     """
 
     STUCK_AFTER_S = 30.0  # a batch in flight this long means a wedged lane: stop the heartbeat
     QUICK_S = 0.005  # a lone request runs on the network thread only on a model that answers it this fast
 
-    def __init__(self, path: RequestPath, runtime: ModelRuntime) -> None:
-        self.path = path
-        self.runtime = runtime
-        s = path.cfg.service
-        self.max_batch = s.max_batch
-        self.timeout = s.batch_timeout_ms / 1e3
-        self.inline = runtime.single_lane
-        self.quick = runtime.batch1_s < self.QUICK_S
-        self.slots = 1 if self.inline else len(runtime.lanes()) + 1
-        self.items: deque[Work] = deque()
+    def __init__(self, name: str, runtime: ModelRuntime, runner: BatchRunner, timeout: float) -> None:
+        self.name = name
+        self.runner = runner
+        self.timeout = timeout
+        self.items: deque = deque()
         self._cond = threading.Condition()
-        self._free = self.slots
-        self._swapping = False  # a deploy waits for the batches in flight: form no new one meanwhile
         self._running = 0  # batches whose run() has not returned (an inline batch's answers are out by then)
+        self._next: ModelRuntime | None = None  # engines to take at the next rest
         self._progress = time.monotonic()
         self._heartbeat = time.monotonic()
         self._stopping = False
-        self.thread = threading.Thread(target=self._loop, name=f"k2edge-line-{runtime.name}", daemon=True)
+        self._take(runtime)
+        self.thread = threading.Thread(target=self._loop, name=f"k2edge-line-{name}", daemon=True)
+
+    def _take(self, runtime: ModelRuntime) -> None:
+        """Engines for every later batch (under the lock, at rest, or before the thread starts)."""
+        self.runtime = runtime
+        self.inline = runtime.single_lane
+        self.quick = runtime.batch1_s < self.QUICK_S
+        self.max_batch = max(runtime.engines)
+        self.slots = self._free = 1 if self.inline else len(runtime.lanes()) + 1
 
     def start(self) -> None:
         self.thread.start()
@@ -491,43 +516,63 @@ class _Line:
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
         self.thread.join(timeout=10)
 
-    def put(self, work: Work) -> None:
+    def put(self, item: WorkItem) -> None:
         with self._cond:
-            self.items.append(work)
+            self.items.append(item)
             self._cond.notify()
 
-    def release(self) -> None:
+    def free_slot(self) -> None:
         """A batch left the engine: room for the next."""
         with self._cond:
             self._free += 1
             self._progress = time.monotonic()
-            self._cond.notify()
+            self._cond.notify_all()
 
     def alive(self, max_age: float) -> bool:
         return self.thread.is_alive() and time.monotonic() - self._heartbeat <= max_age
 
-    def swap(self, runtime: ModelRuntime, timeout: float) -> ModelRuntime | None:
-        """Wait until no batch is in flight or being answered (forming none meanwhile), then take
-        ``runtime`` for every later batch, under the lock the loop forms batches with: every answer
-        of the old engines is published before the first of the new. None on timeout."""
-        end = time.monotonic() + timeout
+    def next_runtime(self) -> ModelRuntime:
         with self._cond:
-            self._swapping = True
-            try:
-                while self._free != self.slots or self._running:
-                    if time.monotonic() >= end:
-                        return None
-                    self._cond.wait(0.05)  # release() wakes one waiter, perhaps the loop: poll
-                old, self.runtime, self.inline = self.runtime, runtime, runtime.single_lane
-                self.quick = runtime.batch1_s < self.QUICK_S
-                self.slots = self._free = 1 if self.inline else len(runtime.lanes()) + 1
-            finally:
-                self._swapping = False
-                self._cond.notify_all()
-        return old
+            return self._next or self.runtime
+
+    def _at_rest(self) -> bool:
+        return self._free == self.slots and not self._running
+
+    def swap(self, runtime: ModelRuntime, timeout: float | None) -> ModelRuntime | None:
+        """Take ``runtime`` at the next rest, forming no batch meanwhile; see :meth:`RequestPath.swap`."""
+        with self._cond:
+            if timeout is None:  # a thermal switch: return at once
+                if runtime is self.runtime:
+                    self._next = None  # back before the switch was taken
+                elif runtime is not self._next:
+                    self._next = runtime
+                    self._cond.notify_all()
+                return None
+            old, self._next = self.runtime, runtime
+            self._cond.notify_all()
+            end = time.monotonic() + timeout
+            # a thermal switch meanwhile replaces the pending engines by their other profile: the same version
+            while not self.runtime.shares_engines(runtime):
+                if self._next is None or not self._next.shares_engines(runtime):
+                    return None  # superseded by another swap
+                if self._at_rest():  # take it here: the line's thread may be waiting for work, not for rest
+                    self._apply()
+                    continue
+                left = end - time.monotonic()
+                if left <= 0:
+                    self._next = None  # withdrawn: nothing changed
+                    return None
+                self._cond.wait(left)
+            return old
+
+    def _apply(self) -> None:
+        runtime, self._next = self._next, None
+        self._take(runtime)
+        self.runner.swapped(self.name, runtime)
+        self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -536,7 +581,13 @@ class _Line:
                     now = time.monotonic()
                     if self._free == self.slots or now - self._progress < self.STUCK_AFTER_S:
                         self._heartbeat = now
-                    if self.items and self._free > 0 and not self._swapping:
+                    if self._next is not None:
+                        if self._at_rest():
+                            self._apply()
+                            continue
+                        self._cond.wait(0.5)
+                        continue
+                    if self.items and self._free > 0:
                         hold = self.items[0].received + self.timeout - clock()
                         if self.timeout <= 0 or len(self.items) >= self.max_batch or hold <= 0 or self._stopping:
                             break
@@ -545,13 +596,11 @@ class _Line:
                     if not self.items and self._stopping:
                         return
                     self._cond.wait(0.5)
-                was_saturated = self.path.saturated()
                 batch = [self.items.popleft() for _ in range(min(len(self.items), self.max_batch))]
                 self._free -= 1
                 self._running += 1
                 self._progress = now
-            if was_saturated and not self.path.saturated():
-                self.path._wake()  # the network thread may read again
+            self.runner.taken(len(batch))
             self.run(batch)
 
     def take_idle(self) -> bool:
@@ -560,33 +609,24 @@ class _Line:
         if not (self.inline and self.quick):
             return False
         with self._cond:
-            if self.items or self._free != self.slots or self._stopping or self._swapping:
+            if self.items or not self._at_rest() or self._stopping or self._next is not None:
                 return False
             self._free -= 1
             self._running += 1
             self._progress = time.monotonic()
             return True
 
-    def run(self, batch: list[Work]) -> None:
-        """Run a batch whose room was taken, in the calling thread; never raises, never leaves a
-        request unanswered."""
-        released = []
-
-        def release() -> None:
-            if not released:
-                released.append(True)
-                self.release()
-
+    def run(self, batch: list) -> None:
+        """Run a batch whose room was taken, in the calling thread; never raises, never leaves an
+        item unanswered."""
+        slot = Slot(self)
         try:
-            self.path.run_batch(self, batch, release)
+            self.runner.run_batch(self, batch, slot)
         except Exception as exc:  # one bad batch never stops the line
-            log.exception("model %s: a batch of %d failed", self.runtime.name, len(batch))
-            left = [w for w in batch if not w.settled]
-            if left:
-                self.path.answer([(w, self.path.error(w, INTERNAL, f"internal error: {type(exc).__name__}")) for w in left])
-            release()
+            self.runner.fail_batch(self, batch, exc)
+            slot.free()
         finally:
             with self._cond:
                 self._running -= 1
-                if self._swapping:
+                if self._next is not None:
                     self._cond.notify_all()

@@ -3,15 +3,17 @@ answer its task gives (top-k, detections or raw tensors)."""
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import io
 import logging
+import time
 from concurrent.futures import Future
 
 import numpy as np
 
 from ..config.schema import ModelConfig
-from ..errors import InferenceError, InputError
+from ..errors import InferenceError, InputError, K2EdgeError
 from ..profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
@@ -27,16 +29,28 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+class RuntimeStateError(K2EdgeError):
+    """A runtime used out of order: run before activate, activated twice, deactivated twice."""
+
+
 class ModelRuntime:
     """Engines of one model, one per batch size, all built through the engine cache.
 
     The DLA needs static shapes, so a dynamic batch becomes a few static engines; the batcher
     pads a batch up to the next size. ``version`` is the bundle version these engines were built
     from (None for a bare ONNX file); ``cache`` counts the engines the cache had ready.
+
+    Lifecycle: ``activate()`` once, then ``infer``/``submit``, then ``deactivate()`` once (or use
+    it as a context manager); out of order raises :class:`RuntimeStateError`. A model with a warm
+    profile has two engine sets: :meth:`with_profile` gives the same model version running the
+    other set (the thermal switch hands it to :meth:`RequestPath.swap`); both views share one
+    activation.
     """
 
-    def __init__(self, cfg: ModelConfig, max_batch: int, board: str | None, cache_dir, version: str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_batch: int, board: str | None, cache_dir, version: str | None = None,
+                 threads_per_lane: int | None = None) -> None:
         self.cfg = cfg
+        self.threads_per_lane = threads_per_lane
         self.name = cfg.name
         self.version = version
         self.cache = {"engines": 0, "cached": 0}
@@ -51,6 +65,7 @@ class ModelRuntime:
             self.warm = self._build(warm, max_batch, board, cache_dir)
         self.engines = self.normal
         self.profile_name = self.normal_profile
+        self._state = {"active": False}  # shared with the with_profile() views of this version
         first = self.engines[1]
         self.card = first.card
         self.task = first.card.task
@@ -71,9 +86,10 @@ class ModelRuntime:
             er = profile.edge_runtime.model_copy(update={"batch_size": b})
             p = profile.model_copy(update={"edge_runtime": er})
             # several engines per model plus staging, batching and network threads share the cores:
-            # idle ONNX Runtime threads must sleep, not spin
+            # idle ONNX Runtime threads must sleep, not spin (and with one thread a lane, none sleeps)
             engine = Engine.build(self.cfg.onnx, p, self.cfg.calib, board=board, backend=self.cfg.backend,
-                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False, **self.cfg.card_args())
+                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False,
+                                  threads_per_lane=self.threads_per_lane, **self.cfg.card_args())
             engines[b] = engine
             self.cache["engines"] += 1
             self.cache["cached"] += all(engine.info.cache_hits.values())
@@ -85,11 +101,19 @@ class ModelRuntime:
     def _all(self):
         return [*self.normal.values(), *(self.warm.values() if self.warm else ())]
 
-    def activate(self) -> None:
-        """Activate every engine and run each once (the first run of a session pays its set-up);
-        ``batch1_s`` is what the batch-1 engine took for one request."""
-        import time
+    @property
+    def active(self) -> bool:
+        return self._state["active"]
 
+    def activate(self) -> "ModelRuntime":
+        """Activate every engine and run each once (the first run of a session pays its set-up);
+        ``batch1_s`` is what the batch-1 engine took for one request.
+
+        Raises:
+            RuntimeStateError: already active.
+        """
+        if self._state["active"]:
+            raise RuntimeStateError(f"model {self.name} {self.version or ''}: already active".replace("  ", " "))
         for e in self._all():
             e.activate()
             feeds = {e.input_name: np.zeros(e.input_shape, dtype=e.backend.inputs[0].dtype)}
@@ -97,21 +121,46 @@ class ModelRuntime:
                 t0 = time.perf_counter()
                 e.infer(feeds)
                 took = time.perf_counter() - t0
-            if e is self.normal[1]:
+            if e is self.engines[1]:
                 self.batch1_s = took
+        self._state["active"] = True
+        return self
 
     def deactivate(self) -> None:
+        """Release every engine (of both profiles).
+
+        Raises:
+            RuntimeStateError: not active.
+        """
+        if not self._state["active"]:
+            raise RuntimeStateError(f"model {self.name} {self.version or ''}: not active".replace("  ", " "))
+        self._state["active"] = False
         for e in self._all():
             e.deactivate()
 
-    def prefer_warm(self, on: bool) -> None:
-        """Switch to the DLA-heavier warm profile (thermal warm/hot) or back; a no-op without one."""
-        if self.warm is None:
-            return
-        engines, name = (self.warm, self.warm_profile) if on else (self.normal, self.normal_profile)
-        if engines is not self.engines:
-            log.warning("model %s: switching to profile %s", self.name, name)
-            self.engines, self.profile_name = engines, name
+    def __enter__(self) -> "ModelRuntime":
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    @property
+    def warm_engaged(self) -> bool:
+        return self.warm is not None and self.engines is self.warm
+
+    def shares_engines(self, other: "ModelRuntime") -> bool:
+        """True for the same model version, whichever profile each view runs."""
+        return self._state is other._state
+
+    def with_profile(self, warm: bool) -> "ModelRuntime":
+        """This model version on its warm (DLA-heavier) engines or its normal ones: ``self`` when it
+        runs those already or has no warm profile, else a view sharing engines and activation."""
+        if self.warm is None or warm == self.warm_engaged:
+            return self
+        view = copy.copy(self)
+        view.engines, view.profile_name = (self.warm, self.warm_profile) if warm else (self.normal, self.normal_profile)
+        view.batch1_s = self.batch1_s  # a view is not re-measured; the line judges quickness by it
+        return view
 
     @property
     def single_lane(self) -> bool:
@@ -154,7 +203,7 @@ class ModelRuntime:
 
     def _batch(self, samples: list[np.ndarray]):
         n = len(samples)
-        engines = self.engines  # one read: a thermal switch between lines must not mix profiles
+        engines = self.engines
         size = next(b for b in sorted(engines) if b >= n)
         batch = np.empty((size, *self.sample_shape), dtype=self.input_dtype)
         for i in range(size):
@@ -180,7 +229,7 @@ class ModelRuntime:
             geometries: per sample, where its image landed (None: a tensor).
             top_k: per sample, how many classes to answer (classifiers; clipped to the classes).
         """
-        from ..cloud_bridge import LocalResult
+        from ..tasks.result import LocalResult
         from ..tasks.classification import top_k as best
 
         n = len(geometries)

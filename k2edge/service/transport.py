@@ -31,7 +31,7 @@ import ssl
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Protocol
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
@@ -44,6 +44,29 @@ log = logging.getLogger(__name__)
 STABLE_AFTER_S = 10.0
 _JSON_PROPERTIES = Properties(PacketTypes.PUBLISH)  # copied per answer: building one from names is slow in paho
 _JSON_PROPERTIES.ContentType = "application/json"
+
+
+_PEEK_BYTES = 256
+
+
+def publish_ahead(data: bytes, truncated: bool) -> bool:
+    """True when the MQTT packets that start at ``data[0]`` include a PUBLISH; a packet cut off
+    before its type can be seen counts as one when ``truncated`` (more bytes wait than were read)."""
+    i, n = 0, len(data)
+    while i < n:
+        if data[i] & 0xF0 == mqtt.PUBLISH:
+            return True
+        length, shift, j = 0, 0, i + 1
+        while j < n:
+            length |= (data[j] & 0x7F) << shift
+            shift += 7
+            j += 1
+            if not data[j - 1] & 0x80:
+                break
+        else:
+            return truncated  # the remaining length itself is cut off
+        i = j + length
+    return truncated and i > n
 
 
 class AckSequencer:
@@ -132,30 +155,40 @@ class _Client(mqtt.Client):
         return super()._packet_write()
 
 
+class Handler(Protocol):
+    """What a connection's messages go to (the request path; the deploy lifecycle)."""
+
+    def on_message(self, msg, token) -> None:
+        """One message, in the network thread; ``token`` goes to :meth:`MqttTransport.done` once it
+        is answered. Must not block."""
+
+    def on_connected(self) -> None:
+        """After each successful connect, in the network thread."""
+
+    def saturated(self) -> bool:
+        """True while the handler holds all the messages it should: reading pauses."""
+
+
 class MqttTransport:
-    """Owns the paho client and its network thread.
+    """Owns the paho client and its network thread; the broker as the daemon's objects see it:
+    :meth:`publish`, :meth:`done` (acknowledge a request), :meth:`wake`, :meth:`input_pending`.
 
     Args:
         cfg: daemon config.
+        role: what the connection carries (``requests``, ``control``), for the log.
         subscriptions: topic filters to subscribe (QoS from the config) on every connect.
-        on_message: called in the network thread for each message with the message and an ack
-            token to pass to :meth:`done` once it is answered; must not block.
-        on_connected: called in the network thread after each successful connect.
         will: (topic, payload) published retained by the broker if we vanish (None: no will).
-        saturated: ``saturated()`` — True while the daemon holds all the requests it should; the
-            network thread then stops reading (the broker keeps the rest).
     """
 
-    def __init__(self, cfg: DaemonConfig, subscriptions: list[str], on_message, on_connected, will: tuple[str, bytes] | None,
-                 saturated: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, cfg: DaemonConfig, role: str, subscriptions: list[str], will: tuple[str, bytes] | None = None) -> None:
         self.cfg = cfg
+        self.role = role
         self.subscriptions = subscriptions
-        self._on_message_cb = on_message
-        self._on_connected_cb = on_connected
-        self._saturated = saturated
+        self.handler: Handler | None = None
         self.connected = threading.Event()
         self.subscribed = threading.Event()  # the broker acknowledged every subscription of this connection
         self._awaiting_suback: set[int] = set()
+        self.connections = 0  # successful connects so far (a watcher sees a reconnect it slept through)
         self._stop = threading.Event()
         self._closing = False
         self.heartbeat = time.monotonic()
@@ -167,7 +200,7 @@ class MqttTransport:
         self._wake_w.setblocking(False)
         m = cfg.mqtt
         c = _Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True,
-                    more=lambda: not self._saturated())
+                    more=self._room)
         c.max_queued_messages_set(0)
         c.max_inflight_messages_set(20)  # mosquitto's default, until a broker's CONNACK says how many it takes
         self._broker_receive_max: int | None = None
@@ -203,8 +236,10 @@ class MqttTransport:
         self._early: set[int] = set()
 
     # lifecycle -------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="k2edge-mqtt", daemon=True)
+    def start(self, handler: Handler) -> None:
+        """Connect and serve ``handler`` on a network thread of its own."""
+        self.handler = handler
+        self._thread = threading.Thread(target=self._run, name=f"k2edge-mqtt-{self.role}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -295,7 +330,7 @@ class MqttTransport:
                 pass
 
     def _reading_paused(self) -> bool:
-        if self._closing or not self._saturated():
+        if self._closing or self._room():
             self._paused_since = None
             return False
         now = time.monotonic()
@@ -336,16 +371,33 @@ class MqttTransport:
         return c.loop_misc()
 
     def input_pending(self) -> bool:
-        """True when more bytes wait to be read (another request is coming: let requests batch)."""
+        """True when another request (a PUBLISH) waits to be read: let requests batch.
+
+        Called from ``on_message``, when paho has read the current packet whole and nothing beyond
+        it, so the socket's next bytes start a packet: a peek at them tells a request from the
+        broker's acknowledgement of an answer (which must not send a lone request to its line).
+        Where it cannot peek (TLS), any bytes waiting count.
+        """
         sock = self.client.socket()
         if sock is None:
             return False
-        if hasattr(sock, "pending") and sock.pending():
-            return True
+        if hasattr(sock, "pending"):  # TLS: decrypted bytes, or bytes on the wire
+            if sock.pending():
+                return True
+            try:
+                return bool(select.select([sock], [], [], 0)[0])
+            except (ValueError, TypeError, OSError):
+                return False
         try:
-            return bool(select.select([sock], [], [], 0)[0])
-        except (ValueError, TypeError, OSError):
+            head = sock.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
             return False
+        except (OSError, ValueError, TypeError):
+            return False
+        return publish_ahead(head, len(head) == _PEEK_BYTES)
+
+    def _room(self) -> bool:
+        return self.handler is None or not self.handler.saturated()
 
     def _socket_open(self) -> bool:
         return self.client.socket() is not None
@@ -368,8 +420,10 @@ class MqttTransport:
         self.acks.new_connection()
         self.subscribed.clear()
         self._awaiting_suback = {client.subscribe(topic, qos=self.cfg.mqtt.qos)[1] for topic in self.subscriptions}
+        self.connections += 1
         self.connected.set()
-        log.info("connected to %s:%d (session present: %s)", self.cfg.mqtt.host, self.cfg.mqtt.port, flags.session_present)
+        log.info("connected to %s:%d (%s, session present: %s)", self.cfg.mqtt.host, self.cfg.mqtt.port, self.role,
+                 flags.session_present)
         if not self._awaiting_suback:
             self._on_subscribed()
 
@@ -382,7 +436,7 @@ class MqttTransport:
         # only now is what others publish to our topics delivered to us: the moment to say we are here
         self.subscribed.set()
         try:
-            self._on_connected_cb()
+            self.handler.on_connected()
         except Exception:
             log.exception("on-connect handler failed")
 
@@ -395,7 +449,7 @@ class MqttTransport:
     def _on_message(self, client, userdata, msg) -> None:
         token = self.acks.received(msg.mid) if msg.qos > 0 else None
         try:
-            self._on_message_cb(msg, token)
+            self.handler.on_message(msg, token)
         except Exception:  # never let one message kill the network thread
             log.exception("request handler failed for a message on %s", msg.topic)
             self.done(token)

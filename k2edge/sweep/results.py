@@ -21,11 +21,11 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .._json import json_default
+from ..durable import replace_file
 from .errors import SweepError
 from .frontier import Point, Recommendation, pareto_front
 
@@ -117,17 +117,10 @@ def set_recommendation(doc: dict, rec: Recommendation) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it over ``path`` (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, default=json_default)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Replace ``path`` with JSON, whole or not at all (:func:`k2edge.durable.replace_file`)."""
+    with replace_file(path, text=True) as f:
+        json.dump(data, f, indent=2, default=json_default)
+        f.write("\n")
 
 
 def load_previous(path: Path) -> dict | None:
@@ -208,13 +201,11 @@ def csv_row(r: dict) -> dict:
 
 
 def write_csv(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+    with replace_file(path, text=True) as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for r in doc["configs"]:
             w.writerow({k: ("" if v is None else v) for k, v in csv_row(r).items()})
-    os.replace(tmp, path)
 
 
 def recommended_profile(doc: dict) -> dict | None:

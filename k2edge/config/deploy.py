@@ -1,4 +1,5 @@
-"""Schemas of the fleet model lifecycle tables: ``[trust]``, ``[deploy]`` and ``[metrics]``."""
+"""Schemas of the over-the-air deploy tables: ``[trust]`` (which signers a device believes) and
+``[deploy]`` (limits on a bundle, and how bundles are fetched)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-__all__ = ["DeploySettings", "MetricsSettings", "TrustSettings"]
+__all__ = ["DeploySettings", "TrustSettings"]
 
 MIB = 1 << 20
 
@@ -42,10 +43,3 @@ class DeploySettings(_Strict):
     max_unpacked_bytes: int = Field(256 * MIB, ge=1024, le=16384 * MIB, description="largest total of a bundle's files, unpacked")
     max_files: int = Field(4096, ge=4, le=1_000_000, description="most members in a bundle, folders included")
     ca_file: Path | None = Field(None, description="CA bundle for fetching bundles over HTTPS from a private CA")
-
-
-class MetricsSettings(_Strict):
-    """The Prometheus endpoint (``/metrics``); present means on."""
-
-    port: int = Field(9108, ge=0, le=65535, description="0: any free port (tests)")
-    host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 exposes it to the network")

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from ..sqlite_db import open_wal
+
 log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "answers.sqlite3"
@@ -90,18 +92,18 @@ class AnswerBook:
 
     Args:
         state_dir: where ``answers.sqlite3`` lives.
-        publish: ``publish(topic, payload, correlation, on_delivered)`` — queue a QoS 1 publish;
-            ``on_delivered`` is called (on any thread) once the broker acknowledged it.
-        ack: ``ack(token)`` — acknowledge a request (the transport keeps arrival order).
+        broker: the broker facade (:class:`~k2edge.service.transport.MqttTransport`): its
+            ``publish(topic, payload, correlation=, on_delivered=)`` queues a QoS 1 publish and calls
+            ``on_delivered`` (on any thread) once the broker acknowledged it; its ``done(token)``
+            acknowledges a request (in arrival order).
         retention_s: how long answers are kept (the MQTT session expiry: no redelivery comes later).
         memory_keys: delivered keys kept in memory (older ones are looked up in the database).
     """
 
-    def __init__(self, state_dir: Path, publish: Callable, ack: Callable, retention_s: float,
-                 memory_keys: int = 50_000, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, state_dir: Path, broker, retention_s: float, memory_keys: int = 50_000,
+                 clock: Callable[[], float] = time.time) -> None:
         self.path = Path(state_dir) / ANSWERS_FILE
-        self._publish = publish
-        self._ack = ack
+        self._broker = broker
         self.retention_s = retention_s
         self._memory_keys = memory_keys
         self._clock = clock
@@ -111,16 +113,11 @@ class AnswerBook:
         self._marks: list[tuple[float, bytes]] = []
         self._undelivered = 0
         self._quiet = threading.Condition(self._lock)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # WAL + NORMAL: a commit survives the process dying (kill -9); an OS crash or power cut may
-        # lose the last commits, whose requests the broker then redelivers and we answer afresh
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        # checkpoints (which fsync) run in flush(), on their own connection, never on a request's path
-        self._db.execute("PRAGMA wal_autocheckpoint=0")
-        self._db.executescript(_SCHEMA)
-        self._maintenance = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
+        # NORMAL: a commit survives the process dying (kill -9); an OS crash or power cut may lose the
+        # last commits, whose requests the broker then redelivers and we answer afresh. Checkpoints
+        # (which fsync) run in flush(), on their own connection, never on a request's path.
+        self._db = open_wal(self.path, "NORMAL", _SCHEMA, autocheckpoint=False)
+        self._maintenance = open_wal(self.path, "FULL")
         self._db_failed = False
 
     # admission ------------------------------------------------------------------------------------
@@ -149,20 +146,20 @@ class AnswerBook:
             else:
                 republish = None
         if republish is None:
-            self._ack(token)
+            self._broker.done(token)
         else:
             log.info("request %s (attempt %d) was answered before a restart; re-publishing that answer", key.id, key.attempt)
-            self._publish(*republish, lambda: self._delivered(d))
+            self._send(*republish, d)
         return False
 
-    def release(self, key: AnswerKey | None, tokens: list | None = None) -> None:
+    def acknowledge_early(self, key: AnswerKey | None, tokens: list | None = None) -> None:
         """Acknowledge a request whose answer is not ready but is safe (its cloud work is in the outbox)."""
         if key is not None:
             with self._lock:
                 entry = self._live.get(key.digest())
                 tokens, entry.tokens = (entry.tokens, []) if entry is not None else ([], [])
         for t in tokens or ():
-            self._ack(t)
+            self._broker.done(t)
 
     def recorded(self, key: AnswerKey) -> bool:
         """True when an answer for ``key`` is stored (by this process or an earlier one)."""
@@ -219,9 +216,13 @@ class AnswerBook:
             cb()
         for a, d, payload in plan:
             if d is not None:
-                self._publish(a.topic, payload, a.correlation, lambda d=d: self._delivered(d))
+                self._send(a.topic, payload, a.correlation, d)
             else:
-                self._publish(a.topic, payload, a.correlation, lambda a=a: self._delivered_keyless(a))
+                self._broker.publish(a.topic, payload, correlation=a.correlation,
+                                     on_delivered=lambda a=a: self._delivered_keyless(a))
+
+    def _send(self, topic: str, payload: bytes, correlation: bytes | None, d: bytes) -> None:
+        self._broker.publish(topic, payload, correlation=correlation, on_delivered=lambda: self._delivered(d))
 
     def _record(self, rows: list[tuple]) -> None:
         with self._db_lock:
@@ -260,21 +261,21 @@ class AnswerBook:
             tokens, callbacks = entry.tokens, entry.callbacks
             entry.tokens, entry.callbacks = [], []
             self._marks.append((self._clock(), d))
-            self._settled()
+            self._count_delivered()
         for t in tokens:
-            self._ack(t)
+            self._broker.done(t)
         for cb in callbacks:
-            cb()
+            _run_callback(cb)
 
     def _delivered_keyless(self, a: Answer) -> None:
         with self._lock:
-            self._settled()
+            self._count_delivered()
         for t in a.tokens:
-            self._ack(t)
+            self._broker.done(t)
         if a.on_delivered is not None:
-            a.on_delivered()
+            _run_callback(a.on_delivered)
 
-    def _settled(self) -> None:
+    def _count_delivered(self) -> None:
         self._undelivered -= 1
         if self._undelivered <= 0:
             self._quiet.notify_all()
@@ -334,3 +335,11 @@ class AnswerBook:
         with self._db_lock:
             self._db.close()
         self._maintenance.close()
+
+
+def _run_callback(callback: Callable[[], None]) -> None:
+    """A delivery callback, on the network thread: its failure is logged, never the network loop's."""
+    try:
+        callback()
+    except Exception:
+        log.exception("a delivery callback failed")
