@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from PIL import Image
 from graphs import grid_detector
 from k2_server import K2StandIn, answer
 from mqtt_support import DIGITS, ROOT, SAMPLES, TOPIC, Client, image_request, tensor_request
@@ -119,4 +120,92 @@ def test_tensor_task_answers_outputs_and_large_answers_are_refused(run_daemon, b
     assert np.allclose(got, want[0], atol=1e-5)
     err = answers["too-big"]["error"]
     assert err["code"] == "payload_too_large" and "max_answer_bytes" in err["message"]
+    client.close()
+
+
+# Ultralytics' other tasks, served beside the demo detector ------------------------------------------------
+ULTRA = {"yolov8n-seg": "seg", "yolov8n-pose": "pose", "yolov8n-obb": "obb"}
+ULTRA_KEYS = {"seg": {"box", "mask"}, "pose": {"box", "keypoints"}, "obb": {"rbox"}}
+
+
+def _k2edge(*args) -> str:
+    return subprocess.run([sys.executable, "-m", "k2edge", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def ultra_models(tmp_path_factory):
+    """Real Ultralytics exports (random weights) with the card `k2edge card init` writes, the score threshold
+    lowered so that random weights answer at all (their scores are about 1e-4)."""
+    import zoo
+
+    d = tmp_path_factory.mktemp("ultra")
+    photo = d / "street.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8)).save(photo)
+    models = {}
+    for fixture, name in ULTRA.items():
+        model = zoo.save(fixture, d / name / "model.onnx")
+        _k2edge("card", "init", model)
+        card = model.parent / "card.toml"
+        card.write_text(card.read_text().replace("score_threshold = 0.25", "score_threshold = 0.0")
+                        .replace("max_detections = 300", "max_detections = 3"))
+        models[name] = model
+    return models, photo
+
+
+def _mask_iou(a: dict, b: dict) -> float:
+    from pycocotools import mask as mask_utils
+
+    rles = [{"size": m["size"], "counts": m["counts"].encode()} for m in (a, b)]
+    return float(mask_utils.iou([rles[0]], [rles[1]], [0])[0][0])
+
+
+def test_segmentation_pose_and_obb_served_beside_a_detector(run_daemon, broker, ultra_models):
+    """Each task's answer as `k2edge infer` gives it: masks as COCO RLE at the photo's size, 17 keypoints in its
+    pixels, oriented boxes; the demo detector beside them answers as before."""
+    models, photo = ultra_models
+    run_daemon(models=[BOXES] + [{"name": n, "onnx": p, "profile": "cpu-dev"} for n, p in models.items()],
+               service={"max_batch": 1})
+    client = Client(broker.port).connect()
+    asked = {client.publish(f"k2edge/t1/infer/{n}", image_request(photo, rid=n)): n for n in models}
+    asked[client.publish(DET_TOPIC, image_request(SCENES[0], rid="boxes"))] = "boxes"
+    client.wait_answers(len(asked), timeout=120)
+    answers = {asked[c]: a for a, c in client.answers}
+    _same_boxes(answers["boxes"]["detections"], _infer_json(SCENES[0])["detections"])
+    for name, model in models.items():
+        a = answers[name]
+        assert a["status"] == "ok" and a["model"] == name, a
+        want = json.loads(_k2edge("infer", model, "-p", "cpu-dev", "--json", photo).splitlines()[0])["detections"]
+        got = a["detections"]
+        assert 1 <= len(got) == len(want) <= 3
+        for g, w in zip(got, want):
+            assert set(g) == {"index", "label", "score"} | ULTRA_KEYS[name], g.keys()
+            assert g["label"] == w["label"] and g["score"] == pytest.approx(w["score"], rel=1e-4, abs=1e-6)
+            if name == "seg":
+                assert g["mask"]["size"] == [480, 640] and isinstance(g["mask"]["counts"], str)
+                assert _mask_iou(g["mask"], w["mask"]) >= 0.99
+            if name == "pose":
+                assert len(g["keypoints"]) == 17
+                assert np.allclose(g["keypoints"], w["keypoints"], atol=0.5)
+            if name == "obb":
+                assert np.allclose(g["rbox"], w["rbox"], atol=0.5)
+        assert a["confidence"] == pytest.approx(max(x["score"] for x in got))
+    client.close()
+
+
+def test_an_answer_with_masks_over_max_answer_bytes_is_refused(run_daemon, broker, ultra_models, tmp_path):
+    """300 masks do not fit in 1 KiB: payload_too_large, with the sizes, instead of a giant message."""
+    models, photo = ultra_models
+    big = tmp_path / "seg"
+    big.mkdir()
+    (big / "model.onnx").write_bytes(models["seg"].read_bytes())
+    (big / "labels.txt").write_text((models["seg"].parent / "labels.txt").read_text())
+    (big / "card.toml").write_text((models["seg"].parent / "card.toml").read_text()
+                                   .replace("max_detections = 3", "max_detections = 300"))
+    run_daemon(models=[{"name": "seg", "onnx": big / "model.onnx", "profile": "cpu-dev"}], service={"max_answer_bytes": 1024})
+    client = Client(broker.port).connect()
+    client.publish("k2edge/t1/infer/seg", image_request(photo, rid="masks"))
+    a = client.wait_answers(1, timeout=120)[0]
+    assert a["status"] == "error" and a["error"]["code"] == "payload_too_large", a
+    assert "max_answer_bytes" in a["error"]["message"]
     client.close()

@@ -100,6 +100,7 @@ MALFORMED = [
     (json.dumps({"id": "x9"}).encode(), {}, "bad_request", "exactly one of 'image'"),
     (json.dumps({"id": "x10", "image": "AAAA", "deadline_ms": -5}).encode(), {}, "bad_request", "deadline_ms: expected a number >= 1"),
     (b"\xff\xd8 not a real jpeg", {"content_type": "image/jpeg"}, "bad_request", "cannot decode image"),
+    (SAMPLES[3].read_bytes()[:200], {"content_type": "image/jpeg"}, "bad_request", "cannot decode image"),  # truncated
     (b"<xml/>", {"content_type": "application/xml"}, "bad_request", "content type 'application/xml'"),
     (json.dumps({"id": "x11", "tensor": {"dtype": "float32", "shape": [1, 32, 32],
                                           "data": base64.b64encode(np.full((1, 32, 32), np.nan, np.float32).tobytes()).decode()}}).encode(),
@@ -123,6 +124,7 @@ def test_malformed_requests_get_precise_errors_and_the_daemon_keeps_serving(run_
         a = answers[c]
         assert a["status"] == "error" and a["error"]["code"] == code, (fragment, a)
         assert fragment in a["error"]["message"], (fragment, a)
+        assert " object at 0x" not in a["error"]["message"], a  # no Python object's repr reaches a requester
     assert answers[good]["status"] == "ok" and answers[good]["top_k"][0]["label"] == "8"
     unknown = next(a for c, a in answers.items() if corr.get(c, ("",))[0] == "unknown_model")
     assert unknown["id"] == "m1"

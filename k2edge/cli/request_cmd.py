@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 
 from ..errors import K2EdgeError
@@ -67,7 +68,7 @@ def run(args) -> int:
     elif answer.get("status") == "ok":
         if "detections" in answer:
             best = f"{len(answer['detections'])} detection(s)" + "".join(
-                f"\n  {d['label']} {d['score']:.3f} [{', '.join(f'{v:.1f}' for v in d['box'])}]" for d in answer["detections"])
+                f"\n  {d['label']} {d['score']:.3f} {_where(d)}" for d in answer["detections"])
         elif "outputs" in answer:
             best = ", ".join(f"{name} {o['dtype']} {o['shape']}" for name, o in answer["outputs"].items())
         else:
@@ -84,3 +85,11 @@ def run(args) -> int:
         print(f"{args.input}: error {err.get('code')}: {err.get('message')}")
         return 1
     return 0
+
+
+def _where(d: dict) -> str:
+    """A detection's place as one line: its box, or an oriented box with its angle in degrees."""
+    if "rbox" in d:
+        cx, cy, w, h, angle = d["rbox"]
+        return f"centre ({cx:.1f}, {cy:.1f}) {w:.1f} x {h:.1f} at {math.degrees(angle):.1f} deg"
+    return f"[{', '.join(f'{v:.1f}' for v in d['box'])}]"

@@ -12,9 +12,11 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from ..config.card import BOX_TASKS
 from ..config.schema import ModelConfig
 from ..errors import InferenceError, InputError, K2EdgeError
 from ..profile import Profile, load_profile
+from ..tasks.preprocess import image_error
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +244,7 @@ class ModelRuntime:
             for row, k, ok in zip(self.decoder.probabilities(outputs, n), top_k, finite):
                 top = best(row, self.labels, min(k, row.size)) if ok else None
                 out.append(({"top_k": top}, LocalResult(tuple(top), tuple(row.tolist()), int(row.size))) if ok else None)
-        elif self.task == "detection":
+        elif self.task in BOX_TASKS:  # detection, segmentation, pose, obb
             fragments = self.decoder.answers(outputs, n, geometries)
             for frag, g, ok in zip(fragments, geometries, finite):
                 size = (g.width, g.height) if g is not None else (self.sample_shape[-1], self.sample_shape[-2])
@@ -266,10 +268,8 @@ def image_size(data: bytes) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(data)) as img:
             return img.size
-    except Image.DecompressionBombError as exc:
-        raise InputError(f"image refused: {exc}") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise InputError(f"cannot decode image: {exc}") from None
+    except (Image.DecompressionBombError, UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise image_error(exc) from None
 
 
 def release_memory() -> None:

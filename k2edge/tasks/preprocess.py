@@ -72,6 +72,18 @@ def _reason(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+def image_error(exc: BaseException, path: str | os.PathLike | None = None) -> InputError:
+    """The one message for an image Pillow refused (``exc``), naming the file when there is one."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(exc, Image.DecompressionBombError):
+        return InputError(f"image refused: {_reason(exc)}")
+    what = f" {str(path)!r}" if path is not None else ""
+    reason = ("not in an image format Pillow reads (JPEG, PNG, BMP, WebP, ...)"
+              if isinstance(exc, UnidentifiedImageError) else _reason(exc))
+    return InputError(f"cannot decode image{what}: {reason}")
+
+
 class Preprocess:
     """How to turn an image into one sample (C, H, W) or (H, W, C) of a model input.
 
@@ -221,13 +233,8 @@ class Preprocess:
                 arr = resize(arr, target[0], target[1], self.spec.interpolation)
         except InputError:
             raise
-        except Image.DecompressionBombError as exc:
-            raise InputError(f"image refused: {_reason(exc)}") from None
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-            what = f" {str(source)!r}" if isinstance(source, (str, os.PathLike)) else ""
-            reason = ("not in an image format Pillow reads (JPEG, PNG, BMP, WebP, ...)"
-                      if isinstance(exc, UnidentifiedImageError) else _reason(exc))
-            raise InputError(f"cannot decode image{what}: {reason}") from None
+        except (Image.DecompressionBombError, UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+            raise image_error(exc, source if isinstance(source, (str, os.PathLike)) else None) from None
         if self.color == "BGR":
             arr = arr[..., ::-1]
         if self.resize == "center-crop":

@@ -42,6 +42,16 @@ def confidence(probs: Sequence[float], measure: str, num_classes: int | None = N
     return max(0.0, min(1.0, 1.0 - h / math.log(total_classes)))
 
 
+def _box_only(d: dict) -> dict:
+    box = d.get("box")
+    if box is None:  # an oriented box [cx, cy, w, h, angle in radians]: the rectangle around its corners
+        cx, cy, w, h, angle = (float(v) for v in d["rbox"])
+        c, s = abs(math.cos(angle)), abs(math.sin(angle))
+        ex, ey = (w * c + h * s) / 2, (w * s + h * c) / 2
+        box = [cx - ex, cy - ey, cx + ex, cy + ey]
+    return {k: d[k] for k in ("index", "label", "score") if k in d} | {"box": box}
+
+
 @dataclass(frozen=True)
 class LocalResult:
     """What the edge model answered.
@@ -77,8 +87,13 @@ class LocalResult:
     @classmethod
     def from_detections(cls, detections, latency_ms: float | None = None,
                         image_size: tuple[int, int] | None = None) -> "LocalResult":
-        """From one image's detections (the answer fragment's ``detections`` list)."""
-        return cls((), latency_ms=latency_ms, detections=tuple(detections), image_size=image_size)
+        """From one image's detections (the answer fragment's ``detections`` list, of any box task).
+
+        Each is kept as ``{"index", "label", "score", "box"}``: the escalation measures and the cloud's
+        context read boxes only, so an oriented box stands as its axis-aligned bounds, and masks and
+        keypoints (large, and no use to either) are left out.
+        """
+        return cls((), latency_ms=latency_ms, detections=tuple(_box_only(d) for d in detections), image_size=image_size)
 
     @property
     def summary(self) -> str | None:
