@@ -6,6 +6,7 @@ counts the refusal against the breaker. Against the real HTTP stand-in (tests/k2
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -92,6 +93,23 @@ def test_vision_off_sends_findings_as_text(k2):
     assert ans.cloud_input == "text" and [p["type"] for p in parts] == ["text"]
     assert "of the 1600x1200 image; the image itself could not be sent" in parts[0]["text"]
     assert '"box": [100.0, 200.0, 500.0, 600.0]' in parts[0]["text"]
+
+
+def test_masks_keypoints_and_oriented_boxes_reach_the_cloud_as_boxes(k2):
+    """Segmentation, pose and obb answers escalate like detections: the measures and the cloud's context read
+    label, score and box (an oriented box as the rectangle around it; masks and keypoints stay home)."""
+    local = LocalResult.from_detections([
+        {**DETS[0], "mask": {"size": [1200, 1600], "counts": "x" * 5000}},
+        {**DETS[1], "keypoints": [[1300.0, 100.0, 0.9]] * 17},
+        {"index": 2, "label": "ship", "score": 0.66, "rbox": [800.0, 600.0, 200.0, 100.0, math.pi / 2]}],
+        image_size=(1600, 1200))
+    assert [set(d) for d in local.detections] == [{"index", "label", "score", "box"}] * 3
+    assert local.detections[2]["box"] == pytest.approx([750.0, 500.0, 850.0, 700.0])
+    assert local.confidence("max_box_score") == 0.91
+    client = K2Client(settings_for(k2, vision="off"), KEY)
+    client.complete(image_bytes("PNG", (1600, 1200)), None, None, None, 5.0, detections=list(local.detections))
+    text = _user_parts(k2)[0]["text"]
+    assert '"label": "ship"' in text and "counts" not in text and "keypoints" not in text
 
 
 def test_vision_auto_falls_back_to_text_once_refused_without_tripping_the_breaker():
