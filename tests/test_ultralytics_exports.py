@@ -154,6 +154,14 @@ def test_a_size_off_the_stride_is_refused_and_an_untrained_size_warned(tmp_path)
 @pytest.mark.parametrize("name,metric", [("yolov8n-seg", "segm"), ("yolov8n-pose", "keypoints")])
 def test_eval_measures_masks_and_keypoints_end_to_end(name, metric, tmp_path, image):
     """k2edge eval on a segmentation / pose export reports the mask / keypoint mAP beside the boxes'."""
+    model, annotations = _instance_eval_set(name, tmp_path, image)
+    result = json.loads(k2edge("eval", str(model), "-p", "cpu-dev", "--dataset", str(annotations), "--json").stdout)
+    assert result["metric"] == metric and result["task"] in ("segmentation", "pose")
+    assert 0 <= result["map"] <= 1 and 0 <= result["box_map"] <= 1 and result["images"] == 1
+
+
+def _instance_eval_set(name: str, tmp_path, image):
+    """An export with the card `card init` writes, and a one-image COCO set with a box, a mask and 17 keypoints."""
     model = _export(name, tmp_path)
     k2edge("card", "init", str(model))
     labels = (model.parent / "labels.txt").read_text().splitlines()
@@ -167,10 +175,20 @@ def test_eval_measures_masks_and_keypoints_end_to_end(name, metric, tmp_path, im
     doc = {"images": [{"id": 1, "file_name": "a.jpg", "width": 640, "height": 480}], "annotations": [ann],
            "categories": [{"id": i, "name": n} for i, n in enumerate(labels)]}
     (data / "annotations.json").write_text(json.dumps(doc))
-    result = json.loads(k2edge("eval", str(model), "-p", "cpu-dev", "--dataset", str(data / "annotations.json"),
-                               "--json").stdout)
-    assert result["metric"] == metric and result["task"] in ("segmentation", "pose")
-    assert 0 <= result["map"] <= 1 and 0 <= result["box_map"] <= 1 and result["images"] == 1
+    return model, data / "annotations.json"
+
+
+@pytest.mark.parametrize("name,metric", [("yolov8n-seg", "segm"), ("yolov8n-pose", "keypoints")])
+def test_cloud_curve_measures_masks_and_keypoints(name, metric, tmp_path, image):
+    """cloud curve on a segmentation / pose model: the task's mAP, from the edge's (random weights: about 0) to
+    the ground truth's (1.0) when every image goes to the cloud."""
+    model, annotations = _instance_eval_set(name, tmp_path, image)
+    out = json.loads(k2edge("cloud", "curve", str(model), "-p", "cpu-dev", "--dataset", str(annotations),
+                            "--shares", "0,100", "--json").stdout)
+    assert out["metric"] == metric
+    first, last = out["points"]
+    assert first["escalated"] == 0 and first["map"] < 0.5 and last["escalated"] == 1
+    assert last["map"] == pytest.approx(1.0) and last["map50"] == pytest.approx(1.0)
 
 
 def test_the_sweep_measures_a_pose_model_by_its_keypoints(tmp_path, image):

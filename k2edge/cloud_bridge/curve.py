@@ -142,21 +142,24 @@ def image_confidence(detections, measure: str, band: tuple[float, float] = (0.25
 
 
 def detection_curve(dataset, detections, measure: str = "max_box_score", shares: Sequence[float] | None = None,
-                    band: tuple[float, float] = (0.25, 0.6)) -> list[DetectionCurvePoint]:
+                    band: tuple[float, float] = (0.25, 0.6), iou_type: str = "bbox",
+                    sigmas: Sequence[float] | None = None) -> list[DetectionCurvePoint]:
     """Share of images sent to the cloud vs COCO mAP, least confident images first.
 
     Args:
         dataset: a :class:`~k2edge.model.datasets.CocoDataset` (ground truth, image and category ids).
-        detections: per image, the edge's :class:`~k2edge.tasks.detection.Detections` (original pixels).
+        detections: per image, the edge's :class:`~k2edge.tasks.detection.Detections` (original
+            pixels), or a segmentation or pose model's answer ``detections`` (with masks or keypoints).
         measure: ``max_box_score`` or ``uncertain_boxes`` (with ``band``).
         shares: shares to evaluate (default 0, 0.05, ..., 1).
+        iou_type: what mAP measures: ``bbox``, ``segm`` (masks) or ``keypoints`` (OKS with ``sigmas``).
 
     Raises:
         K2EdgeError: pycocotools is missing.
     """
     import numpy as np
 
-    from ..tasks.coco_eval import coco_map, coco_results
+    from ..tasks.coco_eval import coco_answer_results, coco_map, coco_results
 
     n = len(detections)
     if n == 0 or n != len(dataset.image_ids):
@@ -164,11 +167,15 @@ def detection_curve(dataset, detections, measure: str = "max_box_score", shares:
     shares = [i / 20 for i in range(21)] if shares is None else list(shares)
     conf = np.array([image_confidence(d, measure, band) for d in detections])
     order = np.argsort(conf, kind="stable")
-    edge = coco_results(dataset.image_ids, detections, dataset.category_ids)
+    to_results = coco_results if hasattr(detections[0], "scores") else coco_answer_results
+    edge = to_results(dataset.image_ids, detections, dataset.category_ids)
+    carried = {"segm": "segmentation", "keypoints": "keypoints"}.get(iou_type)  # what the truth must carry besides its box
     truth: dict[int, list[dict]] = {}
     for a in dataset.ground_truth["annotations"]:
-        truth.setdefault(a["image_id"], []).append({"image_id": a["image_id"], "category_id": a["category_id"],
-                                                    "bbox": list(a["bbox"]), "score": 1.0})
+        t = {"image_id": a["image_id"], "category_id": a["category_id"], "bbox": list(a["bbox"]), "score": 1.0}
+        if carried and carried in a:
+            t[carried] = a[carried]
+        truth.setdefault(a["image_id"], []).append(t)
     points = []
     for share in shares:
         if not 0.0 <= share <= 1.0:
@@ -176,7 +183,7 @@ def detection_curve(dataset, detections, measure: str = "max_box_score", shares:
         k = int(round(share * n))
         sent = {dataset.image_ids[i] for i in order[:k]}
         results = [r for r in edge if r["image_id"] not in sent] + [r for i in sent for r in truth.get(i, [])]
-        scores = coco_map(dataset.ground_truth, results)
+        scores = coco_map(dataset.ground_truth, results, iou_type, sigmas)
         sorted_conf = conf[order]
         if measure != "max_box_score":
             threshold = None

@@ -5,7 +5,7 @@ not evaluated yet). One place for ``k2edge eval``, the sweep and ``k2edge cloud 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 
 
@@ -69,15 +69,11 @@ def run_detector(engine, samples: list, advance: Callable[[int], None] | None = 
     return out
 
 
-def evaluate_instances(engine, dataset: CocoDataset, advance: Callable[[int], None] | None = None) -> dict:
-    """Segmentation or pose: COCO mAP of the boxes (``box_map``, ``box_map50``) and of the masks
-    (``segm``) or keypoints (``keypoints``, OKS with the card's sigmas) as ``map`` and ``map50``.
-
-    Decoded with evaluation thresholds (scores down to 0.001, up to 300 an image; best class per
-    anchor), answers built as served (masks at the original resolution, keypoints in its pixels).
-    """
+def run_instances(engine, samples: list, advance: Callable[[int], None] | None = None) -> list[list[dict]]:
+    """Segmentation or pose: every sample's answer ``detections`` (masks at the original resolution,
+    keypoints in its pixels, as served), decoded as mAP is measured (scores down to 0.001, up to 300
+    an image; best class per anchor)."""
     from ..tasks.decoder import TaskDecoder
-    from ..tasks.coco_eval import coco_answer_results, coco_map
 
     card = engine.card
     spec = card.detection.model_copy(update={"score_threshold": EVAL_SCORE_THRESHOLD,
@@ -86,18 +82,35 @@ def evaluate_instances(engine, dataset: CocoDataset, advance: Callable[[int], No
     decoder = TaskDecoder(card.model_copy(update={"detection": spec}), engine.labels,
                           {o: graph.shape(o) for o in engine.output_names})
     answers: list[list[dict]] = []
-    t0 = time.perf_counter()
-    for result in _results(engine, list(dataset.samples)):
+    for result in _results(engine, samples):
         n = len(result.items)
         answers.extend(a["detections"] for a in decoder.answers(result.outputs, n, result.geometries[:n]))
         if advance:
             advance(n)
+    return answers
+
+
+def instance_metric(card) -> tuple[str, Sequence[float] | None]:
+    """The COCO iou type a segmentation or pose model is measured by, and the keypoints' OKS sigmas."""
+    if card.task == "segmentation":
+        return "segm", None
+    return "keypoints", card.pose.sigmas
+
+
+def evaluate_instances(engine, dataset: CocoDataset, advance: Callable[[int], None] | None = None) -> dict:
+    """Segmentation or pose: COCO mAP of the boxes (``box_map``, ``box_map50``) and of the masks
+    (``segm``) or keypoints (``keypoints``, OKS with the card's sigmas) as ``map`` and ``map50``,
+    decoded by :func:`run_instances`."""
+    from ..tasks.coco_eval import coco_answer_results, coco_map
+
+    t0 = time.perf_counter()
+    answers = run_instances(engine, list(dataset.samples), advance)
     elapsed = time.perf_counter() - t0
     results = coco_answer_results(dataset.image_ids, answers, dataset.category_ids)
-    iou_type = "segm" if card.task == "segmentation" else "keypoints"
+    iou_type, sigmas = instance_metric(engine.card)
     boxes = coco_map(dataset.ground_truth, [{k: v for k, v in r.items() if k not in ("segmentation", "keypoints")}
                                             for r in results])
-    scores = coco_map(dataset.ground_truth, results, iou_type, card.pose.sigmas if iou_type == "keypoints" else None)
+    scores = coco_map(dataset.ground_truth, results, iou_type, sigmas)
     return {**scores, "box_map": boxes["map"], "box_map50": boxes["map50"], "metric": iou_type, "images": len(answers),
             "detections": int(sum(len(a) for a in answers)),
             "throughput_per_s": len(answers) / elapsed if elapsed else None}

@@ -68,10 +68,16 @@ def coco_map(ground_truth: dict, results: list[dict], iou_type: str = "bbox", si
         gt = COCO()
         gt.dataset = {"info": {}, **ground_truth}
         gt.createIndex()
-        if iou_type == "segm":  # loadRes computes areas from the masks; the RLE counts as bytes
-            results = [{**r, "segmentation": {**r["segmentation"], "counts": r["segmentation"]["counts"].encode()}}
-                       if isinstance(r.get("segmentation", {}).get("counts"), str) else r for r in results]
-            results = [{k: v for k, v in r.items() if k != "bbox"} for r in results]
+        if iou_type == "segm":  # loadRes computes areas from the masks: RLE, its counts as bytes
+            def rle(r: dict) -> dict:
+                seg = r["segmentation"]
+                if isinstance(seg, list):  # polygons: a ground-truth annotation standing in for an answer
+                    seg = gt.annToRLE(r)
+                elif isinstance(seg.get("counts"), str):
+                    seg = {**seg, "counts": seg["counts"].encode()}
+                return {**{k: v for k, v in r.items() if k != "bbox"}, "segmentation": seg}
+
+            results = [rle(r) for r in results]
         dt = gt.loadRes(results)
         ev = COCOeval(gt, dt, iou_type)
         if iou_type == "keypoints" and sigmas is not None:
