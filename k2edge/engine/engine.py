@@ -135,7 +135,10 @@ def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: d
 
     entry = cache.get_or_build("normalised", key, build, what=f"normalised {where}")
     loaded = onnx.load(str(entry.file("model.onnx")))
-    return NormalisedModel(model=loaded, source=where, original_opset=entry.meta["original_opset"])
+    # the input shapes without their batch dimension: what INT8 calibration is shared across
+    spatial = sorted((k, tuple(v)[1:]) for k, v in (input_shapes or {}).items())
+    batch_free = digest("model", NORMALISER_VERSION, onnx.__version__, raw, repr(spatial))
+    return NormalisedModel(model=loaded, source=where, original_opset=entry.meta["original_opset"], batch_free_key=batch_free)
 
 
 def find_calibration(model_path: Path | None) -> Path | None:
@@ -246,13 +249,12 @@ class Engine:
                 )
             dataset = calib if isinstance(calib, Dataset) else open_dataset(calib, label_names)
             calib_source = dataset.source
-            from .quantize import calibrate_int8
-
-            from .quantize import float_nodes
+            from .quantize import calibrate_int8, float_nodes, quant_settings
 
             exclude = tuple(sorted(n.name for n in normalised.graph.nodes if n.name not in int8_nodes))
             keep_float = tuple(sorted(float_nodes(normalised.graph, resolved)))
-            quant = calibrate_int8(normalised, dataset, preprocess, cache, exclude, keep_float)
+            quant = calibrate_int8(normalised, dataset, preprocess, cache, exclude, keep_float, plan=plan,
+                                   settings=quant_settings(er, resolved))
             hits["int8"] = quant.cached
 
         graph = normalised.graph
