@@ -222,3 +222,45 @@ def test_model_wise_plan_gets_gpu_and_dla_artefacts(silu, tmp_path):
     assert gpu["m1/sig"] < 1.0 and dla["m1/sig"] == pytest.approx(1.0)
     again = calibrate_int8(nm, open_dataset(silu / "calib.npz"), pre, cache, plan=plan)
     assert again.cached and again.dla.cached
+
+
+# --- calibration methods -------------------------------------------------------------------------------------
+
+def test_streaming_statistics_max_and_percentile():
+    """Batches folded one at a time: max is exact, percentile within one bin of numpy's, state per tensor fixed."""
+    from k2edge.engine.calibration import BINS, TensorStatistics
+
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((4, 64)) * s for s in (1.0, 3.0, 0.5, 7.0)]  # the range grows mid-way
+    stats = TensorStatistics()
+    for d in data:
+        stats.add({"t": d.astype(np.float32)}, 3)  # the 4th row is padding: not counted
+    real = np.abs(np.concatenate([d[:3] for d in data]).astype(np.float32))
+    assert stats.samples == 12
+    assert stats.ranges("max")["t"] == pytest.approx(real.max())
+    amax = stats.ranges("percentile", 99.0)["t"]
+    assert abs(amax - np.percentile(real, 99.0)) <= 2 * real.max() / BINS * 2
+    assert stats._state["t"].hist.shape == (BINS,)
+
+
+def test_card_overrides_the_profile_calibration():
+    from k2edge.config.card import ModelCard
+    from k2edge.engine.quantize import QuantSettings, quant_settings
+
+    p = load_profile({"edge_runtime": {"calibration": {"method": "percentile", "percentile": 99.9}}})
+    assert quant_settings(p.edge_runtime, None) == QuantSettings("percentile", 99.9)
+    card = ModelCard.model_validate({"quantization": {"method": "max"}})
+    assert quant_settings(p.edge_runtime, card) == QuantSettings("max", 99.9)
+    assert quant_settings(load_profile("c2").edge_runtime, ModelCard()) == QuantSettings("max", 99.99)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"calibration": {"method": "entropy"}}, "edge_runtime.calibration.method"),
+    ({"calibration": {"percentile": 30}}, "edge_runtime.calibration.percentile: must be a number within (50, 100]"),
+    ({"int8_tolerance": {"agreemnt": 0.9}}, "unknown measure 'agreemnt'"),
+])
+def test_bad_calibration_settings_name_the_field(bad, message):
+    from k2edge.errors import ProfileError
+
+    with pytest.raises(ProfileError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_profile({"edge_runtime": bad})
