@@ -143,16 +143,17 @@ def observed_model(model: onnx.ModelProto, tensors: list[str]) -> onnx.ModelProt
     return out
 
 
-def session(model: onnx.ModelProto, threads: int | None = None):
-    """A CPU ONNX Runtime session for calibration and checks (no graph optimisation that renames tensors)."""
+def session(model: onnx.ModelProto, threads: int | None = None, optimise: bool = False):
+    """A CPU ONNX Runtime session for calibration and checks (by default no graph optimisation: fusions would
+    hide the tensors we observe)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
-    # Fusions (Conv+Sigmoid+Mul, Conv+Add) would hide the tensors we observe.
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not optimise:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=["CPUExecutionProvider"])
 
 

@@ -89,16 +89,23 @@ def match_detections(ref, test) -> tuple[int, list[float]]:
     return len(ratios), ratios
 
 
-def compare_outputs(task: str, reference: Sequence[Sequence[np.ndarray]], int8: Sequence[Sequence[np.ndarray]],
-                    *, probabilities=None, detections=None) -> dict[str, float]:
-    """Measure INT8 outputs against FP32 ones, per batch (lists of the model's outputs, real rows only).
+def _values(outputs) -> list[np.ndarray]:
+    return list(outputs.values()) if isinstance(outputs, Mapping) else list(outputs)
+
+
+def _rows(outputs) -> int:
+    return len(_values(outputs)[0])
+
+
+def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabilities=None, detections=None) -> dict[str, float]:
+    """Measure INT8 outputs against FP32 ones, per batch (each the model's outputs, by name or in order, real rows only).
 
     Args:
         probabilities: classification: outputs -> (n, classes) probabilities (default softmax of the first output).
         detections: detection: outputs -> a list of :class:`~k2edge.tasks.detection.Detections` per sample.
     """
     if task == "classification":
-        to_p = probabilities or (lambda outs: _softmax(np.asarray(outs[0]).reshape(len(outs[0]), -1)))
+        to_p = probabilities or (lambda outs: _softmax(np.asarray(_values(outs)[0]).reshape(_rows(outs), -1)))
         p = np.concatenate([to_p(o) for o in reference])
         q = np.concatenate([to_p(o) for o in int8])
         top = p.argmax(axis=1)
@@ -116,17 +123,17 @@ def compare_outputs(task: str, reference: Sequence[Sequence[np.ndarray]], int8: 
                 test_n += len(q)
         return {"recall": matched / ref_n if ref_n else 1.0, "precision": matched / test_n if test_n else 1.0,
                 "score_ratio": float(np.mean(ratios)) if ratios else (1.0 if not ref_n else 0.0),
-                "reference_boxes": ref_n, "int8_boxes": test_n, "samples": sum(len(r[0]) for r in reference)}
+                "reference_boxes": ref_n, "int8_boxes": test_n, "samples": sum(_rows(r) for r in reference)}
     cosines, rel = [], 0.0
     for r_out, q_out in zip(reference, int8):
-        for a, b in zip(r_out, q_out):
+        for a, b in zip(_values(r_out), _values(q_out)):
             a = np.asarray(a, dtype=np.float64).reshape(len(a), -1)
             b = np.asarray(b, dtype=np.float64).reshape(len(b), -1)
             den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
             cosines.extend(np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-300), 1.0).tolist())
             rel = max(rel, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12)))
     return {"cosine": float(np.mean(cosines)) if cosines else 1.0, "max_rel_error": rel,
-            "samples": sum(len(r[0]) for r in reference)}
+            "samples": sum(_rows(r) for r in reference)}
 
 
 def meets(measures: Mapping[str, float], tolerance: Mapping[str, float]) -> bool:

@@ -316,6 +316,38 @@ def quantize_qdq(model: NormalisedModel, ranges: dict[str, float], exclude_nodes
         ranges_file.unlink(missing_ok=True)
 
 
+def strip_qdq(path: Path, tensors: set[str]) -> int:
+    """Remove the QuantizeLinear -> DequantizeLinear pairs on ``tensors`` in the model at ``path`` (their readers
+    read the float tensor again). Returns how many tensors lost their Q/DQ."""
+    model = onnx.load(str(path))
+    nodes = list(model.graph.node)
+    outputs = {o.name for o in model.graph.output}
+    readers: dict[str, list] = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    drop, stripped = set(), 0
+    for q in nodes:
+        if q.op_type != "QuantizeLinear" or q.input[0] not in tensors:
+            continue
+        dqs = [r for r in readers.get(q.output[0], []) if r.op_type == "DequantizeLinear"]
+        if len(dqs) != len(readers.get(q.output[0], [])) or any(d.output[0] in outputs for d in dqs):
+            continue
+        for dq in dqs:
+            for r in readers.get(dq.output[0], []):
+                for k, name in enumerate(r.input):
+                    if name == dq.output[0]:
+                        r.input[k] = q.input[0]
+            drop.add(id(dq))
+        drop.add(id(q))
+        stripped += 1
+    kept = [n for n in nodes if id(n) not in drop]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    onnx.save(model, str(path))
+    return stripped
+
+
 def ort_settings():
     """The quantize_static settings k2edge uses (for tests that compare with plain ONNX Runtime)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
@@ -331,36 +363,56 @@ def ort_settings():
     )
 
 
-def quant_variant(model: NormalisedModel, stats: TensorStatistics, stats_key: str, cache: EngineCache,
-                  settings: QuantSettings, exclude_nodes, keep_float, dla_nodes, samples: int,
-                  force_ties: bool = False) -> QuantArtefacts:
-    """One set of INT8 artefacts from shared statistics: the Q/DQ model, the ranges and the TensorRT cache.
+def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, settings: QuantSettings,
+                  exclude_nodes, keep_float, dla_nodes, force_ties: bool = False, fallback_nodes=()) -> dict:
+    """Write one variant's ``qdq.onnx``, ``dynamic_ranges.json`` and ``calib.cache`` into ``dest``.
 
     Args:
-        dla_nodes: the nodes this artefact runs on a DLA: only they get the DLA's ties and fused gates.
+        dla_nodes: the nodes this variant runs on a DLA: only they get the DLA's ties and fused gates.
         force_ties: apply the DLA's ties to every node, gates included, in the Q/DQ model too (what k2edge did
             up to QUANT_VERSION 3): only for tests that show why not.
+        fallback_nodes: layers the INT8 check moved to a higher precision: excluded like ``keep_float``, and
+            their outputs get no range (TensorRT then runs them in FP16, and so does the DLA).
+
+    Returns:
+        what the variant holds, for the cache's metadata.
     """
+    graph = model.graph
+    no_range_nodes = set(keep_float) | set(fallback_nodes)
+    excluded = set(exclude_nodes) | no_range_nodes
+    scope = {n.name for n in graph.nodes} if force_ties else set(dla_nodes)
+    ties = dla_ties(graph, scope, fuse_gates=not force_ties)
+    cache_ranges = tie_ranges(stats.ranges(settings.method, settings.percentile), ties)
+    float_tensors = {o for node in graph.nodes if node.name in no_range_nodes for o in node.outputs}
+    fallback_tensors = {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs}
+    # the emulation: tied ranges, each fused gate pair left in float (the DLA does not round inside it), and
+    # no Q/DQ on what a fallback layer writes (it has no INT8 range on the device either)
+    emulated = {t: a for t, a in cache_ranges.items() if t not in ties.gates}
+    quantize_qdq(model, emulated, excluded | set(ties.fused), dest / "qdq.onnx")
+    if fallback_tensors:  # ONNX Runtime's quantiser needs every quantised node's ranges: strip them afterwards
+        strip_qdq(dest / "qdq.onnx", fallback_tensors)
+    trt = {k: v for k, v in cache_ranges.items() if k not in float_tensors}
+    (dest / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
+    write_trt_calibration_cache(dest / "calib.cache", trt)
+    return {"dla_nodes": len(scope), "tied_groups": len(ties.groups), "fused_gates": len(ties.gates),
+            "fallback": sorted(fallback_nodes)}
+
+
+def quant_variant(model: NormalisedModel, stats: TensorStatistics, stats_key: str, cache: EngineCache,
+                  settings: QuantSettings, exclude_nodes, keep_float, dla_nodes, samples: int,
+                  force_ties: bool = False, fallback_nodes=()) -> QuantArtefacts:
+    """One set of INT8 artefacts from shared statistics, through the cache (see :func:`variant_files`)."""
     import onnxruntime
 
-    graph = model.graph
     excluded = sorted(set(exclude_nodes) | set(keep_float))
-    scope = {n.name for n in graph.nodes} if force_ties else set(dla_nodes)
+    scope = {n.name for n in model.graph.nodes} if force_ties else set(dla_nodes)
     key = digest("int8", QUANT_VERSION, model.sha256, stats_key, settings.method, repr(settings.percentile), str(force_ties),
-                 ",".join(excluded), ",".join(sorted(keep_float)), digest(*sorted(scope)), onnxruntime.__version__)
+                 ",".join(excluded), ",".join(sorted(keep_float)), digest(*sorted(scope)), ",".join(sorted(fallback_nodes)),
+                 onnxruntime.__version__)
 
     def build(tmp: Path) -> dict:
-        ties = dla_ties(graph, scope, fuse_gates=not force_ties)
-        raw = stats.ranges(settings.method, settings.percentile)
-        cache_ranges = tie_ranges(raw, ties)
-        # the emulation: tied ranges, and each fused gate pair left in float (the DLA does not round inside it)
-        emulated = {t: a for t, a in cache_ranges.items() if t not in ties.gates}
-        quantize_qdq(model, emulated, set(excluded) | set(ties.fused), tmp / "qdq.onnx")
-        float_tensors = {o for node in graph.nodes if node.name in set(keep_float) for o in node.outputs}
-        trt = {k: v for k, v in cache_ranges.items() if k not in float_tensors}
-        (tmp / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
-        write_trt_calibration_cache(tmp / "calib.cache", trt)
-        return {"samples": samples, "dla_nodes": len(scope), "tied_groups": len(ties.groups), "fused_gates": len(ties.gates)}
+        meta = variant_files(model, stats, tmp, settings, exclude_nodes, keep_float, scope, force_ties, fallback_nodes)
+        return {"samples": samples, **meta}
 
     what = f"Q/DQ INT8 of {model.source}" + (f" ({len(scope)} DLA node(s) tied)" if scope else "")
     entry = cache.get_or_build("int8", key, build, what=what)
