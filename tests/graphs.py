@@ -138,8 +138,8 @@ def silu_net(size: int = 32, channels: int = 16, seed: int = 0, opset: int = 13)
     d = conv("m3", "pool", channels, channels)
     out = conv("head", d, channels, 8, act=False)
     nodes.append(helper.make_node("Identity", [out], ["output0"], name="output"))
-    g = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, size, size])],
-                          [helper.make_tensor_value_info("output0", TensorProto.FLOAT, [1, 8, size // 4, size // 4])], inits)
+    g = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, size, size])],
+                          [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["N", 8, size // 4, size // 4])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
 
 

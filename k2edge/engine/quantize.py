@@ -191,12 +191,51 @@ def calibration_statistics(model: NormalisedModel, dataset: Dataset, preprocess:
     def build(tmp: Path) -> dict:
         log.info("calibrating INT8 on %d samples from %s", len(calib_idx), dataset.source)
         shape = model.graph.shape(model.graph.inputs[0])
-        stats = collect_statistics(model.model, stage_batches(dataset, preprocess, shape, calib_idx), progress=progress)
+        signatures: list[np.ndarray] = []
+
+        def batches():
+            for batch, count in stage_batches(dataset, preprocess, shape, calib_idx):
+                signatures.extend(_signature(x) for x in batch[:count])
+                yield batch, count
+
+        stats = collect_statistics(model.model, batches(), progress=progress)
         stats.save(tmp / "statistics.npz")
-        return {"samples": len(calib_idx), "dataset": dataset.source}
+        return {"samples": len(calib_idx), "dataset": dataset.source, "distinct": _distinct(signatures)}
 
     entry = cache.get_or_build("int8-stats", key, build, what=f"INT8 statistics of {model.source}")
+    _warn_about(dataset, len(calib_idx), entry.meta.get("distinct"))
     return TensorStatistics.load(entry.file("statistics.npz")), key, entry.meta.get("samples", len(calib_idx))
+
+
+MIN_CALIBRATION_SAMPLES = 32  # fewer: ranges from too few scenes (a warning, not an error)
+
+
+def _signature(sample: np.ndarray) -> np.ndarray:
+    """A coarse fingerprint of one staged input (4x4 mean per channel) for spotting near-identical samples."""
+    x = np.asarray(sample, dtype=np.float32)
+    if x.ndim != 3:
+        return np.round(x.reshape(-1)[:64], 2)
+    c, h, w = x.shape
+    hh, ww = max(h // 4, 1), max(w // 4, 1)
+    pooled = x[:, : hh * 4, : ww * 4].reshape(c, 4, hh, 4, ww).mean(axis=(2, 4)) if h >= 4 and w >= 4 else x
+    scale = float(np.abs(x).max()) or 1.0
+    return np.round(pooled / scale, 2)
+
+
+def _distinct(signatures: list[np.ndarray]) -> int:
+    return len({s.tobytes() for s in signatures})
+
+
+def _warn_about(dataset: Dataset, n: int, distinct: int | None) -> None:
+    """Warn about calibration sets that give untrustworthy ranges (too few, or near-identical samples)."""
+    if n < MIN_CALIBRATION_SAMPLES:
+        log.warning("calibration set %s: %d sample(s) calibrate INT8 (fewer than %d): ranges from so few scenes may "
+                    "clip what the cameras see later; give 100-500 images from the deployment's own cameras",
+                    dataset.source, n, MIN_CALIBRATION_SAMPLES)
+    if distinct is not None and n >= 4 and distinct <= n // 2:
+        log.warning("calibration set %s: only %d of %d calibration samples differ noticeably (near-identical "
+                    "frames): the ranges fit one scene; draw frames from varied scenes, light and times of day",
+                    dataset.source, distinct, n)
 
 
 @dataclass(frozen=True)
@@ -316,22 +355,23 @@ def quantize_qdq(model: NormalisedModel, ranges: dict[str, float], exclude_nodes
         ranges_file.unlink(missing_ok=True)
 
 
-def strip_qdq(path: Path, tensors: set[str]) -> int:
-    """Remove the QuantizeLinear -> DequantizeLinear pairs on ``tensors`` in the model at ``path`` (their readers
-    read the float tensor again). Returns how many tensors lost their Q/DQ."""
+def qdq_to_fp16(path: Path, tensors: set[str]) -> int:
+    """Round ``tensors`` to FP16 instead of INT8 in the Q/DQ model at ``path``, as a layer running FP16 stores its
+    output: their QuantizeLinear -> DequantizeLinear pairs go, and a Cast(float16) -> Cast(float) pair feeds their
+    readers (the arithmetic stays FP32 on a CPU). Returns how many tensors changed."""
     model = onnx.load(str(path))
     nodes = list(model.graph.node)
-    outputs = {o.name for o in model.graph.output}
+    graph_outputs = {o.name for o in model.graph.output}
     readers: dict[str, list] = {}
     for n in nodes:
         for i in n.input:
             readers.setdefault(i, []).append(n)
-    drop, stripped = set(), 0
-    for q in nodes:
+    drop = set()
+    for q in nodes:  # the readers of a Q/DQ pair on one of the tensors read the tensor itself again
         if q.op_type != "QuantizeLinear" or q.input[0] not in tensors:
             continue
-        dqs = [r for r in readers.get(q.output[0], []) if r.op_type == "DequantizeLinear"]
-        if len(dqs) != len(readers.get(q.output[0], [])) or any(d.output[0] in outputs for d in dqs):
+        dqs = readers.get(q.output[0], [])
+        if not dqs or any(d.op_type != "DequantizeLinear" or d.output[0] in graph_outputs for d in dqs):
             continue
         for dq in dqs:
             for r in readers.get(dq.output[0], []):
@@ -340,12 +380,26 @@ def strip_qdq(path: Path, tensors: set[str]) -> int:
                         r.input[k] = q.input[0]
             drop.add(id(dq))
         drop.add(id(q))
-        stripped += 1
     kept = [n for n in nodes if id(n) not in drop]
+    changed = 0
+    out: list = []
+    for n in kept:
+        out.append(n)
+        for t in n.output:
+            if t not in tensors or t in graph_outputs:
+                continue
+            half, back = f"{t}/fp16", f"{t}/fp16_rounded"
+            for r in kept:
+                for k, name in enumerate(r.input):
+                    if name == t:
+                        r.input[k] = back
+            out.append(onnx.helper.make_node("Cast", [t], [half], to=onnx.TensorProto.FLOAT16, name=f"{t}/to_fp16"))
+            out.append(onnx.helper.make_node("Cast", [half], [back], to=onnx.TensorProto.FLOAT, name=f"{t}/from_fp16"))
+            changed += 1
     del model.graph.node[:]
-    model.graph.node.extend(kept)
+    model.graph.node.extend(out)
     onnx.save(model, str(path))
-    return stripped
+    return changed
 
 
 def ort_settings():
@@ -371,8 +425,9 @@ def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, s
         dla_nodes: the nodes this variant runs on a DLA: only they get the DLA's ties and fused gates.
         force_ties: apply the DLA's ties to every node, gates included, in the Q/DQ model too (what k2edge did
             up to QUANT_VERSION 3): only for tests that show why not.
-        fallback_nodes: layers the INT8 check moved to a higher precision: excluded like ``keep_float``, and
-            their outputs get no range (TensorRT then runs them in FP16, and so does the DLA).
+        fallback_nodes: layers the INT8 check moved to FP16: excluded like ``keep_float``, their outputs get no
+            range (TensorRT then runs them in FP16, and so does the DLA), and in the Q/DQ model their outputs are
+            rounded to FP16 instead of INT8.
 
     Returns:
         what the variant holds, for the cache's metadata.
@@ -389,8 +444,8 @@ def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, s
     # no Q/DQ on what a fallback layer writes (it has no INT8 range on the device either)
     emulated = {t: a for t, a in cache_ranges.items() if t not in ties.gates}
     quantize_qdq(model, emulated, excluded | set(ties.fused), dest / "qdq.onnx")
-    if fallback_tensors:  # ONNX Runtime's quantiser needs every quantised node's ranges: strip them afterwards
-        strip_qdq(dest / "qdq.onnx", fallback_tensors)
+    if fallback_tensors:  # ONNX Runtime's quantiser needs every quantised node's ranges: undo them afterwards
+        qdq_to_fp16(dest / "qdq.onnx", fallback_tensors)
     trt = {k: v for k, v in cache_ranges.items() if k not in float_tensors}
     (dest / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
     write_trt_calibration_cache(dest / "calib.cache", trt)
