@@ -210,3 +210,18 @@ def test_coco_json_is_a_calibration_set(tmp_path):
 
     ds = open_calibration(ROOT / "models/detector/eval/annotations.json")
     assert len(ds) == 200 and ds.labels is None and all(p.is_file() for p in ds.samples)
+
+
+# --- the plan tells the truth about precision ---------------------------------------------------------------
+
+def test_plan_shows_the_detector_head_in_float_and_inspect_counts_nodes():
+    det = str(ROOT / "models/detector/model.onnx")
+    data = json.loads(k2edge("plan", det, "-p", "c4", "--json").stdout)
+    head = {f["node"] for f in data["int8_fallback"]}
+    assert head and all(n.startswith("head/") for n in head)
+    precision = {n: p for s in data["segments"] for n, p in s["layer_precision"].items()}
+    assert all(precision[n] == "fp16" for n in head)
+    text = k2edge("plan", det, "-p", "c4").stdout
+    assert "kept out of INT8" in text
+    shown = k2edge("inspect", det).stdout
+    assert "> 99.9 % of FLOPs DLA-capable (42 of 59 nodes; 17 are not)" in shown

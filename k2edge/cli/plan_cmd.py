@@ -36,13 +36,17 @@ def run(args) -> int:
     else:
         raise K2EdgeError("give --profile P, or both --offload-ratio R and --partition G")
     nm = normalise(args.model, batch_size=profile.edge_runtime.batch_size, input_shapes=dict(args.input_shape) or None)
-    if args.card:  # placement does not depend on the card; check it fits the model all the same
-        from pathlib import Path
+    from pathlib import Path
 
-        from ..engine.engine import model_card
+    from ..config.card import find_card
+    from ..engine.engine import model_card
 
-        model_card(Path(args.model), nm, args.card)
     plan = plan_partition(nm, profile, board_of(args), args.precision)
+    card_path = args.card or find_card(Path(args.model))
+    if card_path:  # placement does not depend on the card, precision does: what it keeps out of INT8
+        from ..engine.int8 import plan_with_card
+
+        plan = plan_with_card(plan, nm, model_card(Path(args.model), nm, card_path))
     data = plan.to_dict()
     data["profile"] = profile.name
     data["model"] = nm.source
@@ -55,9 +59,22 @@ def run(args) -> int:
     for s in plan.segments:
         span = f"{s.nodes[0]} .. {s.nodes[-1]}" if len(s.nodes) > 1 else s.nodes[0]
         share = f"{s.request_share:.0%} of requests" if s.request_share is not None else f"{s.flops / max(plan.total_flops, 1):.1%}"
-        rows.append([s.index, s.device, len(s.nodes), share, s.precision, span,
+        rows.append([s.index, s.device, len(s.nodes), share, _precision_text(s, plan.precision_chain), span,
                      ", ".join(s.inputs) if len(s.inputs) <= 2 else f"{len(s.inputs)} tensors"])
     print(table(rows, ["seg", "device", "nodes", "FLOPs / share", "precision", "span", "inputs"]))
     for note in plan.notes[1:]:
         print(f"note: {note}")
+    if any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+        print("note: layers the INT8 accuracy check moves to fp16 are decided at build (k2edge build lists them)")
     return 0
+
+
+def _precision_text(seg, chain) -> str:
+    """What a segment's layers really run in: one precision, or the count of each (``int8 42, fp16 13``)."""
+    from collections import Counter
+
+    counts = Counter(seg.layer_precision.values())
+    if len(counts) <= 1:
+        return seg.precision
+    order = list(chain) + [p for p in ("fp32", "fp16", "int8") if p not in chain]
+    return ", ".join(f"{p} {counts[p]}" for p in order if counts.get(p))

@@ -194,8 +194,7 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
                  json.dumps(tolerance, sort_keys=True), check_fp, repr(check_idx), plan_identity(plan),
                  ",".join(keep_float), ",".join(exclude), str(force_ties))
     common = dict(settings=settings, exclude_nodes=exclude, keep_float=keep_float, force_ties=force_ties)
-    head = [{"node": n, "device": devices.get(n, "gpu"), "precision": next_precision(plan.precision_chain, devices.get(n, "gpu")) or "fp16",
-             "reason": "the card keeps it out of INT8 (a detector's head, or [quantization] keep_float)"} for n in keep_float]
+    head = card_fallback(plan, keep_float)
 
     def build(tmp: Path) -> dict:
         runner = _CheckRunner(model, check_data, check_idx, preprocess, task, decoder, progress)
@@ -282,6 +281,22 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
     moved = tuple(sorted(f["node"] for f in check.fallback))
     quant = _artefacts(model, stats, stats_key, cache, new_plan, samples, moved, **common)
     return Int8Decision(quant, new_plan, check, entry.hit)
+
+
+CARD_REASON = "the card keeps it out of INT8 (a detector's head, or [quantization] keep_float)"
+
+
+def card_fallback(plan: PartitionPlan, nodes) -> list[dict]:
+    """The fallback entries of the nodes a card keeps out of INT8 (each to the chain's next precision on its device)."""
+    devices = _node_devices(plan)
+    return [{"node": n, "device": devices[n], "precision": next_precision(plan.precision_chain, devices[n]) or
+             ("fp16" if devices[n].startswith("dla") else "fp32"), "reason": CARD_REASON}
+            for n in sorted(nodes) if n in devices]
+
+
+def plan_with_card(plan: PartitionPlan, model: NormalisedModel, card: ModelCard) -> PartitionPlan:
+    """The plan as it runs with ``card``: what the card keeps out of INT8 in its real precision (``k2edge plan``)."""
+    return with_fallback(plan, tuple(card_fallback(plan, float_nodes(model.graph, card))))
 
 
 def _score(measures: dict, tol: dict) -> float:
