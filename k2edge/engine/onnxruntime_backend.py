@@ -85,7 +85,8 @@ def build_segments(model: NormalisedModel, plan: PartitionPlan, quant: QuantArte
                 sub = extract_submodel(qdq_for(seg.device), seg.inputs, seg.outputs, name)
                 fp16_layers = [n for n, p in seg.layer_precision.items() if p == "fp16"]
                 if fp16_layers:
-                    notes.append(f"segment {seg.index}: {len(fp16_layers)} FP16 layer(s) of an INT8 segment run in FP32 on the cpu lane")
+                    notes.append(f"segment {seg.index}: {len(fp16_layers)} FP16 layer(s) of an INT8 segment compute in FP32 on the cpu lane "
+                                 f"(the outputs of layers the INT8 check moved are rounded to FP16)")
             else:
                 sub = extract_submodel(model.model, seg.inputs, seg.outputs, name)
                 if precision == "fp16":
