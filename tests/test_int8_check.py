@@ -123,6 +123,12 @@ def test_fallback_moves_the_worst_layers_to_fp16_until_the_tolerance_holds(silu,
     assert not outputs & _qdq_tensors(quant_dir / "qdq.onnx")
     casts = {n.input[0] for n in onnx.load(str(quant_dir / "qdq.onnx")).graph.node if n.op_type == "Cast"}
     assert outputs & casts  # rounded to FP16 instead
+    profile = tmp_path / "gpu.json"
+    profile.write_text(json.dumps(GPU_CHAIN))
+    shown = json.loads(k2edge("plan", str(silu / "silu.onnx"), "-p", str(profile), "--calib", str(silu / "calib.npz"),
+                              "--cache", str(tmp_path), "--json").stdout)  # `plan` after the build
+    assert [f["node"] for f in shown["int8_fallback"]] == [f["node"] for f in moved]
+    assert shown["int8_check"]["status"] == "fallback"
     assert not outputs & set(read_trt_calibration_cache(quant_dir / "calib.cache"))
 
 
@@ -200,9 +206,10 @@ def test_calibration_set_errors_and_warnings(tmp_path, caplog):
     for i in range(10):
         Image.new("L", (32, 32), 128).save(same / f"{i}.png")
     caplog.set_level(logging.WARNING, logger="k2edge")
-    Engine.build(MODEL, "c2", calib=same, cache_dir=tmp_path / "cache")
+    engine = Engine.build(MODEL, "c2", calib=same, cache_dir=tmp_path / "cache")
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "fewer than 32" in text and "near-identical" in text
+    assert engine.info.int8_check.source == "in-sample" and engine.info.int8_check.samples == 10
 
 
 def test_coco_json_is_a_calibration_set(tmp_path):

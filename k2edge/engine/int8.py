@@ -173,26 +173,12 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
         BuildError: an explicit tolerance needs more check samples (or boxes) than there are.
     """
     graph = model.graph
-    int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
-    keep_float = tuple(sorted(float_nodes(graph, card) & int8_nodes))
-    exclude = tuple(sorted(n.name for n in graph.nodes if n.name not in int8_nodes))
-    settings = quant_settings(edge_runtime, card)
+    setup = _setup(model, plan, calib, preprocess, card, edge_runtime, check_set, force_ties)
+    keep_float, exclude, settings, devices = setup["keep_float"], setup["exclude"], setup["settings"], setup["devices"]
+    check_data, check_idx, source, task = setup["check_data"], setup["check_idx"], setup["source"], card.task
+    tolerance, explicit, allow, key = setup["tolerance"], setup["explicit"], setup["allow"], setup["key"]
     stats, stats_key, samples = calibration_statistics(model, calib, preprocess, cache,
                                                        _counter(progress, "calibrating", len(calib)))
-    calib_idx, held_out, in_sample = calibration_split(len(calib))
-    if check_set is not None:
-        check_data, check_idx = check_set, list(range(min(len(check_set), MAX_CALIBRATION_SAMPLES)))
-        source, check_fp = check_set.source, check_set.fingerprint()
-    else:
-        check_data, check_idx = calib, held_out
-        source, check_fp = ("in-sample" if in_sample else "held-out"), "held-out"
-    task = card.task
-    tolerance, explicit = tolerance_for(task, getattr(edge_runtime, "int8_tolerance", None), card.quantization.tolerance)
-    devices = _node_devices(plan)
-    allow = any(next_precision(plan.precision_chain, d) for d in set(devices.values()))
-    key = digest("int8-decision", QUANT_VERSION, model.identity, stats_key, settings.method, repr(settings.percentile),
-                 json.dumps(tolerance, sort_keys=True), check_fp, repr(check_idx), plan_identity(plan),
-                 ",".join(keep_float), ",".join(exclude), str(force_ties))
     common = dict(settings=settings, exclude_nodes=exclude, keep_float=keep_float, force_ties=force_ties)
     head = card_fallback(plan, keep_float)
 
@@ -297,6 +283,45 @@ def card_fallback(plan: PartitionPlan, nodes) -> list[dict]:
 def plan_with_card(plan: PartitionPlan, model: NormalisedModel, card: ModelCard) -> PartitionPlan:
     """The plan as it runs with ``card``: what the card keeps out of INT8 in its real precision (``k2edge plan``)."""
     return with_fallback(plan, tuple(card_fallback(plan, float_nodes(model.graph, card))))
+
+
+def _setup(model, plan, calib, preprocess, card, edge_runtime, check_set, force_ties) -> dict:
+    """What a decision depends on, and its cache key (no calibration needed to know it)."""
+    from .quantize import statistics_key
+
+    graph = model.graph
+    int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
+    keep_float = tuple(sorted(float_nodes(graph, card) & int8_nodes))
+    exclude = tuple(sorted(n.name for n in graph.nodes if n.name not in int8_nodes))
+    settings = quant_settings(edge_runtime, card)
+    _, held_out, in_sample = calibration_split(len(calib))
+    if check_set is not None:
+        check_data, check_idx = check_set, list(range(min(len(check_set), MAX_CALIBRATION_SAMPLES)))
+        source, check_fp = check_set.source, check_set.fingerprint()
+    else:
+        check_data, check_idx = calib, held_out
+        source, check_fp = ("in-sample" if in_sample else "held-out"), "held-out"
+    tolerance, explicit = tolerance_for(card.task, getattr(edge_runtime, "int8_tolerance", None), card.quantization.tolerance)
+    devices = _node_devices(plan)
+    allow = any(next_precision(plan.precision_chain, d) for d in set(devices.values()))
+    key = digest("int8-decision", QUANT_VERSION, model.identity, statistics_key(model, calib, preprocess), settings.method,
+                 repr(settings.percentile), json.dumps(tolerance, sort_keys=True), check_fp, repr(check_idx),
+                 plan_identity(plan), ",".join(keep_float), ",".join(exclude), str(force_ties))
+    return dict(keep_float=keep_float, exclude=exclude, settings=settings, check_data=check_data, check_idx=check_idx,
+                source=source, tolerance=tolerance, explicit=explicit, devices=devices, allow=allow, key=key)
+
+
+def cached_decision(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, preprocess: Preprocess,
+                    card: ModelCard, cache: EngineCache, edge_runtime, check_set: Dataset | None = None
+                    ) -> tuple[PartitionPlan, Int8Check] | None:
+    """The plan and check a previous build decided, from the cache only (None when no build decided yet):
+    what ``k2edge plan`` shows after a build."""
+    setup = _setup(model, plan, calib, preprocess, card, edge_runtime, check_set, False)
+    entry = cache.entry_dir("int8-decision", setup["key"])
+    if cache.verify(entry) is not None:
+        return None
+    check = Int8Check.from_dict(json.loads((entry / "decision.json").read_text()))
+    return with_fallback(plan, tuple(card_fallback(plan, setup["keep_float"])) + tuple(check.fallback)), check
 
 
 def _score(measures: dict, tol: dict) -> float:

@@ -174,19 +174,25 @@ def stage_batches(dataset: Dataset, preprocess: Preprocess, input_shape: tuple[i
         yield out, count
 
 
+def statistics_key(model: NormalisedModel, dataset: Dataset, preprocess: Preprocess) -> str:
+    """The cache key of a model's calibration statistics: the same at every batch size."""
+    import onnxruntime
+
+    calib_idx, _, _ = calibration_split(len(dataset))
+    return digest("int8-stats", QUANT_VERSION, model.identity, dataset.fingerprint(), repr(calib_idx),
+                  preprocess.fingerprint(), onnxruntime.__version__)
+
+
 def calibration_statistics(model: NormalisedModel, dataset: Dataset, preprocess: Preprocess, cache: EngineCache,
                            progress=None) -> tuple[TensorStatistics, str, int]:
     """Per-tensor statistics of the calibration samples (cached): (statistics, key, samples).
 
     Keyed by the model's batch-free identity, so every batch size of one model shares one calibration.
     """
-    import onnxruntime
-
     if len(model.graph.inputs) != 1:
         raise BuildError(f"INT8 calibration supports single-input models; this one has {list(model.graph.inputs)}")
     calib_idx, _, _ = calibration_split(len(dataset))
-    key = digest("int8-stats", QUANT_VERSION, model.identity, dataset.fingerprint(), repr(calib_idx),
-                 preprocess.fingerprint(), onnxruntime.__version__)
+    key = statistics_key(model, dataset, preprocess)
 
     def build(tmp: Path) -> dict:
         log.info("calibrating INT8 on %d samples from %s", len(calib_idx), dataset.source)
