@@ -57,6 +57,7 @@ def test_classification_and_tensor_measures():
 
 # --- the check at every build: stderr, --json, cache --------------------------------------------------------
 
+@pytest.mark.slow
 def test_check_line_on_stderr_and_int8_check_in_json(tmp_path):
     """build/eval --json carry int8_check in their one document, infer --json in each line; the line is on stderr."""
     cache = str(tmp_path / "cache")

@@ -264,3 +264,32 @@ def test_bad_calibration_settings_name_the_field(bad, message):
 
     with pytest.raises(ProfileError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_profile({"edge_runtime": bad})
+
+
+def test_conv_then_batchnorm_is_one_layer_in_the_emulation(tmp_path):
+    """TensorRT fuses Conv + BatchNormalization: the tensor between them gets no Q/DQ in the emulation."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from k2edge.engine.calibration import TensorStatistics
+    from k2edge.engine.quantize import QuantSettings, conv_bn_outputs, variant_files
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")]
+    inits += [numpy_helper.from_array(v.astype(np.float32), n) for n, v in
+              (("g", rng.uniform(0.5, 2, 4)), ("b", rng.standard_normal(4)), ("m", rng.standard_normal(4)), ("v", rng.uniform(0.5, 2, 4)))]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["bn"], name="bn"),
+             helper.make_node("Relu", ["bn"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2")]
+    inits.append(numpy_helper.from_array(rng.standard_normal((2, 4, 1, 1)).astype(np.float32), "w2"))
+    g = helper.make_graph(nodes, "cbn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])], inits)
+    nm = normalise(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]))
+    assert conv_bn_outputs(nm.graph) == {"c"}
+    stats = TensorStatistics()
+    from k2edge.engine.calibration import collect_statistics
+
+    stats = collect_statistics(nm.model, [(rng.standard_normal((1, 3, 8, 8)).astype(np.float32), 1)])
+    variant_files(nm, stats, tmp_path, QuantSettings(), (), (), frozenset())
+    quantised = {n.input[0] for n in onnx.load(str(tmp_path / "qdq.onnx")).graph.node if n.op_type == "QuantizeLinear"}
+    assert "c" not in quantised and "x" in quantised

@@ -361,10 +361,11 @@ def quantize_qdq(model: NormalisedModel, ranges: dict[str, float], exclude_nodes
         ranges_file.unlink(missing_ok=True)
 
 
-def qdq_to_fp16(path: Path, tensors: set[str]) -> int:
+def qdq_to_fp16(path: Path, tensors: set[str], fp16: bool = True) -> int:
     """Round ``tensors`` to FP16 instead of INT8 in the Q/DQ model at ``path``, as a layer running FP16 stores its
     output: their QuantizeLinear -> DequantizeLinear pairs go, and a Cast(float16) -> Cast(float) pair feeds their
-    readers (the arithmetic stays FP32 on a CPU). Returns how many tensors changed."""
+    readers (the arithmetic stays FP32 on a CPU). With ``fp16`` False the pairs just go (a tensor TensorRT never
+    materialises). Returns how many tensors changed."""
     model = onnx.load(str(path))
     nodes = list(model.graph.node)
     graph_outputs = {o.name for o in model.graph.output}
@@ -392,7 +393,7 @@ def qdq_to_fp16(path: Path, tensors: set[str]) -> int:
     for n in kept:
         out.append(n)
         for t in n.output:
-            if t not in tensors or t in graph_outputs:
+            if not fp16 or t not in tensors or t in graph_outputs:
                 continue
             half, back = f"{t}/fp16", f"{t}/fp16_rounded"
             for r in kept:
@@ -406,6 +407,21 @@ def qdq_to_fp16(path: Path, tensors: set[str]) -> int:
     model.graph.node.extend(out)
     onnx.save(model, str(path))
     return changed
+
+
+def conv_bn_outputs(graph: Graph) -> set[str]:
+    """Convolution outputs read only by a BatchNormalization: TensorRT fuses the two ("Convolution and Scale" in its
+    layer-fusion catalogue; the ONNX parser imports BatchNormalization as a scale layer), so the tensor between them
+    is never rounded to INT8 on the device, and the emulation must not round it either."""
+    out = set()
+    for node in graph.nodes:
+        if node.op_type not in ("Conv", "ConvTranspose"):
+            continue
+        t = node.outputs[0]
+        readers = [graph.nodes[i] for i in graph.consumers.get(t, [])]
+        if readers and t not in graph.outputs and all(r.op_type == "BatchNormalization" for r in readers):
+            out.add(t)
+    return out
 
 
 def ort_settings():
@@ -452,6 +468,9 @@ def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, s
     quantize_qdq(model, emulated, excluded | set(ties.fused), dest / "qdq.onnx")
     if fallback_tensors:  # ONNX Runtime's quantiser needs every quantised node's ranges: undo them afterwards
         qdq_to_fp16(dest / "qdq.onnx", fallback_tensors)
+    fused = conv_bn_outputs(graph)
+    if fused:
+        qdq_to_fp16(dest / "qdq.onnx", fused, fp16=False)
     trt = {k: v for k, v in cache_ranges.items() if k not in float_tensors}
     (dest / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
     write_trt_calibration_cache(dest / "calib.cache", trt)
