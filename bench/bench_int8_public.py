@@ -6,7 +6,8 @@ of HardSigmoid -> Mul, depthwise convolutions; Apache-2.0). It is not trained he
 wheel or an unpacked copy (``pip download rapidocr-onnxruntime==1.4.4 --no-deps``).
 
 Data: text lines rendered with Pillow's bundled font (random words, sizes, colours, blur and noise), half of
-them rotated 180 degrees: 120 calibration lines and 400 evaluation lines from different seeds. They are not the
+them rotated 180 degrees: 120 calibration lines, 400 evaluation lines and 200 lines for ``--check``, each set
+from its own seed. They are not the
 photographed text lines the model was trained on, so FP32 top-1 is about 81 %: what matters here is INT8
 against FP32 on the same images.
 
@@ -53,6 +54,9 @@ RUNS = [
      {"name": "gpu-int8-pct", "edge_runtime": {"precision_fallback": ["int8"], "calibration": {"method": "percentile"}}}, None, None),
     ("INT8 + fp16 fallback, GPU only", {"name": "gpu-int8", "edge_runtime": {"precision_fallback": ["int8", "fp16"]}}, None, None),
     ("c2", "c2", None, None), ("c3", "c3", None, None), ("c4", "c4", None, None),
+    ("INT8 + fp16 fallback, GPU only, --check 200 other lines",
+     {"name": "gpu-int8", "edge_runtime": {"precision_fallback": ["int8", "fp16"]}}, "check", None),
+    ("c4, --check 200 other lines", "c4", "check", None),
 ]
 
 
@@ -102,10 +106,12 @@ def main() -> int:
         (tmp / "labels.txt").write_text("0\n180\n")
         render(tmp / "calib", 120, 1)
         render(tmp / "eval", 400, 2)
+        render(tmp / "check", 200, 3)
         dataset = open_dataset(tmp / "eval", ["0", "180"])
         reference = None
-        for label, profile, _, _ in RUNS:
-            engine = Engine.build(model, profile, calib=tmp / "calib", cache_dir=tmp / "cache")
+        for label, profile, check, _ in RUNS:
+            engine = Engine.build(model, profile, calib=tmp / "calib", cache_dir=tmp / "cache",
+                                  check=tmp / check if check else None)
             with engine:
                 result = evaluate_classifier(engine, dataset)
             preds = np.array(result["predictions"])

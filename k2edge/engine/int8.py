@@ -12,7 +12,7 @@ samples; SQNR = 20 log10(|x| / |x - Q/DQ(x)|), as onnxruntime's ``quantization/q
 ``compute_signal_to_quantization_noice_ratio`` computes it, here from running sums instead of every
 activation kept in memory), then a bisection finds how few of the worst must move to the chain's next
 precision on the same device (FP16: the DLA runs it, so no GPU<->DLA transition is added) for the tolerance to
-hold.
+hold (a bisection from above, then doubling probes from below; the smallest k that held wins).
 """
 
 from __future__ import annotations
@@ -234,18 +234,32 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
                     tried[k] = evaluate(tuple(names[:k]))
                     done[0] += 1
                     if progress:
-                        progress("int8 fallback", done[0], max(1, math.ceil(math.log2(len(names) + 1)) + 1))
+                        progress("int8 fallback", done[0], max(done[0], 2 * math.ceil(math.log2(len(names) + 1))))
                 return meets(tried[k], tol)
 
-            lo, hi = 0, len(names)
-            if names and check_k(hi):
+            # The measures are not monotonic in k on a few dozen samples, so one search can settle on a large k
+            # where a smaller one holds: bisect from above (between none and all ranked layers), then probe
+            # doubling k from below the answer, and keep the smallest k that held.
+            if names and check_k(len(names)):
+                lo, hi = 0, len(names)
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
                     if check_k(mid):
                         hi = mid
                     else:
                         lo = mid
-                best = hi
+                lo, k = 0, 1
+                while k < hi:
+                    if check_k(k):
+                        while k - lo > 1:  # bisect between the last miss and this hit
+                            mid = (lo + k) // 2
+                            if check_k(mid):
+                                k = mid
+                            else:
+                                lo = mid
+                        break
+                    lo, k = k, k * 2
+                best = min(k for k in tried if k > 0 and meets(tried[k], tol))
                 status = "fallback"
             else:
                 best = max(tried, key=lambda k: _score(tried[k], tol))
