@@ -44,6 +44,8 @@ from .quantize import (MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, Q
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+_LOWER_IS_BETTER = ("mean_abs_dp", "max_rel_error")
+_COUNTS = ("samples", "reference_boxes", "int8_boxes")
 
 
 @dataclass(frozen=True)
@@ -120,23 +122,22 @@ class _CheckRunner:
 
     def measure(self, qdq_models: list) -> dict[str, float]:
         """The check's measures for INT8 emulated by ``qdq_models`` (the worst of them, measure by measure)."""
-        worst: dict[str, float] = {}
+        d = self.decoder
+        per_model = []
         for m in qdq_models:
             s = session(m, optimise=True)
             got = [self._named(s.run(self.outputs, {self.model.graph.inputs[0]: b}), n) for b, n in self.batches()]
-            d = self.decoder
-            measures = compare_outputs(
+            per_model.append(compare_outputs(
                 self.task, self.reference, got,
                 probabilities=(lambda o: d.probabilities(o)) if d is not None else None,
-                detections=(lambda o: d.detections(o, [None] * len(next(iter(o.values()))))) if d is not None else None)
+                detections=(lambda o: d.detections(o, [None] * len(next(iter(o.values()))))) if d is not None else None))
+        worst = dict(per_model[0])
+        for measures in per_model[1:]:
             for k, v in measures.items():
-                lower_is_better = k in ("mean_abs_dp", "max_rel_error")
-                if k not in worst:
-                    worst[k] = v
-                elif k in ("samples", "reference_boxes", "int8_boxes"):
-                    worst[k] = v
-                else:
-                    worst[k] = max(worst[k], v) if lower_is_better else min(worst[k], v)
+                if k in _LOWER_IS_BETTER:
+                    worst[k] = max(worst[k], v)
+                elif k not in _COUNTS:
+                    worst[k] = min(worst[k], v)
         return worst
 
     def sqnr(self, ranges: dict[str, float], tensors: list[str]) -> dict[str, float]:
