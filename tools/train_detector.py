@@ -19,6 +19,10 @@ Run from the repository root:
     .venv-train/bin/pip install torch==2.13.0 numpy onnx onnxruntime scikit-learn pillow pycocotools
     .venv-train/bin/python tools/train_detector.py --out models/detector
 
+The SiLU variant in tests/fixtures/detector-silu/ (see its README) is trained with
+``--activation silu --data models/detector``: the same network with SiLU (exported as
+Sigmoid + Mul), measured on the demo detector's own eval/ and samples/.
+
 Deterministic (seed 0 everywhere, deterministic torch algorithms, a fixed
 thread count). The script ends with its own check of the written files: a
 plain numpy reference decode of the onnxruntime output (score threshold, per
@@ -268,9 +272,18 @@ def training_set(glyphs, labels, n: int, rng: np.random.Generator):
 # ------------------------------------------------------------------------------ model
 
 
+ACTIVATIONS = {
+    "relu": lambda: nn.ReLU(inplace=True),
+    # SiLU as YOLOv8 uses it: the opset-17 export writes it as Sigmoid + Mul (x * sigmoid(x))
+    "silu": lambda: nn.SiLU(),
+}
+ACTIVATION = "relu"  # set by --activation before the model is built
+
+
 def conv(cin: int, cout: int, k: int = 3, s: int = 1) -> nn.Sequential:
-    """Conv + BN + ReLU: BN folds into the Conv at export, ReLU runs on the DLA."""
-    return nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+    """Conv + BN + activation: BN folds into the Conv at export, ReLU (or Sigmoid and Mul) runs on the DLA."""
+    return nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout),
+                         ACTIVATIONS[ACTIVATION]())
 
 
 class Backbone(nn.Module):
@@ -469,7 +482,7 @@ def train(model: DigitDetector, x: np.ndarray, targets: list, epochs: int) -> No
     generator = torch.Generator().manual_seed(SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     steps = epochs * math.ceil(len(x) / BATCH_SIZE)
-    warmup = min(300, steps // 10)
+    warmup = max(1, min(300, steps // 10))  # at least one step (tiny smoke runs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda k: min(1.0, (k + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(k, steps) / steps)))
     for epoch in range(1, epochs + 1):
@@ -521,6 +534,19 @@ def export_onnx(model: DigitDetector, path: Path) -> None:
     onnx.checker.check_model(proto, full_check=True)
     ops = {n.op_type for n in proto.graph.node}
     assert "BatchNormalization" not in ops, f"BatchNorm was not folded: {sorted(ops)}"
+    body = [n for n in proto.graph.node if not n.name.startswith("head/")]
+    if ACTIVATION == "silu":
+        # every activation is x * sigmoid(x): one Sigmoid feeding one Mul whose other input is the Sigmoid's input
+        producers = {o: n for n in body for o in n.output}
+        sigmoids = [n for n in body if n.op_type == "Sigmoid"]
+        muls = [n for n in body if n.op_type == "Mul"]
+        assert "Relu" not in ops and len(sigmoids) == len(muls) == 16, (sorted(ops), len(sigmoids), len(muls))
+        for mul in muls:
+            sig = next(producers[i] for i in mul.input if producers.get(i) is not None
+                       and producers[i].op_type == "Sigmoid")
+            assert set(mul.input) == {sig.input[0], sig.output[0]}, (mul.name, list(mul.input))
+    else:
+        assert "Sigmoid" not in {n.op_type for n in body}, sorted(ops)
     assert all(o.domain in ("", "ai.onnx") for o in proto.opset_import), proto.opset_import
     onnx.save(proto, str(path))
 
@@ -703,8 +729,8 @@ def evaluate(session: ort.InferenceSession, folder: Path, score_threshold: float
     return coco_map(annotations, results)
 
 
-def verify(out: Path, model: DigitDetector) -> None:
-    """Check the written files with onnxruntime alone and print the reference mAP."""
+def verify(out: Path, model: DigitDetector, data: Path) -> None:
+    """Check the written files with onnxruntime alone and print the reference mAP on ``data``'s eval/ and samples/."""
     proto = onnx.load(str(out / "model.onnx"))
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     anchors = sum((INPUT // s) ** 2 for s in STRIDES)
@@ -721,10 +747,10 @@ def verify(out: Path, model: DigitDetector) -> None:
           f"parameters: {sum(int(np.prod(t.dims)) for t in proto.graph.initializer):,}, "
           f"{(out / 'model.onnx').stat().st_size:,} bytes")
     for folder in ("eval", "samples"):
-        map50, map_ = evaluate(session, out / folder)
+        map50, map_ = evaluate(session, data / folder)
         print(f"{folder}: FP32 mAP@0.5 {map50:.4f}  mAP@0.5:0.95 {map_:.4f}  "
               f"(onnxruntime, reference decode, score >= {SCORE_THRESHOLD}, pycocotools)")
-    map50, map_ = evaluate(session, out / "eval", score_threshold=0.001)
+    map50, map_ = evaluate(session, data / "eval", score_threshold=0.001)
     print(f"eval: FP32 mAP@0.5 {map50:.4f}  mAP@0.5:0.95 {map_:.4f}  (score >= 0.001, COCO's usual setting)")
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"{out}: {total:,} bytes in all")
@@ -739,8 +765,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=24, help="training epochs")
     parser.add_argument("--scenes", type=int, default=TRAIN_SCENES, help="training scenes")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
+    parser.add_argument("--activation", choices=sorted(ACTIVATIONS), default="relu",
+                        help="activation after every Conv but the predictors' last (silu exports as Sigmoid + Mul)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="an existing folder with calib/, eval/ and samples/ to measure on instead of writing "
+                             "them under --out (e.g. models/detector: the same seeded scenes); default: --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    data = args.out if args.data is None else args.data
+    if args.data is not None:
+        for folder in ("calib", "eval/annotations.json", "samples/annotations.json"):
+            if not (data / folder).exists():
+                parser.error(f"--data {data}: no {folder}")
+    global ACTIVATION
+    ACTIVATION = args.activation
 
     seed_everything(args.threads)
     train_glyphs, train_labels, eval_glyphs, eval_labels = load_glyphs()
@@ -751,14 +789,18 @@ def main() -> None:
           f"digits: {len(train_labels)} train, {len(eval_labels)} held out")
 
     model = DigitDetector()
-    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
+    print(f"activation: {ACTIVATION}, parameters: {sum(p.numel() for p in model.parameters()):,}")
     start = time.perf_counter()
     train(model, x, targets, args.epochs)
     print(f"training took {time.perf_counter() - start:.0f}s")
 
     export_onnx(model, args.out / "model.onnx")
-    save_dataset_files(args.out, train_glyphs, train_labels, eval_glyphs, eval_labels)
-    verify(args.out, model)
+    if args.data is None:
+        save_dataset_files(args.out, train_glyphs, train_labels, eval_glyphs, eval_labels)
+    else:
+        (args.out / "labels.txt").write_text("".join(f"{c}\n" for c in range(NUM_CLASSES)))
+        (args.out / "card.toml").write_text(CARD)
+    verify(args.out, model, data)
 
 
 if __name__ == "__main__":
