@@ -111,6 +111,13 @@ class _CheckRunner:
         self.task, self.decoder, self.progress = task, decoder, progress
         self.shape = model.graph.shape(model.graph.inputs[0])
         self.outputs = list(model.graph.outputs)
+        self.relaxed = None
+        if task == "detection" and decoder is not None:
+            from ..tasks import TaskDecoder
+
+            spec = decoder.card.detection
+            low = decoder.card.model_copy(update={"detection": spec.model_copy(update={"score_threshold": spec.score_threshold / 2})})
+            self.relaxed = TaskDecoder(low, decoder.labels, {o: model.graph.shape(o) for o in model.graph.outputs})
         ref = session(model.model, optimise=True)
         self.reference = [self._named(ref.run(self.outputs, {self.model.graph.inputs[0]: b}), n) for b, n in self.batches()]
 
@@ -122,7 +129,7 @@ class _CheckRunner:
 
     def measure(self, qdq_models: list) -> dict[str, float]:
         """The check's measures for INT8 emulated by ``qdq_models`` (the worst of them, measure by measure)."""
-        d = self.decoder
+        d, low = self.decoder, self.relaxed
         per_model = []
         for m in qdq_models:
             s = session(m, optimise=True)
@@ -130,7 +137,8 @@ class _CheckRunner:
             per_model.append(compare_outputs(
                 self.task, self.reference, got,
                 probabilities=(lambda o: d.probabilities(o)) if d is not None else None,
-                detections=(lambda o: d.detections(o, [None] * len(next(iter(o.values()))))) if d is not None else None))
+                detections=(lambda o: d.detections(o, [None] * len(next(iter(o.values()))))) if d is not None else None,
+                relaxed=(lambda o: low.detections(o, [None] * len(next(iter(o.values()))))) if low is not None else None))
         worst = dict(per_model[0])
         for measures in per_model[1:]:
             for k, v in measures.items():
