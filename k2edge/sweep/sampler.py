@@ -137,8 +137,13 @@ Energy and peak temperature are computed by ``k2edge.telemetry.energy`` from the
         return (value, None) if value is not None else (None, "too few power readings to integrate")
 
     def peak_temperature(self, t0: float, t1: float) -> tuple[float | None, str | None]:
-        """(highest temperature in °C over [t0, t1], its sensor) or (None, why it is unknown)."""
-        best = self._peak(self.samples(t0, t1)) if self._peak else None
+        """(highest temperature in °C over [t0, t1], its sensor) or (None, why it is unknown).
+
+        As for energy, samples up to two intervals outside the window count: a run shorter than the sampling
+        interval would otherwise see no reading at all (and temperatures change slower than that).
+        """
+        margin = 2 * self.interval_s
+        best = self._peak(self.samples(t0 - margin, t1 + margin)) if self._peak else None
         if best is None:
             return None, self._why_no("no temperature sensor reading during the run", use_message=False)
         return float(best[1]), best[0]
