@@ -111,3 +111,47 @@ def grid_detector(height: int = 64, width: int = 96, stride: int = 8, opset: int
                           [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["N", 6, gh * gw])],
                           [numpy_helper.from_array(v, k) for k, v in inits.items()])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def silu_net(size: int = 32, channels: int = 16, seed: int = 0, opset: int = 13) -> onnx.ModelProto:
+    """A small YOLOv8-like SiLU backbone (Conv + Sigmoid*Mul, a residual Add, a MaxPool) with trained-like
+    weights: He-scaled kernels and BN-folded biases, and a few wide channels as BN folding leaves them, so a
+    Conv's output range is far wider than its sigmoid's 0..1. Output: a raw feature map (task ``tensor``)."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+
+    def conv(name, src, cin, cout, stride=1, act=True):
+        w = rng.standard_normal((cout, cin, 3, 3)) * np.sqrt(2.0 / (cin * 9))
+        w[: max(1, cout // 8)] *= 4.0  # a few wide channels, as BatchNorm folding leaves them
+        b = rng.standard_normal(cout) * 0.3
+        inits.extend([numpy_helper.from_array(w.astype(np.float32), f"{name}.w"),
+                      numpy_helper.from_array(b.astype(np.float32), f"{name}.b")])
+        nodes.append(helper.make_node("Conv", [src, f"{name}.w", f"{name}.b"], [f"{name}/conv"], pads=[1, 1, 1, 1],
+                                      strides=[stride, stride], name=f"{name}/Conv"))
+        if not act:
+            return f"{name}/conv"
+        nodes.append(helper.make_node("Sigmoid", [f"{name}/conv"], [f"{name}/sig"], name=f"{name}/act/Sigmoid"))
+        nodes.append(helper.make_node("Mul", [f"{name}/conv", f"{name}/sig"], [f"{name}/act"], name=f"{name}/act/Mul"))
+        return f"{name}/act"
+
+    a = conv("m0", "images", 3, channels, stride=2)
+    b = conv("m1", a, channels, channels)
+    c = conv("m2", b, channels, channels)
+    nodes.append(helper.make_node("Add", [a, c], ["res"], name="m2/Add"))
+    nodes.append(helper.make_node("MaxPool", ["res"], ["pool"], kernel_shape=[2, 2], strides=[2, 2], name="pool"))
+    d = conv("m3", "pool", channels, channels)
+    out = conv("head", d, channels, 8, act=False)
+    nodes.append(helper.make_node("Identity", [out], ["output0"], name="output"))
+    g = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, size, size])],
+                          [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["N", 8, size // 4, size // 4])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def smooth_images(n: int, size: int = 32, seed: int = 1) -> np.ndarray:
+    """``n`` photo-like uint8 RGB images (smooth blobs and edges, not white noise)."""
+    rng = np.random.default_rng(seed)
+    low = rng.uniform(0, 255, (n, 4, 4, 3))
+    up = np.kron(low, np.ones((1, size // 4, size // 4, 1)))
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    edges = (np.sin(xx[None] * rng.uniform(2, 9, (n, 1, 1)) * np.pi) * 40)[..., None]
+    return np.clip(up + edges + rng.normal(0, 6, up.shape), 0, 255).astype(np.uint8)

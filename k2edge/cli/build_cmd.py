@@ -20,7 +20,7 @@ def run(args) -> int:
     d = engine.describe()
     d["plan"] = {"granularity": engine.plan.granularity, "requested_gpu_share": engine.plan.requested_gpu_share,
                  "gpu_flop_share": engine.plan.gpu_flop_share, "segments": len(engine.plan.segments),
-                 "notes": list(engine.plan.notes)}
+                 "notes": list(engine.plan.notes), "int8_fallback": [dict(f) for f in engine.plan.int8_fallback]}
     if args.json:
         print_json(d)
         return 0
@@ -32,4 +32,22 @@ def run(args) -> int:
         print(f"  lane {lane['label']}: segment(s) {list(lane['segments'])}, {lane['precision']}{share}")
     for note in list(engine.plan.notes) + d["notes"]:
         print(f"  note: {note}")
+    _print_fallback(engine)
     return 0
+
+
+def _print_fallback(engine) -> None:
+    """Every layer kept out of INT8, why, and the check's figures before and after."""
+    fallback = engine.plan.int8_fallback
+    if not fallback:
+        return
+    check = engine.info.int8_check
+    print(f"  layers kept out of INT8 ({len(fallback)}):")
+    for f in fallback:
+        figure = f", output SQNR {f['sqnr_db']:.1f} dB" if f.get("sqnr_db") is not None else ""
+        print(f"    {f['node']} on {f['device']}: {f['precision']} ({f['reason']}{figure})")
+    if check is not None and check.before:
+        keys = [k for k in check.tolerance]
+        before = ", ".join(f"{k} {check.before[k]:.3f}" for k in keys)
+        after = ", ".join(f"{k} {check.measures[k]:.3f}" for k in keys)
+        print(f"  int8 check before fallback: {before}; after: {after}")

@@ -51,8 +51,11 @@ def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None
                    help="profile file or name (c1..c6, cpu-dev)")
     p.add_argument("--calib", metavar="DATA", help="calibration set for INT8: ImageFolder directory or .npz "
                    "(default: calib/ or calib.npz beside the model)")
+    p.add_argument("--check", metavar="DATA", help="run the INT8 accuracy check on this set (images folder, .npz "
+                   "or COCO .json) instead of every fifth calibration sample")
     p.add_argument("--precision", choices=("fp32", "fp16", "int8"),
-                   help="replace the profile's precision chain; fp32 is the reference mode")
+                   help="replace the profile's precision chain; fp32 is the reference mode (int8 alone: no "
+                        "layer falls back, the check only warns)")
     p.add_argument("--board", choices=BOARD_CHOICES, help="board to plan for (default: this board, else orin-agx)")
     p.add_argument("--cache", metavar="DIR", help="engine cache directory (default: ~/.cache/k2edge)")
     p.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto",
@@ -73,12 +76,44 @@ def board_of(args) -> str:
 
 
 def build_engine(args):
-    """Build the engine the common options describe."""
+    """Build the engine the common options describe; the INT8 check's line goes to stderr."""
     from ..engine.engine import Engine
 
-    return Engine.build(args.model, args.profile, args.calib, precision=args.precision, board=board_of(args),
-                        backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
-                        card=args.card)
+    bar = ProgressBar()
+    try:
+        engine = Engine.build(args.model, args.profile, args.calib, precision=args.precision, board=board_of(args),
+                              backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
+                              card=args.card, check=getattr(args, "check", None), progress=bar.update)
+    finally:
+        bar.close()
+    if engine.info.int8_check is not None:
+        print(engine.info.int8_check.line(), file=sys.stderr)
+    return engine
+
+
+class ProgressBar:
+    """A build's progress on stderr (``calibrating [#####     ] 24/48``), only when stderr is a terminal."""
+
+    WIDTH = 24
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.shown = False
+
+    def update(self, what: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        total = max(total, done, 1)
+        filled = int(self.WIDTH * done / total)
+        self.stream.write(f"\r{what} [{'#' * filled}{' ' * (self.WIDTH - filled)}] {done}/{total}\033[K")
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.shown = False
 
 
 def print_json(data) -> None:

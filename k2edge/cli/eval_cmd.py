@@ -49,7 +49,8 @@ def run(args) -> int:
     result.pop("per_image", None)
     result.update({"model": engine.model.source, "task": engine.card.task, "card": engine.card.source,
                    "profile": engine.profile.name, "dataset": dataset.source,
-                   "lanes": [lane.label + f" [{lane.precision}]" for lane in engine.lanes()]})
+                   "lanes": [lane.label + f" [{lane.precision}]" for lane in engine.lanes()],
+                   "int8_check": engine.info.int8_check.to_dict() if engine.info.int8_check is not None else None})
     if args.json:
         print_json(result)
     elif detector:

@@ -113,6 +113,7 @@ def run(args) -> int:
         raise InputError(f"--save-annotated draws detections; this model's task is {task!r} (a card with "
                          "task = \"detection\" makes it a detector)")
     first_outputs, staged = [], []
+    check = engine.info.int8_check.to_dict() if engine.info.int8_check is not None else None
     with engine:
         for path in args.inputs:
             t0 = time.perf_counter()
@@ -127,6 +128,8 @@ def run(args) -> int:
             record = {"input": path, **answer, "latency_ms": round((t2 - t1) * 1e3, 3),
                       "stage_ms": round((t1 - t0) * 1e3, 3), "profile": engine.profile.name,
                       "precision": "+".join(sorted({lane.precision for lane in engine.lanes()}))}
+            if check is not None:
+                record["int8_check"] = check
             if annotated is not None and not path.endswith(".npy"):
                 target = _annotated_path(annotated, Path(path), len(args.inputs) == 1)
                 from .annotate import annotate

@@ -73,6 +73,7 @@ def run(args) -> int:
         "total_flops": total,
         "param_bytes": sum(t.nbytes for name, t in g.tensors.items() if name in g.initializers),
         "dla_capable_flop_share": dla_flops / total if total else 0.0,
+        "dla_capable_nodes": sum(1 for s in support if s.ok),
         "card": _card(args, nm),
         "nodes": nodes,
     }
@@ -84,7 +85,8 @@ def run(args) -> int:
         for t in data[kind]:
             print(f"  {kind[:-1]:6} {t['name']}  {t['dtype']} {tuple(t['shape'])}")
     print(f"  {len(nodes)} nodes, {total / 1e6:.2f} MFLOPs, {data['param_bytes'] / 1e6:.2f} MB of parameters, "
-          f"{data['dla_capable_flop_share']:.1%} of FLOPs DLA-capable")
+          f"{_share(dla_flops, total)} of FLOPs DLA-capable ({data['dla_capable_nodes']} of {len(nodes)} nodes"
+          + (f"; {len(nodes) - data['dla_capable_nodes']} are not" if data['dla_capable_nodes'] < len(nodes) else "") + ")")
     card = data["card"]
     if card["card"]:
         print(f"  card   {card['card']} (task {card['task']})")
@@ -99,3 +101,15 @@ def run(args) -> int:
              "yes" if n["dla"] else f"no: {n['dla_reason']}"] for n in nodes]
     print(table(rows, ["#", "node", "op", "output", "MFLOPs", "DLA"]))
     return 0
+
+
+def _share(part: float, total: float) -> str:
+    """A percentage that never rounds a missing part away: 99.99 % is "> 99.9 %", not "100.0 %"."""
+    if not total:
+        return "0.0 %"
+    share = part / total
+    if 0 < share < 0.001:
+        return "< 0.1 %"
+    if 0.999 < share < 1:
+        return "> 99.9 %"
+    return f"{share:.1%}"

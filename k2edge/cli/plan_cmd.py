@@ -6,7 +6,9 @@ COMMAND = "plan"
 HELP = "plan the GPU/DLA partition of a model under a profile"
 ORDER = 20
 
-from .common import input_shapes_of, BOARD_CHOICES, add_json, add_model, board_of, print_json, table
+from pathlib import Path
+
+from .common import BOARD_CHOICES, add_json, add_model, board_of, input_shapes_of, print_json, table
 
 
 def register(p) -> None:
@@ -16,12 +18,15 @@ def register(p) -> None:
     p.add_argument("--partition", choices=("layer-wise", "block-wise", "model-wise"), help="granularity (with --offload-ratio)")
     p.add_argument("--precision", choices=("fp32", "fp16", "int8"), help="replace the profile's precision chain")
     p.add_argument("--board", choices=BOARD_CHOICES, help="board (default: this board, else orin-agx)")
+    p.add_argument("--calib", metavar="DATA", help="the calibration set a build used (default: calib/ or calib.npz "
+                   "beside the model): shows the layers that build's INT8 check kept out of INT8")
+    p.add_argument("--check", metavar="DATA", help="the --check set that build used, if any")
+    p.add_argument("--cache", metavar="DIR", help="engine cache directory (default: ~/.cache/k2edge)")
     add_json(p)
 
 
 def run(args) -> int:
     from ..dla.planner import plan_partition
-    from ..model import normalise
     from ..profile import load_profile
 
     from ..errors import K2EdgeError
@@ -35,16 +40,22 @@ def run(args) -> int:
                                                                    "tensorrt_partition": args.partition}})
     else:
         raise K2EdgeError("give --profile P, or both --offload-ratio R and --partition G")
-    nm = normalise(args.model, batch_size=profile.edge_runtime.batch_size,
-                   input_shapes=input_shapes_of(args, profile.edge_runtime.batch_size))
-    if args.card:  # placement does not depend on the card; check it fits the model all the same
-        from pathlib import Path
+    from ..engine.cache import EngineCache
+    from ..engine.engine import card_file, load_normalised, model_card
 
-        from ..engine.engine import model_card
-
-        model_card(Path(args.model), nm, args.card)
+    cache = EngineCache(args.cache)
+    the_card = card_file(Path(args.model), args.card)
+    nm = load_normalised(args.model, cache, profile.edge_runtime.batch_size,
+                         input_shapes_of(args, profile.edge_runtime.batch_size))
     plan = plan_partition(nm, profile, board_of(args), args.precision)
+    check = None
+    if the_card is not None or any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+        # placement does not depend on the card, precision does: what it keeps out of INT8, and what a build's
+        # INT8 check moved to fp16 (from the cache)
+        card = model_card(Path(args.model), nm, the_card)
+        plan, check = _with_int8(plan, nm, card, profile, cache, args)
     data = plan.to_dict()
+    data["int8_check"] = check.to_dict() if check is not None else None
     data["profile"] = profile.name
     data["model"] = nm.source
     if args.json:
@@ -56,9 +67,45 @@ def run(args) -> int:
     for s in plan.segments:
         span = f"{s.nodes[0]} .. {s.nodes[-1]}" if len(s.nodes) > 1 else s.nodes[0]
         share = f"{s.request_share:.0%} of requests" if s.request_share is not None else f"{s.flops / max(plan.total_flops, 1):.1%}"
-        rows.append([s.index, s.device, len(s.nodes), share, s.precision, span,
+        rows.append([s.index, s.device, len(s.nodes), share, _precision_text(s, plan.precision_chain), span,
                      ", ".join(s.inputs) if len(s.inputs) <= 2 else f"{len(s.inputs)} tensors"])
     print(table(rows, ["seg", "device", "nodes", "FLOPs / share", "precision", "span", "inputs"]))
     for note in plan.notes[1:]:
         print(f"note: {note}")
+    for f in plan.int8_fallback:
+        if f.get("sqnr_db") is not None:
+            print(f"fp16: {f['node']} on {f['device']} (INT8 check; output SQNR {f['sqnr_db']:.1f} dB)")
+    if check is not None:
+        print(check.line())
+    elif any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+        print("note: no build has checked INT8 for this model, profile and calibration set yet: the layers its INT8 "
+              "check moves to fp16 show here after `k2edge build`")
     return 0
+
+
+def _with_int8(plan, nm, card, profile, cache, args):
+    """The plan with the card's float layers and, when a build decided it, the INT8 check's fallback."""
+    from ..engine.engine import find_calibration, load_labels
+    from ..engine.int8 import cached_decision, plan_with_card
+    from ..model.datasets import open_calibration
+    from ..tasks.preprocess import Preprocess
+
+    calib = args.calib or find_calibration(Path(args.model))
+    if calib is None or not any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+        return plan_with_card(plan, nm, card), None
+    labels = load_labels(Path(args.model), nm, None, card)
+    check_set = open_calibration(args.check, labels) if args.check else None
+    found = cached_decision(nm, plan, open_calibration(calib, labels), Preprocess.from_card(card), card, cache,
+                            profile.edge_runtime, check_set)
+    return found if found is not None else (plan_with_card(plan, nm, card), None)
+
+
+def _precision_text(seg, chain) -> str:
+    """What a segment's layers really run in: one precision, or the count of each (``int8 42, fp16 13``)."""
+    from collections import Counter
+
+    counts = Counter(seg.layer_precision.values())
+    if len(counts) <= 1:
+        return seg.precision
+    order = list(chain) + [p for p in ("fp32", "fp16", "int8") if p not in chain]
+    return ", ".join(f"{p} {counts[p]}" for p in order if counts.get(p))

@@ -54,6 +54,8 @@ def register(p) -> None:
                    help="labelled evaluation set: ImageFolder directory or .npz with x and y; for a detector (card task = "
                         "\"detection\") a COCO annotation .json, and the accuracy axis is COCO mAP@0.5")
     p.add_argument("--calib", metavar="DATA", help="calibration set for INT8 configurations (default: calib/ or calib.npz beside the model)")
+    p.add_argument("--check", metavar="DATA", help="INT8 configurations: run the accuracy check on this set instead of "
+                   "every fifth calibration sample")
     p.add_argument("--profiles", nargs="+", metavar="P", help="profile files or names to sweep (default: c1 ... c6)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="sweep every combination of values (repeatable); keys: offload_ratio, partition (layer-wise, "
@@ -110,7 +112,7 @@ def run(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SweepError(f"--out {args.out!r}: cannot create it ({exc.strerror or exc})") from None
-    spec = SweepSpec(model=Path(args.model), dataset=Path(args.dataset), out=out, calib=args.calib, board=board_of(args),
+    spec = SweepSpec(model=Path(args.model), dataset=Path(args.dataset), out=out, calib=args.calib, check=args.check, board=board_of(args),
                      backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
                      settings=settings, goal=args.goal, max_latency_ms=args.max_latency_ms, min_accuracy=args.min_accuracy,
                      card=args.card)

@@ -28,6 +28,9 @@ The contract (every key optional; a card names only what differs from what the m
     sigmas = [0.026, ...]              # OKS sigmas (COCO's for the 17)
     [quantization]
     keep_float = ["/model.22/dfl/conv/Conv"]   # nodes kept out of INT8 besides a detector's head
+    method = "max"                     # max | percentile (overrides the profile's edge_runtime.calibration)
+    percentile = 99.99                 # for method = "percentile"
+    tolerance = { recall = 0.97 }      # the INT8 check's minimum per measure (overrides edge_runtime.int8_tolerance)
 
 Where several sources speak the most specific wins, key by key: the daemon config's per-model
 settings, then the card, then the model's own ONNX metadata (``k2edge.preprocess``, which stores
@@ -240,9 +243,28 @@ class PoseSpec(_Strict):
 
 
 class QuantizationSpec(_Strict):
-    """INT8 settings: ``keep_float`` names nodes kept in FP16/FP32 (a detector's head is kept automatically)."""
+    """INT8 settings: ``keep_float`` names nodes kept in FP16/FP32 (a detector's head is kept automatically);
+    ``method``/``percentile`` and ``tolerance`` override the profile's ``edge_runtime.calibration`` and
+    ``edge_runtime.int8_tolerance``."""
 
     keep_float: tuple[str, ...] = ()
+    method: Literal["max", "percentile"] | None = None
+    percentile: float | None = None
+    tolerance: dict[str, float] | None = None
+
+    @field_validator("percentile", mode="before")
+    @classmethod
+    def _pct(cls, v):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 50.0 < v <= 100.0):
+            raise ValueError(f"must be a number within (50, 100], got {v!r}")
+        return None if v is None else float(v)
+
+    @field_validator("tolerance", mode="before")
+    @classmethod
+    def _tol(cls, v):
+        from ..profile.schema import _tolerance_table
+
+        return None if v is None else _tolerance_table(v)
 
     @field_validator("keep_float", mode="before")
     @classmethod
@@ -290,8 +312,10 @@ class ModelCard(_Strict):
                 d.pop(table)
         if self.task != "pose" or (self.pose.keypoints is None and self.pose.sigmas is None):
             d.pop("pose")
-        if not self.quantization.keep_float:
+        if self.quantization == QuantizationSpec():
             d.pop("quantization")
+        else:
+            d["quantization"] = {k: v for k, v in d["quantization"].items() if v not in (None, [], ())}
         lines = [f"task = {_toml(d.pop('task'))}"]
         if d.get("labels"):
             lines.append(f"labels = {_toml(d.pop('labels'))}")
@@ -309,6 +333,8 @@ def _toml(v) -> str:
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, str):
         return json.dumps(v)
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + " }"
     return repr(v)
 
 

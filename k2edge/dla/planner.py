@@ -94,6 +94,7 @@ class PartitionPlan:
     gpu_fallback: bool = True
     direct_io: bool = False
     dla_memory_pools: tuple[tuple[str, int], ...] = ()
+    int8_fallback: tuple[dict, ...] = field(default=(), hash=False)  # layers kept out of INT8 after planning: node, device, precision, reason, figures
 
     @cached_property
     def routing(self) -> "Routing":
@@ -126,6 +127,7 @@ class PartitionPlan:
             "gpu_fallback": self.gpu_fallback,
             "direct_io": self.direct_io,
             "dla_memory_pools": dict(self.dla_memory_pools),
+            "int8_fallback": [dict(f) for f in self.int8_fallback],
         }
 
     def to_json(self) -> str:

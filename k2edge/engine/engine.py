@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -30,6 +30,9 @@ from .base import Backend, LaneInfo, TensorSpec
 from .cache import EngineCache, digest
 from .prefetch import PrefetchRing
 
+if TYPE_CHECKING:
+    from .check import Int8Check
+
 log = logging.getLogger(__name__)
 
 
@@ -41,6 +44,7 @@ class BuildInfo:
     seconds: float
     calibration: str | None
     notes: tuple[str, ...] = ()
+    int8_check: "Int8Check | None" = None  # the INT8 accuracy check (None: no layer runs INT8)
 
 
 @dataclass
@@ -157,7 +161,10 @@ def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: d
 
     entry = cache.get_or_build("normalised", key, build, what=f"normalised {where}")
     loaded = onnx.load(str(entry.file("model.onnx")))
-    return NormalisedModel(model=loaded, source=where, original_opset=entry.meta["original_opset"])
+    # the input shapes without their batch dimension: what INT8 calibration is shared across
+    spatial = sorted((k, tuple(v)[1:]) for k, v in (input_shapes or {}).items())
+    batch_free = digest("model", NORMALISER_VERSION, onnx.__version__, raw, repr(spatial))
+    return NormalisedModel(model=loaded, source=where, original_opset=entry.meta["original_opset"], batch_free_key=batch_free)
 
 
 def find_calibration(model_path: Path | None) -> Path | None:
@@ -207,6 +214,8 @@ class Engine:
         spinning: bool = True,
         card: str | os.PathLike | ModelCard | None = None,
         card_overrides: ModelCard | dict | None = None,
+        check: str | os.PathLike | Dataset | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
     ) -> "Engine":
         """Normalise, plan, calibrate and build ``model`` under ``profile``; every step is cached.
 
@@ -225,6 +234,8 @@ class Engine:
             card: the model card (a file or a :class:`ModelCard`); default the ``<stem>.card.toml``
                 or ``card.toml`` beside the model, if any.
             card_overrides: card keys that override the card (the daemon config's card table).
+            check: a set to run the INT8 accuracy check on instead of the held-out calibration samples.
+            progress: called as ``progress(what, done, total)`` during long steps (calibration, fallback).
 
         Raises:
             K2EdgeError: any input problem, with one message naming it.
@@ -254,6 +265,7 @@ class Engine:
         label_names = load_labels(model_path, normalised, labels, resolved)
 
         quant = None
+        int8_check = None
         int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
         calib_source = None
         if int8_nodes:
@@ -266,16 +278,21 @@ class Engine:
                     f"profile {profile.name or ''} runs {len(int8_nodes)} layer(s) in INT8 and needs a calibration set: "
                     f"pass --calib DIR|FILE.npz (an ImageFolder directory or an .npz with 'x')"
                 )
-            dataset = calib if isinstance(calib, Dataset) else open_dataset(calib, label_names)
+            from ..model.datasets import open_calibration
+
+            dataset = calib if isinstance(calib, Dataset) else open_calibration(calib, label_names)
             calib_source = dataset.source
-            from .quantize import calibrate_int8
+            checking = None
+            if check is not None:
+                checking = check if isinstance(check, Dataset) else open_calibration(check, label_names)
+            from ..tasks import TaskDecoder
+            from .int8 import decide_int8
 
-            from .quantize import float_nodes
-
-            exclude = tuple(sorted(n.name for n in normalised.graph.nodes if n.name not in int8_nodes))
-            keep_float = tuple(sorted(float_nodes(normalised.graph, resolved)))
-            quant = calibrate_int8(normalised, dataset, preprocess, cache, exclude, keep_float)
-            hits["int8"] = quant.cached
+            decoder = TaskDecoder(resolved, label_names, {o: normalised.graph.shape(o) for o in normalised.graph.outputs})
+            decision = decide_int8(normalised, plan, dataset, preprocess, resolved, cache, er, decoder, checking, progress)
+            quant, plan, int8_check = decision.quant, decision.plan, decision.check
+            hits["int8"] = decision.cached
+            _report_check(int8_check, precision)
 
         graph = normalised.graph
         inputs = (TensorSpec(input_name, input_shape, graph.tensors[input_name].dtype),)
@@ -290,7 +307,7 @@ class Engine:
             runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane, prefetch=er.dma_prefetch,
                                         spinning=spinning)
         hits["engine"] = runner.build.cached
-        info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes))
+        info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes), int8_check)
         return cls(runner, plan, normalised, profile, resolved, label_names, info)
 
     # lifecycle -------------------------------------------------------------------------------
@@ -431,8 +448,19 @@ class Engine:
                   "task": self.card.task, "card": self.card.source,
                   "input": {"name": self.input_name, "shape": list(self.input_shape)},
                   "cache_hits": self.info.cache_hits, "build_seconds": round(self.info.seconds, 3),
-                  "calibration": self.info.calibration})
+                  "calibration": self.info.calibration,
+                  "int8_check": self.info.int8_check.to_dict() if self.info.int8_check is not None else None})
         return d
+
+
+def _report_check(check, precision: str | None) -> None:
+    """Warn when INT8 misses its tolerance (the CLI prints the check's line on stderr in every case)."""
+    if check.status != "failed":
+        return
+    if precision == "int8":
+        log.warning("INT8 misses its accuracy tolerance and --precision int8 forbids falling back: %s", check.summary())
+    else:
+        log.warning("INT8 misses its accuracy tolerance even with fallback; keeping the best found: %s", check.summary())
 
 
 def _batched(items: Iterable, n: int) -> Iterator[list]:

@@ -65,20 +65,28 @@ def build_segments(model: NormalisedModel, plan: PartitionPlan, quant: QuantArte
                    cache: EngineCache) -> BuildResult:
     """Extract (and convert) one sub-model per segment, through the engine cache."""
     key = digest("onnxruntime", BACKEND_VERSION, ort.__version__, model.sha256, plan.to_json(),
-                 quant.key if quant else "")
+                 quant.keys if quant else "")
 
     def build(tmp: Path) -> dict:
-        qdq = onnx.load(str(quant.qdq_model)) if quant else None
+        qdq_models: dict[Path, onnx.ModelProto] = {}  # a model-wise plan's GPU and DLA engines have their own
+
+        def qdq_for(device: str) -> onnx.ModelProto:
+            path = quant.for_device(device).qdq_model
+            if path not in qdq_models:
+                qdq_models[path] = onnx.load(str(path))
+            return qdq_models[path]
+
         notes = []
         executed = []
         for seg in plan.segments:
             precision = _executed_precision(seg.layer_precision)
             name = f"segment{seg.index}_{seg.device}"
             if precision == "int8":
-                sub = extract_submodel(qdq, seg.inputs, seg.outputs, name)
+                sub = extract_submodel(qdq_for(seg.device), seg.inputs, seg.outputs, name)
                 fp16_layers = [n for n, p in seg.layer_precision.items() if p == "fp16"]
                 if fp16_layers:
-                    notes.append(f"segment {seg.index}: {len(fp16_layers)} FP16 layer(s) of an INT8 segment run in FP32 on the cpu lane")
+                    notes.append(f"segment {seg.index}: {len(fp16_layers)} FP16 layer(s) of an INT8 segment compute in FP32 on the cpu lane "
+                                 f"(the outputs of layers the INT8 check moved are rounded to FP16)")
             else:
                 sub = extract_submodel(model.model, seg.inputs, seg.outputs, name)
                 if precision == "fp16":

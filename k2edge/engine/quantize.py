@@ -1,22 +1,19 @@
 """INT8 calibration and FP16 conversion, computed once in Python and reused by both backends.
 
-INT8 produces, from one calibration pass over a calibration set:
+INT8 produces, from one streaming calibration pass (:mod:`.calibration`) over a calibration set:
 
 * a Q/DQ ONNX model (symmetric INT8, per-channel weights) that ONNX Runtime runs and that
   TensorRT takes for explicit quantisation;
 * per-tensor dynamic ranges and a TensorRT calibration cache (``calib.cache``) for the DLA's
   implicit-quantisation route.
 
-Both are stored in the engine cache keyed by the model, the calibration data and the settings,
-so a second build does no calibration.
+The statistics are cached by the model's batch-free identity, the calibration data and the card's
+preprocessing, so every batch size of a model shares one calibration; the artefacts are cached by the
+statistics, the method and the nodes each applies to.
 
-Ranges the DLA needs equal are made equal before either artefact is written: "When running pooling
-layer with DeviceType::kDLA in Int8 mode, the dynamic ranges for input and output tensors must be
-equal", and for an elementwise layer "the dynamic ranges of two input tensors shall be equal. If the
-dynamic ranges are generated using calibrator, the largest value shall be used" [TensorRT 10.3
-``NvInfer.h``, ``IPoolingLayer`` / ``IElementWiseLayer``]. The largest range of each group of tied tensors
-goes to all of them, in the calibration cache and in the Q/DQ model's scales alike, so the CPU path
-measures the accuracy the DLA will have.
+Range constraints the DLA imposes apply to the layers the plan puts on a DLA, and only there
+(:func:`dla_ties`): a GPU or CPU layer keeps its own ranges. Tying them everywhere (what k2edge did up to
+QUANT_VERSION 3) gave SiLU's sigmoid the step of its input and broke SiLU detectors (issue 16).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,17 +34,45 @@ from ..model.graph import Graph
 from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
+from .calibration import DEFAULT_PERCENTILE, METHODS, TensorStatistics, collect_statistics
 
 log = logging.getLogger(__name__)
 
-QUANT_VERSION = "3"  # 2: ranges tied by DLA pooling and elementwise layers are equalised; 3: + card preprocessing, heads kept float
+# 2: ranges tied by DLA pooling and elementwise layers are equalised; 3: + card preprocessing, heads kept float;
+# 4: ties only for DLA layers, fused Sigmoid/HardSigmoid->Mul gates, streaming statistics, held-out check samples
+QUANT_VERSION = "4"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
+MIN_HELD_OUT_SPLIT = 16  # fewer samples than this: the check runs on the calibration samples themselves
+
+POOLING_OPS = ("MaxPool", "AveragePool")
+ELEMENTWISE_OPS = ("Add", "Sub", "Mul", "Max", "Min")
+GATE_OPS = ("Sigmoid", "HardSigmoid")
+GATE_RANGE = 1.0  # a sigmoid's output range, as qdq-translator gives a Sigmoid feeding a Mul
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """How ranges come from the statistics: ``max`` or ``percentile`` (of magnitudes, default 99.99)."""
+
+    method: str = "max"
+    percentile: float = DEFAULT_PERCENTILE
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise BuildError(f"calibration method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 50.0 < self.percentile <= 100.0:
+            raise BuildError(f"calibration percentile must be within (50, 100], got {self.percentile}")
 
 
 @dataclass(frozen=True)
 class QuantArtefacts:
-    """What INT8 calibration produced."""
+    """What INT8 calibration produced for one set of devices.
+
+    Attributes:
+        dla_nodes: the nodes whose DLA ties these artefacts carry (empty: GPU/CPU ranges only).
+        dla: for a model-wise plan with GPU and DLA engines, the DLA engines' artefacts (tied ranges).
+    """
 
     key: str
     qdq_model: Path
@@ -55,6 +80,17 @@ class QuantArtefacts:
     trt_calibration_cache: Path
     samples: int
     cached: bool
+    dla_nodes: frozenset = frozenset()
+    dla: "QuantArtefacts | None" = None
+
+    def for_device(self, device: str) -> "QuantArtefacts":
+        """The artefacts a segment on ``device`` uses."""
+        return self.dla if (self.dla is not None and device.startswith("dla")) else self
+
+    @property
+    def keys(self) -> str:
+        """Every artefact's key, for the keys of what is built from them."""
+        return self.key + (f"+{self.dla.key}" if self.dla is not None else "")
 
 
 # Ops with learned weights end a detector's head (walking back from its output); everything after
@@ -112,117 +148,152 @@ def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
     return keep
 
 
-def stage_batches(dataset: Dataset, preprocess: Preprocess, input_shape: tuple[int, ...], limit: int | None = None):
-    """Yield input batches of exactly ``input_shape`` (the last one padded by repeating samples)."""
+def calibration_split(n_available: int) -> tuple[list[int], list[int], bool]:
+    """Which samples calibrate and which check: (calibration indices, check indices, in_sample).
+
+    At most :data:`MAX_CALIBRATION_SAMPLES` are used; of those every fifth (indices 4, 9, 14, ...) is held
+    out for the accuracy check. With fewer than :data:`MIN_HELD_OUT_SPLIT` the check runs in-sample.
+    """
+    n = min(n_available, MAX_CALIBRATION_SAMPLES)
+    if n < MIN_HELD_OUT_SPLIT:
+        every = list(range(n))
+        return every, every, True
+    return [i for i in range(n) if i % 5 != 4], [i for i in range(n) if i % 5 == 4], False
+
+
+def stage_batches(dataset: Dataset, preprocess: Preprocess, input_shape: tuple[int, ...],
+                  indices: list[int] | None = None):
+    """Yield (input batch of exactly ``input_shape``, real sample count): a short last batch is padded by
+    repeating its last sample, and the count says how many rows are real."""
     batch = input_shape[0]
-    samples = list(dataset.samples[: limit or len(dataset)])
-    if not samples:
-        return
+    samples = [dataset.samples[i] for i in (range(len(dataset)) if indices is None else indices)]
     for start in range(0, len(samples), batch):
         chunk = samples[start:start + batch]
+        count = len(chunk)
         chunk += [chunk[-1]] * (batch - len(chunk))
         out = np.empty(input_shape, dtype=np.float32)
         for i, sample in enumerate(chunk):
             preprocess.stage(sample, out=out[i])
-        yield out
+        yield out, count
 
 
-def calibrate_int8(
-    model: NormalisedModel,
-    dataset: Dataset,
-    preprocess: Preprocess,
-    cache: EngineCache,
-    exclude_nodes: tuple[str, ...] = (),
-    keep_float: tuple[str, ...] = (),
-) -> QuantArtefacts:
-    """Calibrate ``model`` on ``dataset`` and quantise it to Q/DQ INT8 (cached).
-
-    Inputs are staged by ``preprocess`` (the model card's), exactly as at inference.
-
-    Args:
-        exclude_nodes: nodes the plan keeps out of INT8 (they stay float in the Q/DQ model).
-        keep_float: nodes the card keeps out of INT8 (:func:`float_nodes`): also excluded, and
-            their outputs get no range in the TensorRT calibration cache, so the DLA route runs
-            them in FP16 as well.
-
-    Raises:
-        BuildError: the model has more than one input, or calibration fails.
-    """
+def statistics_key(model: NormalisedModel, dataset: Dataset, preprocess: Preprocess) -> str:
+    """The cache key of a model's calibration statistics: the same at every batch size."""
     import onnxruntime
 
-    inputs = model.graph.inputs
-    if len(inputs) != 1:
-        raise BuildError(f"INT8 calibration supports single-input models; this one has {list(inputs)}")
-    input_name = inputs[0]
-    input_shape = model.graph.shape(input_name)
-    n = min(len(dataset), MAX_CALIBRATION_SAMPLES)
-    excluded = sorted(set(exclude_nodes) | set(keep_float))
-    float_tensors = {o for node in model.graph.nodes if node.name in set(keep_float) for o in node.outputs}
-    key = digest("int8", QUANT_VERSION, model.sha256, dataset.fingerprint(), str(n), ",".join(excluded),
-                 ",".join(sorted(keep_float)), preprocess.fingerprint(), onnxruntime.__version__)
+    calib_idx, _, _ = calibration_split(len(dataset))
+    return digest("int8-stats", QUANT_VERSION, model.identity, dataset.fingerprint(), repr(calib_idx),
+                  preprocess.fingerprint(), onnxruntime.__version__)
+
+
+def calibration_statistics(model: NormalisedModel, dataset: Dataset, preprocess: Preprocess, cache: EngineCache,
+                           progress=None) -> tuple[TensorStatistics, str, int]:
+    """Per-tensor statistics of the calibration samples (cached): (statistics, key, samples).
+
+    Keyed by the model's batch-free identity, so every batch size of one model shares one calibration.
+    """
+    if len(model.graph.inputs) != 1:
+        raise BuildError(f"INT8 calibration supports single-input models; this one has {list(model.graph.inputs)}")
+    calib_idx, _, _ = calibration_split(len(dataset))
+    key = statistics_key(model, dataset, preprocess)
 
     def build(tmp: Path) -> dict:
-        from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+        log.info("calibrating INT8 on %d samples from %s", len(calib_idx), dataset.source)
+        shape = model.graph.shape(model.graph.inputs[0])
+        signatures: list[np.ndarray] = []
 
-        log.info("calibrating INT8 on %d samples from %s", n, dataset.source)
+        def batches():
+            for batch, count in stage_batches(dataset, preprocess, shape, calib_idx):
+                signatures.extend(_signature(x) for x in batch[:count])
+                yield batch, count
 
-        class _Reader(CalibrationDataReader):
-            def __init__(self):
-                self._it = ({input_name: b} for b in stage_batches(dataset, preprocess, input_shape, n))
+        stats = collect_statistics(model.model, batches(), progress=progress)
+        stats.save(tmp / "statistics.npz")
+        return {"samples": len(calib_idx), "dataset": dataset.source, "distinct": _distinct(signatures)}
 
-            def get_next(self):
-                return next(self._it, None)
-
-        ranges_file = tmp / "ort_ranges.json"
-        quiet = logging.getLogger()
-        level = quiet.level
-        quiet.setLevel(max(level, logging.ERROR))  # the quantiser warns about pre-processing we already did
-        # quantize_static rewrites a ModelProto it is given to external data in a temporary
-        # directory; hand it a file so the normalised model in memory stays intact.
-        source = tmp / "input.onnx"
-        source.write_bytes(model.serialized)
-        settings = dict(
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            activation_type=QuantType.QInt8,
-            weight_type=QuantType.QInt8,
-            nodes_to_exclude=excluded,
-            calibrate_method=CalibrationMethod.MinMax,
-            calibration_cache_path=str(ranges_file),
-            # TensorRT takes symmetric INT8 only (zero point 0), for activations and weights.
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
-        )
-        try:
-            # pass 1 calibrates and writes the ranges; they are equalised; pass 2 quantises from the cache
-            quantize_static(str(source), str(tmp / "unequalised.onnx"), _Reader(), **settings)
-            equalise_ort_ranges(ranges_file, tied_tensors(model.graph))
-            quantize_static(str(source), str(tmp / "qdq.onnx"), None, **settings)
-        except Exception as exc:
-            raise BuildError(f"INT8 calibration failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            quiet.setLevel(level)
-            source.unlink(missing_ok=True)
-            (tmp / "unequalised.onnx").unlink(missing_ok=True)
-        ranges = {k: v for k, v in _amax_from_ort_ranges(ranges_file).items() if k not in float_tensors}
-        (tmp / "dynamic_ranges.json").write_text(json.dumps(ranges, indent=1, sort_keys=True))
-        write_trt_calibration_cache(tmp / "calib.cache", ranges)
-        return {"samples": n, "dataset": dataset.source}
-
-    entry = cache.get_or_build("int8", key, build, what=f"Q/DQ INT8 of {model.source}")
-    ranges = json.loads(entry.file("dynamic_ranges.json").read_text())
-    return QuantArtefacts(key, entry.file("qdq.onnx"), ranges, entry.file("calib.cache"), entry.meta.get("samples", n), entry.hit)
+    entry = cache.get_or_build("int8-stats", key, build, what=f"INT8 statistics of {model.source}")
+    _warn_about(dataset, len(calib_idx), entry.meta.get("distinct"))
+    return TensorStatistics.load(entry.file("statistics.npz")), key, entry.meta.get("samples", len(calib_idx))
 
 
-POOLING_OPS = ("MaxPool", "AveragePool")
-ELEMENTWISE_OPS = ("Add", "Sub", "Mul", "Max", "Min")
+MIN_CALIBRATION_SAMPLES = 32  # fewer: ranges from too few scenes (a warning, not an error)
 
 
-def tied_tensors(graph) -> list[set[str]]:
-    """Groups of activations whose INT8 ranges the DLA needs equal (pooling in/out, elementwise inputs).
+def _signature(sample: np.ndarray) -> np.ndarray:
+    """A coarse fingerprint of one staged input (4x4 mean per channel) for spotting near-identical samples."""
+    x = np.asarray(sample, dtype=np.float32)
+    if x.ndim != 3:
+        return np.round(x.reshape(-1)[:64], 2)
+    c, h, w = x.shape
+    hh, ww = max(h // 4, 1), max(w // 4, 1)
+    pooled = x[:, : hh * 4, : ww * 4].reshape(c, 4, hh, 4, ww).mean(axis=(2, 4)) if h >= 4 and w >= 4 else x
+    scale = float(np.abs(x).max()) or 1.0
+    return np.round(pooled / scale, 2)
 
-    Args:
-        graph: the normalised model's :class:`~k2edge.model.graph.Graph`.
+
+def _distinct(signatures: list[np.ndarray]) -> int:
+    return len({s.tobytes() for s in signatures})
+
+
+def _warn_about(dataset: Dataset, n: int, distinct: int | None) -> None:
+    """Warn about calibration sets that give untrustworthy ranges (too few, or near-identical samples)."""
+    if n < MIN_CALIBRATION_SAMPLES:
+        log.warning("calibration set %s: %d sample(s) calibrate INT8 (fewer than %d): ranges from so few scenes may "
+                    "clip what the cameras see later; give 100-500 images from the deployment's own cameras",
+                    dataset.source, n, MIN_CALIBRATION_SAMPLES)
+    if distinct is not None and n >= 4 and distinct <= n // 2:
+        log.warning("calibration set %s: only %d of %d calibration samples differ noticeably (near-identical "
+                    "frames): the ranges fit one scene; draw frames from varied scenes, light and times of day",
+                    dataset.source, distinct, n)
+
+
+@dataclass(frozen=True)
+class DlaTies:
+    """What the DLA constrains for the layers a plan puts on it.
+
+    Attributes:
+        groups: tensors whose ranges must be equal (pooling input/output; both activation inputs of an
+            elementwise layer), each group given its largest range.
+        fused: Sigmoid/HardSigmoid -> Mul pairs the DLA runs as one unit (node names): the emulation puts no
+            Q/DQ inside the pair, and the calibration cache gives the gate's output range 1.0.
+        gates: the gate tensors (the Sigmoid/HardSigmoid outputs) of ``fused``.
     """
+
+    groups: tuple[frozenset[str], ...]
+    fused: frozenset[str]
+    gates: frozenset[str]
+
+
+def dla_ties(graph: Graph, dla_nodes: set[str] | frozenset[str], fuse_gates: bool = True) -> DlaTies:
+    """The range constraints of the DLA for the nodes in ``dla_nodes`` only (GPU/CPU layers keep their own ranges).
+
+    TensorRT 10.3 ``NvInfer.h``: ``IPoolingLayer`` -- "When running pooling layer with DeviceType::kDLA in Int8
+    mode, the dynamic ranges for input and output tensors must be equal"; ``IElementWiseLayer`` -- "When running
+    this layer on the DLA with Int8 data type, the dynamic ranges of two input tensors shall be equal. If the
+    dynamic ranges are generated using calibrator, the largest value shall be used." No 10.3 source ties a
+    Concat's inputs, so Concat is left alone.
+
+    A Sigmoid (or HardSigmoid) whose output feeds only Muls on the DLA (SiLU, HardSwish, squeeze-excite
+    gates) is one fused unit there: the DLA has no SiLU and runs it as Sigmoid + elementwise product, fused
+    internally at higher precision. Its gate tensor is never held in INT8, so the Mul's tie does not apply to
+    it; the cache gives the gate what NVIDIA's Q/DQ-to-DLA translator gives it (Deep-Learning-Accelerator-SW
+    ``tools/qdq-translator/qdq_translator.py``, ``infer_unchanged_scales``: a Sigmoid output feeding a Mul gets
+    scale 1/127, i.e. range 1.0), and the Mul's other input keeps its own range. We follow qdq-translator rather
+    than cuDLA-samples' one scale across Conv, Sigmoid and Mul: it is the tool that turns a Q/DQ model into a
+    DLA calibration cache -- k2edge's route -- and 1.0 is the gate's true range whatever the calibration data,
+    while one shared scale rounds the gate to the Conv's step (the failure of issue 16).
+    """
+    dla_nodes = set(dla_nodes)
+    fused: set[str] = set()
+    gates: set[str] = set()
+    for node in graph.nodes:
+        if not fuse_gates or node.name not in dla_nodes or node.op_type not in GATE_OPS:
+            continue
+        users = [graph.nodes[i] for i in graph.consumers.get(node.outputs[0], [])]
+        if users and node.outputs[0] not in graph.outputs and all(u.op_type == "Mul" and u.name in dla_nodes for u in users):
+            fused.add(node.name)
+            fused.update(u.name for u in users)
+            gates.add(node.outputs[0])
     parent: dict[str, str] = {}
 
     def find(t: str) -> str:
@@ -237,52 +308,254 @@ def tied_tensors(graph) -> list[set[str]]:
             parent[find(t)] = find(tensors[0])
 
     for node in graph.nodes:
+        if node.name not in dla_nodes:
+            continue
         if node.op_type in POOLING_OPS:
             tie([node.inputs[0], node.outputs[0]])
-        elif node.op_type in ELEMENTWISE_OPS:
+        elif node.op_type in ELEMENTWISE_OPS and not (node.name in fused and gates & set(node.inputs)):
             tie(list(node.inputs))
     groups: dict[str, set[str]] = {}
     for t in parent:
         groups.setdefault(find(t), set()).add(t)
-    return [g for g in groups.values() if len(g) > 1]
+    return DlaTies(tuple(frozenset(g) for g in groups.values() if len(g) > 1), frozenset(fused), frozenset(gates))
 
 
-def equalise_ort_ranges(path: Path, groups: list[set[str]]) -> int:
-    """Give every tensor of each group the group's largest symmetric range, in ONNX Runtime's range cache.
-
-    Returns:
-        how many tensors got a wider range.
-    """
-    from onnxruntime.quantization.calibrate import TensorData, TensorsData, load_tensors_data, save_tensors_data
-
-    data = load_tensors_data(path)
-    ranges = dict(data.data)
-    widened = 0
-    for group in groups:
-        present = [t for t in group if t in ranges]
-        if len(present) < 2:
-            continue
-        amax = max(float(np.abs(np.asarray(v, dtype=np.float64)).max()) for t in present for v in ranges[t].range_value)
-        for t in present:
-            lo, hi = ranges[t].range_value
-            dtype = np.asarray(hi).dtype
-            if float(np.abs(np.asarray(lo)).max()) < amax or float(np.abs(np.asarray(hi)).max()) < amax:
-                widened += 1
-            ranges[t] = TensorData(lowest=np.array(-amax, dtype=dtype), highest=np.array(amax, dtype=dtype))
-    save_tensors_data(TensorsData(data.calibration_method, ranges), path)
-    return widened
-
-
-def _amax_from_ort_ranges(path: Path) -> dict[str, float]:
-    from onnxruntime.quantization.calibrate import load_tensors_data
-
-    data = load_tensors_data(path)
-    out = {}
-    for name, td in data.data.items():
-        lo, hi = (np.asarray(v, dtype=np.float64).reshape(-1) for v in td.range_value)
-        out[name] = float(max(np.abs(lo).max(), np.abs(hi).max()))
+def tie_ranges(ranges: dict[str, float], ties: DlaTies) -> dict[str, float]:
+    """``ranges`` with every tied group at its largest range and every fused gate at 1.0 (the DLA cache's view)."""
+    out = dict(ranges)
+    for group in ties.groups:
+        present = [t for t in group if t in out]
+        if len(present) > 1:
+            amax = max(out[t] for t in present)
+            out.update({t: amax for t in present})
+    out.update({t: GATE_RANGE for t in ties.gates if t in out})
     return out
 
+
+def quantize_qdq(model: NormalisedModel, ranges: dict[str, float], exclude_nodes, dest: Path) -> None:
+    """Write the Q/DQ model of ``model`` with exactly ``ranges`` (symmetric, per-channel weights) to ``dest``.
+
+    ONNX Runtime's ``quantize_static`` does the rewriting; its calibration step is replaced by our ranges
+    through its JSON range cache (``calibration_cache_path``), so both agree on how a range becomes a scale.
+    """
+    from onnxruntime.quantization import CalibrationMethod, quantize_static
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData, save_tensors_data
+
+    tmp = dest.parent
+    ranges_file = tmp / "ort_ranges.json"
+    data = {t: TensorData(lowest=np.array(-a, dtype=np.float32), highest=np.array(a, dtype=np.float32))
+            for t, a in ranges.items()}
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, data), ranges_file)
+    source = tmp / "input.onnx"
+    # quantize_static rewrites a ModelProto it is given to external data in a temporary directory;
+    # hand it a file so the normalised model in memory stays intact.
+    source.write_bytes(model.serialized)
+    quiet = logging.getLogger()
+    level = quiet.level
+    quiet.setLevel(max(level, logging.ERROR))  # the quantiser warns about pre-processing we already did
+    try:
+        quantize_static(str(source), str(dest), None, **ort_settings(), nodes_to_exclude=sorted(exclude_nodes),
+                        calibration_cache_path=str(ranges_file))
+    except Exception as exc:
+        raise BuildError(f"INT8 quantisation failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        quiet.setLevel(level)
+        source.unlink(missing_ok=True)
+        ranges_file.unlink(missing_ok=True)
+
+
+def qdq_to_fp16(path: Path, tensors: set[str], fp16: bool = True) -> int:
+    """Round ``tensors`` to FP16 instead of INT8 in the Q/DQ model at ``path``, as a layer running FP16 stores its
+    output: their QuantizeLinear -> DequantizeLinear pairs go, and a Cast(float16) -> Cast(float) pair feeds their
+    readers (the arithmetic stays FP32 on a CPU). With ``fp16`` False the pairs just go (a tensor TensorRT never
+    materialises). Returns how many tensors changed."""
+    model = onnx.load(str(path))
+    nodes = list(model.graph.node)
+    graph_outputs = {o.name for o in model.graph.output}
+    readers: dict[str, list] = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    drop = set()
+    for q in nodes:  # the readers of a Q/DQ pair on one of the tensors read the tensor itself again
+        if q.op_type != "QuantizeLinear" or q.input[0] not in tensors:
+            continue
+        dqs = readers.get(q.output[0], [])
+        if not dqs or any(d.op_type != "DequantizeLinear" or d.output[0] in graph_outputs for d in dqs):
+            continue
+        for dq in dqs:
+            for r in readers.get(dq.output[0], []):
+                for k, name in enumerate(r.input):
+                    if name == dq.output[0]:
+                        r.input[k] = q.input[0]
+            drop.add(id(dq))
+        drop.add(id(q))
+    kept = [n for n in nodes if id(n) not in drop]
+    changed = 0
+    out: list = []
+    for n in kept:
+        out.append(n)
+        for t in n.output:
+            if not fp16 or t not in tensors or t in graph_outputs:
+                continue
+            half, back = f"{t}/fp16", f"{t}/fp16_rounded"
+            for r in kept:
+                for k, name in enumerate(r.input):
+                    if name == t:
+                        r.input[k] = back
+            out.append(onnx.helper.make_node("Cast", [t], [half], to=onnx.TensorProto.FLOAT16, name=f"{t}/to_fp16"))
+            out.append(onnx.helper.make_node("Cast", [half], [back], to=onnx.TensorProto.FLOAT, name=f"{t}/from_fp16"))
+            changed += 1
+    del model.graph.node[:]
+    model.graph.node.extend(out)
+    onnx.save(model, str(path))
+    return changed
+
+
+def conv_bn_outputs(graph: Graph) -> set[str]:
+    """Convolution outputs read only by a BatchNormalization: TensorRT fuses the two ("Convolution and Scale" in its
+    layer-fusion catalogue; the ONNX parser imports BatchNormalization as a scale layer), so the tensor between them
+    is never rounded to INT8 on the device, and the emulation must not round it either."""
+    out = set()
+    for node in graph.nodes:
+        if node.op_type not in ("Conv", "ConvTranspose"):
+            continue
+        t = node.outputs[0]
+        readers = [graph.nodes[i] for i in graph.consumers.get(t, [])]
+        if readers and t not in graph.outputs and all(r.op_type == "BatchNormalization" for r in readers):
+            out.add(t)
+    return out
+
+
+def ort_settings():
+    """The quantize_static settings k2edge uses (for tests that compare with plain ONNX Runtime)."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
+
+    return dict(
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+        # TensorRT takes symmetric INT8 only (zero point 0), for activations and weights.
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+    )
+
+
+def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, settings: QuantSettings,
+                  exclude_nodes, keep_float, dla_nodes, force_ties: bool = False, fallback_nodes=()) -> dict:
+    """Write one variant's ``qdq.onnx``, ``dynamic_ranges.json`` and ``calib.cache`` into ``dest``.
+
+    Args:
+        dla_nodes: the nodes this variant runs on a DLA: only they get the DLA's ties and fused gates.
+        force_ties: apply the DLA's ties to every node, gates included, in the Q/DQ model too (what k2edge did
+            up to QUANT_VERSION 3): only for tests that show why not.
+        fallback_nodes: layers the INT8 check moved to FP16: excluded like ``keep_float``, their outputs get no
+            range (TensorRT then runs them in FP16, and so does the DLA), and in the Q/DQ model their outputs are
+            rounded to FP16 instead of INT8.
+
+    Returns:
+        what the variant holds, for the cache's metadata.
+    """
+    graph = model.graph
+    no_range_nodes = set(keep_float) | set(fallback_nodes)
+    excluded = set(exclude_nodes) | no_range_nodes
+    scope = {n.name for n in graph.nodes} if force_ties else set(dla_nodes)
+    ties = dla_ties(graph, scope, fuse_gates=not force_ties)
+    cache_ranges = tie_ranges(stats.ranges(settings.method, settings.percentile), ties)
+    float_tensors = {o for node in graph.nodes if node.name in no_range_nodes for o in node.outputs}
+    fallback_tensors = {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs}
+    # the emulation: tied ranges, each fused gate pair left in float (the DLA does not round inside it), and
+    # no Q/DQ on what a fallback layer writes (it has no INT8 range on the device either)
+    emulated = {t: a for t, a in cache_ranges.items() if t not in ties.gates}
+    quantize_qdq(model, emulated, excluded | set(ties.fused), dest / "qdq.onnx")
+    if fallback_tensors:  # ONNX Runtime's quantiser needs every quantised node's ranges: undo them afterwards
+        qdq_to_fp16(dest / "qdq.onnx", fallback_tensors)
+    fused = conv_bn_outputs(graph)
+    if fused:
+        qdq_to_fp16(dest / "qdq.onnx", fused, fp16=False)
+    trt = {k: v for k, v in cache_ranges.items() if k not in float_tensors}
+    (dest / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
+    write_trt_calibration_cache(dest / "calib.cache", trt)
+    return {"dla_nodes": len(scope), "tied_groups": len(ties.groups), "fused_gates": len(ties.gates),
+            "fallback": sorted(fallback_nodes)}
+
+
+def quant_variant(model: NormalisedModel, stats: TensorStatistics, stats_key: str, cache: EngineCache,
+                  settings: QuantSettings, exclude_nodes, keep_float, dla_nodes, samples: int,
+                  force_ties: bool = False, fallback_nodes=()) -> QuantArtefacts:
+    """One set of INT8 artefacts from shared statistics, through the cache (see :func:`variant_files`)."""
+    import onnxruntime
+
+    excluded = sorted(set(exclude_nodes) | set(keep_float))
+    scope = {n.name for n in model.graph.nodes} if force_ties else set(dla_nodes)
+    key = digest("int8", QUANT_VERSION, model.sha256, stats_key, settings.method, repr(settings.percentile), str(force_ties),
+                 ",".join(excluded), ",".join(sorted(keep_float)), digest(*sorted(scope)), ",".join(sorted(fallback_nodes)),
+                 onnxruntime.__version__)
+
+    def build(tmp: Path) -> dict:
+        meta = variant_files(model, stats, tmp, settings, exclude_nodes, keep_float, scope, force_ties, fallback_nodes)
+        return {"samples": samples, **meta}
+
+    what = f"Q/DQ INT8 of {model.source}" + (f" ({len(scope)} DLA node(s) tied)" if scope else "")
+    entry = cache.get_or_build("int8", key, build, what=what)
+    ranges = json.loads(entry.file("dynamic_ranges.json").read_text())
+    return QuantArtefacts(key, entry.file("qdq.onnx"), ranges, entry.file("calib.cache"), samples, entry.hit,
+                          frozenset(scope))
+
+
+def plan_dla_nodes(plan) -> tuple[frozenset[str], bool]:
+    """The nodes a plan runs on a DLA (minus what a DLA engine hands to the GPU), and whether the same nodes
+    also run on the GPU (a model-wise plan with both a GPU and DLA engines: two artefacts)."""
+    dla = set()
+    gpu_too = False
+    for seg in plan.segments:
+        if seg.kind == "dla":
+            dla.update(set(seg.nodes) - set(seg.gpu_fallback_nodes))
+    if plan.is_model_wise:
+        gpu_too = any(s.kind == "gpu" for s in plan.segments) and bool(dla)
+    return frozenset(dla), gpu_too
+
+
+def calibrate_int8(
+    model: NormalisedModel,
+    dataset: Dataset,
+    preprocess: Preprocess,
+    cache: EngineCache,
+    exclude_nodes: tuple[str, ...] = (),
+    keep_float: tuple[str, ...] = (),
+    plan=None,
+    settings: QuantSettings | None = None,
+    force_ties: bool = False,
+    progress=None,
+) -> QuantArtefacts:
+    """Calibrate ``model`` on ``dataset`` and quantise it to Q/DQ INT8 (cached).
+
+    Inputs are staged by ``preprocess`` (the model card's), exactly as at inference. Every fifth sample
+    (after the 512-sample cap) is held out for the accuracy check and not calibrated on.
+
+    Args:
+        exclude_nodes: nodes the plan keeps out of INT8 (they stay float in the Q/DQ model).
+        keep_float: nodes the card keeps out of INT8 (:func:`float_nodes`): also excluded, and
+            their outputs get no range in the TensorRT calibration cache, so the DLA route runs
+            them in FP16 as well.
+        plan: the partition plan: the DLA's range ties apply to the nodes it puts on a DLA only. A model-wise
+            plan with GPU and DLA engines gets two artefacts: the GPU's own ranges (returned) and the DLA's
+            tied ranges (its ``dla`` attribute).
+        settings: calibration method and percentile (default ``max``).
+        force_ties: tie ranges on every node, whatever the device (only to show why not).
+
+    Raises:
+        BuildError: the model has more than one input, or calibration fails.
+    """
+    settings = settings or QuantSettings()
+    stats, stats_key, samples = calibration_statistics(model, dataset, preprocess, cache, progress)
+    dla, gpu_too = plan_dla_nodes(plan) if plan is not None else (frozenset(), False)
+    common = (model, stats, stats_key, cache, settings, exclude_nodes, keep_float)
+    if gpu_too:
+        gpu = quant_variant(*common, frozenset(), samples, force_ties)
+        return replace(gpu, dla=quant_variant(*common, dla, samples))
+    return quant_variant(*common, dla, samples, force_ties)
 
 def write_trt_calibration_cache(path: Path, dynamic_ranges: dict[str, float], version: str = TRT_CACHE_VERSION) -> None:
     """Write a TensorRT INT8 calibration cache: one ``name: <big-endian float32 scale hex>`` per tensor.
@@ -312,3 +585,14 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)
+
+
+def quant_settings(edge_runtime=None, card: ModelCard | None = None) -> QuantSettings:
+    """The calibration settings: the card's ``[quantization]`` over the profile's ``edge_runtime.calibration``."""
+    method, percentile = "max", DEFAULT_PERCENTILE
+    for layer in (getattr(edge_runtime, "calibration", None), getattr(card, "quantization", None)):
+        if layer is None:
+            continue
+        method = getattr(layer, "method", None) or method
+        percentile = getattr(layer, "percentile", None) or percentile
+    return QuantSettings(method, percentile)

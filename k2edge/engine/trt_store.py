@@ -49,17 +49,21 @@ class EngineStore:
         self.plan, self.specs, self.facts = plan, specs, facts
         self._quant = quant
         self._batch = batch_size
-        qdq = None
-        if any(s.source_model == "qdq" for s in specs):
-            import onnx
-
-            qdq = onnx.load(str(quant.qdq_model))
+        qdq: dict[Path, object] = {}
         self._models = {}
         self.keys = {}
         self._identity = {}
-        calib_sha = _sha256(quant.trt_calibration_cache.read_bytes()) if quant else ""
         for seg, spec in zip(plan.segments, specs):
-            source = qdq if spec.source_model == "qdq" else model.model
+            # a model-wise plan's GPU engine and DLA engines each have their own artefacts (DLA ties apply to the DLA's)
+            seg_quant = quant.for_device(seg.device) if quant else None
+            calib_sha = _sha256(seg_quant.trt_calibration_cache.read_bytes()) if seg_quant else ""
+            source = model.model
+            if spec.source_model == "qdq":
+                import onnx
+
+                if seg_quant.qdq_model not in qdq:
+                    qdq[seg_quant.qdq_model] = onnx.load(str(seg_quant.qdq_model))
+                source = qdq[seg_quant.qdq_model]
             sub = extract_submodel(source, seg.inputs, seg.outputs, f"segment{seg.index}_{seg.device}")
             self._models[seg.index] = sub
             seg_sha = _sha256(sub.SerializeToString(deterministic=True))
@@ -78,7 +82,7 @@ class EngineStore:
             (tmp / "segment.onnx").write_bytes(sub.SerializeToString())
             calib = None
             if spec.int8_source == "calibration-cache":
-                segment_calibration_cache(self._quant.trt_calibration_cache, sub, tmp / "calib.cache", self.facts.tensorrt)
+                segment_calibration_cache(self._quant.for_device(spec.device).trt_calibration_cache, sub, tmp / "calib.cache", self.facts.tensorrt)
                 calib = (tmp / "calib.cache").read_bytes()
             why = self._changed_target(index)
             log.log(logging.WARNING if why else logging.INFO, "building TensorRT engine for segment %d (%s, %s)%s",

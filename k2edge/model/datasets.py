@@ -243,3 +243,52 @@ def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limi
     gt = {"images": [im for im in doc["images"] if int(im["id"]) in keep],
           "annotations": [a for a in anns if a["image_id"] in keep], "categories": doc["categories"]}
     return CocoDataset(str(p), samples, [i for i, _ in images], [i for i, _ in categories], names, gt)
+
+
+def open_calibration(path: str | os.PathLike, labels: Sequence[str] | None = None) -> Dataset:
+    """Open a calibration (or INT8 check) set: a folder of images (flat or by class), an ``.npz`` with ``x``,
+    or a COCO annotation ``.json`` (its images; the annotations are not needed).
+
+    Raises:
+        DatasetError: missing, empty, or with files that cannot be read -- one message naming them.
+    """
+    p = Path(path)
+    if not is_coco(p):
+        dataset = open_dataset(p, labels)
+    else:
+        if not p.is_file():
+            raise DatasetError(f"calibration set {os.fspath(path)!r} does not exist")
+        import json
+
+        try:
+            doc = json.loads(p.read_text())
+            names = [im["file_name"] for im in doc["images"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DatasetError(f"{p}: not a COCO annotation file with images[].file_name ({exc})") from None
+        if not names:
+            raise DatasetError(f"{p}: lists no images")
+        dataset = Dataset(str(p), [p.parent / n for n in names], None)
+    if isinstance(dataset.samples, np.ndarray):
+        return dataset
+    missing = [str(s) for s in dataset.samples if not Path(s).is_file()]
+    unreadable = [] if missing else _unreadable_images(dataset.samples)
+    bad = missing or unreadable
+    if bad:
+        what = "missing" if missing else "unreadable (not an image)"
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise DatasetError(f"{dataset.source}: {len(bad)} of {len(dataset)} image(s) {what}: {', '.join(bad[:3])}{more}")
+    return dataset
+
+
+def _unreadable_images(paths) -> list[str]:
+    """Paths whose header Pillow cannot read (cheap: ``Image.open`` reads only the header)."""
+    from PIL import Image, UnidentifiedImageError
+
+    bad = []
+    for s in paths:
+        try:
+            with Image.open(s) as im:
+                im.size
+        except (OSError, UnidentifiedImageError):
+            bad.append(str(s))
+    return bad

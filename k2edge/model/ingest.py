@@ -48,11 +48,14 @@ class NormalisedModel:
         model: the normalised ModelProto (static shapes everywhere).
         source: where it came from (a path or '<memory>').
         original_opset: the default-domain opset of the model as given.
+        batch_free_key: what identifies the model whatever batch size it was normalised for (set by the
+            engine's loader; empty when unknown, and :attr:`identity` is then the model's sha256).
     """
 
     model: onnx.ModelProto
     source: str
     original_opset: int
+    batch_free_key: str = ""
 
     @cached_property
     def graph(self) -> Graph:
@@ -65,6 +68,11 @@ class NormalisedModel:
     @cached_property
     def sha256(self) -> str:
         return hashlib.sha256(self.serialized).hexdigest()
+
+    @property
+    def identity(self) -> str:
+        """The same for every batch size of one model (so one INT8 calibration serves them all)."""
+        return self.batch_free_key or self.sha256
 
     @property
     def opset(self) -> int:

@@ -50,6 +50,36 @@ class DLAMemoryPools(_Strict):
     _check = field_validator("managed_sram", "local_dram", "global_dram")(_power_of_two_pool)
 
 
+class Calibration(_Strict):
+    """INT8 calibration: how a tensor's range comes from the calibration set's statistics."""
+
+    method: Literal["max", "percentile"] = Field(
+        "max", description="max: the largest magnitude seen; percentile: the magnitude under which `percentile` % lie")
+    percentile: float = Field(99.99, description="for method percentile, within (50, 100]")
+
+    @field_validator("percentile", mode="before")
+    @classmethod
+    def _pct(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 50.0 < value <= 100.0:
+            raise ValueError(f"must be a number within (50, 100], got {value!r}")
+        return float(value)
+
+
+def _tolerance_table(value):
+    """``{measure: minimum}``: agreement, recall, precision, score_ratio, cosine, each within [0, 1]."""
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a table of measure = minimum, such as {{\"agreement\": 0.99}}, got {value!r}")
+    known = ("agreement", "recall", "precision", "score_ratio", "cosine")
+    out = {}
+    for k, v in value.items():
+        if k not in known:
+            raise ValueError(f"unknown measure {k!r}; measures are {', '.join(known)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise ValueError(f"{k}: must be a number within [0, 1], got {v!r}")
+        out[k] = float(v)
+    return out
+
+
 class EdgeRuntime(_Strict):
     """The ``edge_runtime`` section: placement, precision and staging of one model."""
 
@@ -80,6 +110,15 @@ class EdgeRuntime(_Strict):
         "prefers fewer GPU<->DLA transitions",
     )
     dla_memory_pools: DLAMemoryPools = Field(default_factory=DLAMemoryPools)
+    calibration: Calibration = Field(default_factory=Calibration)
+    int8_tolerance: dict[str, float] | None = Field(
+        None, description="the INT8 check's minimum per measure (agreement, recall, precision, score_ratio, cosine); "
+        "null = the task's defaults")
+
+    @field_validator("int8_tolerance", mode="before")
+    @classmethod
+    def _tolerance(cls, value):
+        return None if value is None else _tolerance_table(value)
 
     @field_validator("offload_ratio", "offload_tolerance", mode="before")
     @classmethod

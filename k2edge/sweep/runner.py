@@ -53,6 +53,7 @@ class SweepSpec:
     dataset: Path
     out: Path
     calib: str | None = None
+    check: str | None = None  # the INT8 check's set (default: every fifth calibration sample)
     board: str | None = None
     backend: str = "auto"
     cache_dir: str | None = None
@@ -115,7 +116,7 @@ def measure_once(record: dict, cfg: SweepConfig, spec: SweepSpec, dataset, sampl
     try:
         started = time.perf_counter()
         engine = Engine.build(spec.model, cfg.profile, spec.calib, board=spec.board, backend=spec.backend,
-                              cache_dir=spec.cache_dir, input_shapes=spec.input_shapes, card=spec.card)
+                              cache_dir=spec.cache_dir, input_shapes=spec.input_shapes, card=spec.card, check=spec.check)
         if not record["runs"]:
             desc = engine.describe()
             plan = engine.plan
@@ -130,6 +131,7 @@ def measure_once(record: dict, cfg: SweepConfig, spec: SweepSpec, dataset, sampl
                          "dla_cores": plan.dla_cores, "segments": len(plan.segments), "notes": list(plan.notes)},
                 "build": {"seconds": round(time.perf_counter() - started, 3), "cache_hits": dict(engine.info.cache_hits),
                           "engine_key": desc.get("engine_key"), "notes": list(engine.info.notes)},
+                "int8_check": desc.get("int8_check"),
             })
         run = measure_run(engine, dataset, spec.settings, sampler, progress, with_accuracy=not record["runs"])
         accuracy = run.pop("accuracy", None)

@@ -137,9 +137,11 @@ Energy and peak temperature are computed by ``k2edge.telemetry.energy`` from the
         return (value, None) if value is not None else (None, "too few power readings to integrate")
 
     def peak_temperature(self, t0: float, t1: float) -> tuple[float | None, str | None]:
-        """(highest temperature in °C over [t0, t1], its sensor) or (None, why it is unknown)."""
-        # A run shorter than the sampling interval holds no sample of its own: temperature moves slowly, so
-        # the readings just around it (as the energy integration takes) stand for it.
+        """(highest temperature in °C over [t0, t1], its sensor) or (None, why it is unknown).
+
+        As for energy, samples up to two intervals outside the window count: a run shorter than the sampling
+        interval would otherwise see no reading at all (and temperatures change slower than that).
+        """
         margin = 2 * self.interval_s
         best = self._peak(self.samples(t0 - margin, t1 + margin)) if self._peak else None
         if best is None:

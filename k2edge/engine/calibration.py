@@ -1,0 +1,180 @@
+"""Streaming INT8 calibration: per-tensor statistics, one batch at a time.
+
+ONNX Runtime's histogram calibrators keep every intermediate output of every calibration batch in
+memory before histogramming (``onnxruntime/quantization/calibrate.py``, ``HistogramCalibrater.collect_data``
+appends each batch's outputs to ``intermediate_outputs``): gigabytes for a YOLOv8n at 640. Here each
+batch's activations are folded into a fixed-size state per tensor (its largest magnitude and a
+``BINS``-bin histogram of magnitudes) and dropped, so memory is bounded by the number of tensors,
+not of samples.
+
+Methods (symmetric, as TensorRT takes INT8: amax = the range, scale = amax / 127):
+
+* ``max``: the largest magnitude seen. It is what ONNX Runtime's ``MinMax`` gives with symmetric
+  activations (``max(|min|, |max|)`` over all batches, no moving average), so with the same settings
+  k2edge's Q/DQ scales equal plain ``quantize_static``'s.
+* ``percentile``: the magnitude below which ``percentile`` % of the values lie (default 99.99),
+  from the histogram; never more than the maximum.
+
+The histogram never re-bins approximately: its bin width only ever doubles (pairs of bins merge
+exactly) when a batch brings a larger magnitude, so the result does not depend on batch order
+beyond that width. Padding samples of a short last batch are not counted, so the statistics are
+the same at every batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import onnx
+
+from ..errors import BuildError
+
+log = logging.getLogger(__name__)
+
+BINS = 2048  # as ONNX Runtime's percentile default and TensorRT's entropy calibrator
+METHODS = ("max", "percentile")
+DEFAULT_PERCENTILE = 99.99
+
+
+@dataclass
+class _TensorState:
+    amax: float = 0.0
+    width: float = 0.0  # histogram bin width; 0 until the first non-zero value
+    hist: np.ndarray | None = None
+
+    def add(self, values: np.ndarray, histogram: bool) -> None:
+        mags = np.abs(values.reshape(-1))
+        if not mags.size:
+            return
+        top = float(mags.max())
+        if not np.isfinite(top):
+            mags = mags[np.isfinite(mags)]
+            top = float(mags.max()) if mags.size else 0.0
+        self.amax = max(self.amax, top)
+        if not histogram or top == 0.0:
+            return
+        if self.hist is None:
+            self.hist = np.zeros(BINS, dtype=np.int64)
+            self.width = top / BINS
+        while top > self.width * BINS:  # double the width: merge pairs of bins, exactly
+            merged = self.hist.reshape(BINS // 2, 2).sum(axis=1)
+            self.hist = np.concatenate([merged, np.zeros(BINS // 2, dtype=np.int64)])
+            self.width *= 2.0
+        idx = np.minimum((mags / self.width).astype(np.int64), BINS - 1)
+        self.hist += np.bincount(idx, minlength=BINS)
+
+    def percentile(self, p: float) -> float:
+        if self.hist is None:
+            return self.amax
+        cdf = np.cumsum(self.hist)
+        k = int(np.searchsorted(cdf, cdf[-1] * p / 100.0, side="left"))
+        return min(self.amax, (k + 1) * self.width)
+
+
+class TensorStatistics:
+    """Per-tensor magnitude statistics of a calibration pass (streaming; bounded memory)."""
+
+    def __init__(self, histogram: bool = True) -> None:
+        self.histogram = histogram
+        self.samples = 0
+        self._state: dict[str, _TensorState] = {}
+
+    def add(self, outputs: dict[str, np.ndarray], count: int) -> None:
+        """Fold one batch's activations in; only the first ``count`` rows are real samples."""
+        for name, value in outputs.items():
+            self._state.setdefault(name, _TensorState()).add(value[:count] if value.ndim else value, self.histogram)
+        self.samples += count
+
+    def ranges(self, method: str = "max", percentile: float = DEFAULT_PERCENTILE) -> dict[str, float]:
+        """amax per tensor under ``method`` (``max`` or ``percentile``)."""
+        if method == "max":
+            return {k: s.amax for k, s in self._state.items()}
+        if method == "percentile":
+            if not self.histogram:
+                raise BuildError("percentile calibration needs the histogram statistics")
+            return {k: s.percentile(percentile) for k, s in self._state.items()}
+        raise BuildError(f"calibration method must be one of {', '.join(METHODS)}, got {method!r}")
+
+    def save(self, path: Path) -> None:
+        names = sorted(self._state)
+        arrays = {"names": np.array(names), "amax": np.array([self._state[n].amax for n in names]),
+                  "width": np.array([self._state[n].width for n in names]), "samples": np.array(self.samples)}
+        if self.histogram:
+            arrays["hist"] = np.stack([self._state[n].hist if self._state[n].hist is not None
+                                       else np.zeros(BINS, dtype=np.int64) for n in names]) if names else np.zeros((0, BINS))
+        np.savez_compressed(path, **arrays)
+
+    @classmethod
+    def load(cls, path: Path) -> "TensorStatistics":
+        with np.load(path) as z:
+            stats = cls(histogram="hist" in z)
+            stats.samples = int(z["samples"])
+            for i, name in enumerate(z["names"].tolist()):
+                hist = z["hist"][i].astype(np.int64) if stats.histogram else None
+                width = float(z["width"][i])
+                stats._state[name] = _TensorState(float(z["amax"][i]), width, hist if width > 0 else None)
+        return stats
+
+
+def activation_tensors(model: onnx.ModelProto) -> list[str]:
+    """Float activations worth a range: the model's float inputs and every float node output."""
+    from ..model.graph import Graph
+
+    graph = Graph(model)
+    names = list(graph.inputs) + [o for n in graph.nodes for o in n.outputs if o]
+    return [t for t in dict.fromkeys(names) if t in graph.tensors and graph.tensors[t].dtype == np.float32]
+
+
+def observed_model(model: onnx.ModelProto, tensors: list[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph outputs are ``tensors`` (every activation observed in one run)."""
+    from ..model.graph import Graph
+
+    graph = Graph(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.output[:]
+    for t in tensors:
+        info = graph.tensors[t]
+        out.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, list(info.shape)))
+    return out
+
+
+def session(model: onnx.ModelProto, threads: int | None = None, optimise: bool = False):
+    """A CPU ONNX Runtime session for calibration and checks (by default no graph optimisation: fusions would
+    hide the tensors we observe)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    if not optimise:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def collect_statistics(model: onnx.ModelProto, batches: Iterable[tuple[np.ndarray, int]], histogram: bool = True,
+                       progress: Callable[[int], None] | None = None) -> TensorStatistics:
+    """Run ``model`` over ``batches`` ((input batch, real sample count) pairs) and fold every float activation's
+    magnitudes into :class:`TensorStatistics`, one batch at a time.
+
+    Raises:
+        BuildError: ONNX Runtime cannot run the model.
+    """
+    tensors = activation_tensors(model)
+    sess = session(observed_model(model, tensors))
+    input_name = sess.get_inputs()[0].name
+    stats = TensorStatistics(histogram)
+    for batch, count in batches:
+        try:
+            values = sess.run(tensors, {input_name: batch})
+        except Exception as exc:
+            raise BuildError(f"INT8 calibration failed: {type(exc).__name__}: {exc}") from exc
+        stats.add(dict(zip(tensors, values)), count)
+        if progress is not None:
+            progress(count)
+    return stats

@@ -1,0 +1,235 @@
+"""The INT8 check at every build, the automatic precision fallback, and one INT8 decision per model."""
+
+import json
+import logging
+
+import numpy as np
+import onnx
+import pytest
+
+from k2edge import BuildError, Engine, load_profile
+from k2edge.engine.check import compare_outputs, match_detections
+from k2edge.engine.quantize import read_trt_calibration_cache
+from k2edge.tasks.detection import Detections
+from test_cli import MODEL, ROOT, k2edge
+
+GPU_CHAIN = {"edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}}
+
+
+@pytest.fixture(scope="module")
+def silu(tmp_path_factory):
+    """The small SiLU net (tensor task) with a strict cosine tolerance that INT8 alone misses."""
+    from graphs import silu_net, smooth_images
+
+    d = tmp_path_factory.mktemp("silu-check")
+    onnx.save(silu_net(), str(d / "silu.onnx"))
+    np.savez(d / "calib.npz", x=smooth_images(40))
+    (d / "silu.card.toml").write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n'
+                                      '[quantization]\ntolerance = { cosine = 0.99985 }\n')
+    return d
+
+
+def _qdq_tensors(path) -> set[str]:
+    return {n.input[0] for n in onnx.load(str(path)).graph.node if n.op_type == "QuantizeLinear"}
+
+
+# --- measures -----------------------------------------------------------------------------------------------
+
+def test_detection_measures_match_boxes_by_label_and_iou():
+    ref = Detections(np.array([[0, 0, 10, 10], [20, 20, 30, 30]], np.float32), np.array([0.9, 0.8], np.float32),
+                     np.array([0, 1]))
+    same_label = Detections(np.array([[1, 1, 10, 10], [20, 20, 30, 30]], np.float32), np.array([0.45, 0.8], np.float32),
+                            np.array([0, 0]))
+    assert match_detections(ref, same_label) == (1, [0.5])  # the second box has the wrong label
+    one = {"output0": np.zeros((1, 6, 4))}
+    m = compare_outputs("detection", [one], [one], detections=lambda o: [ref])
+    assert m["recall"] == m["precision"] == m["score_ratio"] == 1.0 and m["reference_boxes"] == 2
+
+
+def test_classification_and_tensor_measures():
+    a = np.array([[5.0, 1.0, 0.0], [0.0, 3.0, 0.0]])
+    b = np.array([[5.0, 1.0, 0.0], [3.0, 0.0, 0.0]])
+    m = compare_outputs("classification", [[a]], [[b]])
+    assert m["agreement"] == 0.5 and m["samples"] == 2 and m["mean_abs_dp"] > 0.1
+    t = compare_outputs("tensor", [{"y": a}], [{"y": a * 1.01}])
+    assert t["cosine"] == pytest.approx(1.0) and t["max_rel_error"] == pytest.approx(0.01)
+
+
+# --- the check at every build: stderr, --json, cache --------------------------------------------------------
+
+@pytest.mark.slow
+def test_check_line_on_stderr_and_int8_check_in_json(tmp_path):
+    """build/eval --json carry int8_check in their one document, infer --json in each line; the line is on stderr."""
+    cache = str(tmp_path / "cache")
+    proc = k2edge("build", MODEL, "-p", "c2", "--json", "--cache", cache)
+    d = json.loads(proc.stdout)
+    check = d["int8_check"]
+    assert check["status"] == "passed" and check["source"] == "held-out" and check["samples"] == 40
+    assert check["measures"]["agreement"] == 1.0 and d["plan"]["int8_fallback"] == []
+    assert "int8 check (held-out, 40 sample(s)): 40/40 top-1 agree" in proc.stderr
+    samples = sorted((ROOT / "models/digits/samples").glob("*.jpg"))[:2]
+    proc = k2edge("infer", MODEL, "-p", "c2", *map(str, samples), "--json", "--cache", cache)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["int8_check"]["status"] == "passed" for line in lines)
+    assert proc.stderr.count("int8 check") == 1
+    proc = k2edge("eval", MODEL, "-p", "c4", "--dataset", str(ROOT / "models/digits/eval.npz"), "--json", "--cache", cache)
+    doc = json.loads(proc.stdout)
+    assert doc["top1"] == pytest.approx(538 / 540) and doc["int8_check"]["fallback"] == []
+    fp16 = k2edge("build", MODEL, "-p", "c5", "--json", "--cache", cache)
+    assert json.loads(fp16.stdout)["int8_check"] is None and "int8 check" not in fp16.stderr
+
+
+def test_check_on_a_given_set(tmp_path):
+    """--check DATA measures on that set instead of the held-out samples."""
+    engine = Engine.build(MODEL, "c2", check=ROOT / "models/digits/eval.npz", cache_dir=tmp_path)
+    check = engine.info.int8_check
+    assert check.source.endswith("eval.npz") and check.samples == 512 and check.status == "passed"
+
+
+def test_second_build_is_a_cache_hit_without_calibration(tmp_path, caplog):
+    first = Engine.build(MODEL, "c2", cache_dir=tmp_path)
+    caplog.set_level(logging.INFO, logger="k2edge")
+    again = Engine.build(MODEL, "c2", cache_dir=tmp_path)
+    assert again.info.cache_hits["int8"] and not any("calibrating" in r.getMessage() for r in caplog.records)
+    assert again.info.int8_check == first.info.int8_check
+
+
+def test_one_calibration_and_decision_shared_by_every_batch_size(silu, tmp_path):
+    """Batch 1 and batch 2 engines of one model: one calibration, one check, the same layers fall back."""
+    engines = [Engine.build(silu / "silu.onnx", {"edge_runtime": {**GPU_CHAIN["edge_runtime"], "batch_size": b}},
+                            cache_dir=tmp_path) for b in (1, 2)]
+    assert [e.batch_size for e in engines] == [1, 2]
+    assert len(list((tmp_path / "int8-stats").iterdir())) == 1
+    assert len(list((tmp_path / "int8-decision").iterdir())) == 1
+    assert engines[1].info.cache_hits["int8"]
+    assert engines[0].plan.int8_fallback == engines[1].plan.int8_fallback != ()
+
+
+# --- fallback -----------------------------------------------------------------------------------------------
+
+def test_fallback_moves_the_worst_layers_to_fp16_until_the_tolerance_holds(silu, tmp_path):
+    engine = Engine.build(silu / "silu.onnx", GPU_CHAIN, cache_dir=tmp_path)
+    check = engine.info.int8_check
+    assert check.status == "fallback" and check.before["cosine"] < 0.99985 <= check.measures["cosine"]
+    moved = engine.plan.int8_fallback
+    assert moved and all(f["precision"] == "fp16" and f["device"] == "gpu" and f["sqnr_db"] > 0 for f in moved)
+    assert [f["sqnr_db"] for f in moved] == sorted(f["sqnr_db"] for f in moved)  # worst first
+    names = {f["node"] for f in moved}
+    seg = engine.plan.segments[0]
+    assert all(seg.layer_precision[n] == "fp16" for n in names)
+    assert any("kept out of INT8" in n for n in engine.plan.notes)
+    outputs = {o for n in engine.model.graph.nodes if n.name in names for o in n.outputs}
+    quant_dir = next(p for p in (tmp_path / "int8").iterdir()
+                     if json.loads((p / "manifest.json").read_text())["meta"].get("fallback"))
+    assert not outputs & _qdq_tensors(quant_dir / "qdq.onnx")
+    casts = {n.input[0] for n in onnx.load(str(quant_dir / "qdq.onnx")).graph.node if n.op_type == "Cast"}
+    assert outputs & casts  # rounded to FP16 instead
+    profile = tmp_path / "gpu.json"
+    profile.write_text(json.dumps(GPU_CHAIN))
+    shown = json.loads(k2edge("plan", str(silu / "silu.onnx"), "-p", str(profile), "--calib", str(silu / "calib.npz"),
+                              "--cache", str(tmp_path), "--json").stdout)  # `plan` after the build
+    assert [f["node"] for f in shown["int8_fallback"]] == [f["node"] for f in moved]
+    assert shown["int8_check"]["status"] == "fallback"
+    assert not outputs & set(read_trt_calibration_cache(quant_dir / "calib.cache"))
+
+
+def test_precision_int8_never_falls_back_but_warns(silu, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="k2edge")
+    engine = Engine.build(silu / "silu.onnx", GPU_CHAIN, precision="int8", cache_dir=tmp_path)
+    check = engine.info.int8_check
+    assert check.status == "failed" and check.fallback == () and engine.plan.int8_fallback == ()
+    assert "FAILED" in check.line() and any("forbids falling back" in r.getMessage() for r in caplog.records)
+
+
+def test_exhausted_chain_warns_and_keeps_the_best(silu, tmp_path, caplog):
+    card = silu / "impossible.toml"
+    card.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 1.0 }\n')
+    caplog.set_level(logging.WARNING, logger="k2edge")
+    engine = Engine.build(silu / "silu.onnx", GPU_CHAIN, card=card, cache_dir=tmp_path)
+    check = engine.info.int8_check
+    assert check.status == "failed" and check.measures["cosine"] >= check.before["cosine"]
+    assert any("keeping the best" in r.getMessage() for r in caplog.records)
+
+
+def test_an_explicit_tolerance_the_check_cannot_resolve_is_refused(tmp_path):
+    card = tmp_path / "card.toml"
+    card.write_text((ROOT / "models/digits/card.toml").read_text().replace('labels = "labels.txt"', f'labels = "{ROOT}/models/digits/labels.txt"')
+                    + "\n[quantization]\ntolerance = { agreement = 0.999 }\n")
+    with pytest.raises(BuildError, match="agreement >= 0.999 needs at least 1000 \\(has 40\\)"):
+        Engine.build(MODEL, "c2", card=card, cache_dir=tmp_path / "cache")
+
+
+def test_tensorrt_route_gives_fallback_layers_no_range_and_fp16(silu, tmp_path, monkeypatch):
+    """On the DLA route (test double of TensorRT 10) the fallback layers' outputs are missing from the calibration
+    cache and the layers are constrained to FP16."""
+    from trt_double import TrtDouble
+
+    double = TrtDouble().install(monkeypatch)
+    try:
+        engine = Engine.build(silu / "silu.onnx", "c4", backend="tensorrt", cache_dir=tmp_path)
+        moved = {f["node"] for f in engine.plan.int8_fallback}
+        assert moved
+        outputs = {o for n in engine.model.graph.nodes if n.name in moved for o in n.outputs}
+        dla = [b for b in double.builds if b["default_device"] == "DLA"]
+        assert dla
+        for b in dla:
+            tensors = {line.rpartition(": ")[0] for line in b["calibration_cache"].splitlines()[1:]}
+            assert not outputs & tensors
+            assert all(b["layer_precision"].get(n) in (None, "HALF") for n in moved)
+        assert any(b["layer_precision"].get(n) == "HALF" for b in dla for n in moved)
+    finally:
+        from k2edge.engine.trt_cuda import release_primary_contexts
+
+        double.gpu.resume()
+        release_primary_contexts()
+        double.shutdown()
+
+
+# --- calibration sets ---------------------------------------------------------------------------------------
+
+def test_calibration_set_errors_and_warnings(tmp_path, caplog):
+    from PIL import Image
+
+    from k2edge.errors import DatasetError
+    from k2edge.model.datasets import open_calibration
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DatasetError, match="no images found"):
+        open_calibration(empty)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(DatasetError, match="1 of 1 image\\(s\\) unreadable"):
+        open_calibration(bad)
+    same = tmp_path / "same"
+    same.mkdir()
+    for i in range(10):
+        Image.new("L", (32, 32), 128).save(same / f"{i}.png")
+    caplog.set_level(logging.WARNING, logger="k2edge")
+    engine = Engine.build(MODEL, "c2", calib=same, cache_dir=tmp_path / "cache")
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "fewer than 32" in text and "near-identical" in text
+    assert engine.info.int8_check.source == "in-sample" and engine.info.int8_check.samples == 10
+
+
+def test_coco_json_is_a_calibration_set(tmp_path):
+    from k2edge.model.datasets import open_calibration
+
+    ds = open_calibration(ROOT / "models/detector/eval/annotations.json")
+    assert len(ds) == 200 and ds.labels is None and all(p.is_file() for p in ds.samples)
+
+
+# --- the plan tells the truth about precision ---------------------------------------------------------------
+
+def test_plan_shows_the_detector_head_in_float_and_inspect_counts_nodes():
+    det = str(ROOT / "models/detector/model.onnx")
+    data = json.loads(k2edge("plan", det, "-p", "c4", "--json").stdout)
+    head = {f["node"] for f in data["int8_fallback"]}
+    assert head and all(n.startswith("head/") for n in head)
+    precision = {n: p for s in data["segments"] for n, p in s["layer_precision"].items()}
+    assert all(precision[n] == "fp16" for n in head)
+    text = k2edge("plan", det, "-p", "c4").stdout
+    assert "kept out of INT8" in text
+    shown = k2edge("inspect", det).stdout
+    assert "> 99.9 % of FLOPs DLA-capable (42 of 59 nodes; 17 are not)" in shown

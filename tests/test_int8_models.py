@@ -1,0 +1,153 @@
+"""INT8 on models that detect and classify: the trained SiLU demo detector (issue 16's failure and its fix) and
+public pretrained models shipped inside packages (NudeNet's YOLOv8n, PaddleOCR's text-direction classifier)."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from k2edge import Engine, load_profile
+from k2edge.config.card import load_card
+from k2edge.dla.planner import plan_partition
+from k2edge.engine.cache import EngineCache
+from k2edge.engine.engine import load_labels, model_card
+from k2edge.engine.int8 import decide_int8
+from k2edge.engine.quantize import QuantSettings, calibrate_int8, calibration_split, float_nodes, ort_settings, stage_batches
+from k2edge.model.datasets import open_calibration, open_dataset
+from k2edge.model.ingest import normalise
+from k2edge.tasks import Preprocess, TaskDecoder
+from test_int8_fixtures import INT8, REFERENCE, SILU, packaged_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DETECTOR = ROOT / "models" / "detector"
+GPU_INT8 = {"edge_runtime": {"precision_fallback": ["int8"]}}
+GPU_CHAIN = {"edge_runtime": {"precision_fallback": ["int8", "fp16"]}}
+
+
+def _scales(path) -> dict[str, float]:
+    m = onnx.load(str(path))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+    return {n.input[0]: float(inits[n.input[1]]) for n in m.graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0] not in inits and inits[n.input[1]].size == 1}
+
+
+@pytest.fixture(scope="module")
+def silu():
+    nm = normalise(str(SILU / "model.onnx"))
+    card = model_card(SILU / "model.onnx", nm)
+    labels = load_labels(SILU / "model.onnx", nm, None, card)
+    return nm, card, labels, Preprocess.from_card(card), open_calibration(DETECTOR / "calib", labels)
+
+
+def test_silu_detector_scales_equal_plain_onnxruntime_on_a_gpu_plan(silu, tmp_path):
+    """GPU-only plan, method max: k2edge's Q/DQ scales are plain quantize_static's with the same settings (head in
+    float in both), the sigmoid keeping its own fine step."""
+    from onnxruntime.quantization import CalibrationDataReader, quantize_static
+
+    nm, card, _, pre, calib = silu
+    plan = plan_partition(nm, load_profile(GPU_INT8))
+    head = tuple(sorted(float_nodes(nm.graph, card)))
+    q = calibrate_int8(nm, calib, pre, EngineCache(tmp_path), (), head, plan=plan, settings=QuantSettings("max"))
+    idx, _, _ = calibration_split(len(calib))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = ({"images": b} for b, _ in stage_batches(calib, pre, nm.graph.shape("images"), idx))
+
+        def get_next(self):
+            return next(self.it, None)
+
+    src = tmp_path / "in.onnx"
+    src.write_bytes(nm.serialized)
+    quantize_static(str(src), str(tmp_path / "plain.onnx"), Reader(), nodes_to_exclude=list(head), **ort_settings())
+    ours, plain = _scales(q.qdq_model), _scales(tmp_path / "plain.onnx")
+    assert set(ours) == set(plain)
+    for t in ours:
+        assert ours[t] == pytest.approx(plain[t], rel=1e-6), t
+    sig = "/backbone/stem/stem.0/stem.0.2/Sigmoid_output_0"
+    assert sig in ours and ours[sig] <= 1.0 / 127 + 1e-9
+
+
+def test_silu_detector_meets_the_tolerance_and_forced_ties_fail_it(silu, tmp_path):
+    """The INT8 check on the 200 evaluation scenes: k2edge's INT8 (no fallback) meets recall/precision >= 0.96 and score
+    ratio >= 0.9; the same model with the DLA's ties forced onto the GPU segment (k2edge up to QUANT_VERSION 3) fails."""
+    nm, card, labels, pre, calib = silu
+    profile = load_profile({"edge_runtime": {"precision_fallback": ["int8"],
+                                             "int8_tolerance": {"recall": 0.96, "precision": 0.96, "score_ratio": 0.9}}})
+    plan = plan_partition(nm, profile)
+    decoder = TaskDecoder(card, labels, {o: nm.graph.shape(o) for o in nm.graph.outputs})
+    check_set = open_calibration(DETECTOR / "eval" / "annotations.json", labels)
+    cache = EngineCache(tmp_path)
+    good = decide_int8(nm, plan, calib, pre, card, cache, profile.edge_runtime, decoder, check_set).check
+    bad = decide_int8(nm, plan, calib, pre, card, cache, profile.edge_runtime, decoder, check_set, force_ties=True).check
+    assert good.status == "passed", good.line()
+    assert bad.status == "failed", bad.line()
+    assert bad.measures["recall"] < good.measures["recall"] and bad.measures["precision"] < good.measures["precision"]
+
+
+def test_silu_detector_map_holds_with_the_fallback(silu, tmp_path):
+    """Through the engine with the chain ["int8", "fp16"]: the check passes its default tolerance (after fallback)
+    and mAP@0.5 stays within 0.005 of FP32 (FP32 0.6925 by the fixture's README)."""
+    pytest.importorskip("pycocotools")
+    from k2edge.engine.evaluate import evaluate_detector, open_eval_set
+
+    engine = Engine.build(SILU / "model.onnx", GPU_CHAIN, calib=DETECTOR / "calib", cache_dir=tmp_path)
+    assert engine.info.int8_check.passed
+    with engine:
+        result = evaluate_detector(engine, open_eval_set(engine, DETECTOR / "eval" / "annotations.json", None))
+    assert result["map50"] >= 0.6925 - 0.005, result["map50"]
+
+
+# --- public pretrained models (from packages, not trained here) ---------------------------------------------------
+
+def _top(engine, image):
+    with engine:
+        batch, geometries = engine.stage_mapped([image])
+        return engine.answers(engine.infer({engine.input_name: batch}), 1, geometries)[0]["detections"][0]
+
+
+def _iou(a, b) -> float:
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="not met yet: camera.jpg's face falls from 0.54 (FP32) to about 0.30-0.32 in "
+                   "INT8; the automatic head keeps less of YOLOv8's Detect module in float than the fixture's plain "
+                   "onnxruntime reference (all of /model.22/), and the calibration crops hold almost no faces, so the "
+                   "held-out check sees one box and cannot guard it (see the README)")
+@pytest.mark.parametrize("profile", [GPU_CHAIN, "c4"], ids=["gpu-int8-fp16", "c4"])
+def test_public_yolov8n_keeps_its_top_detection(profile, tmp_path):
+    """NudeNet's pretrained YOLOv8n (SiLU, 320) on real photos: INT8 keeps each photo's top detection (same label,
+    score within 0.1 of FP32, IoU >= 0.9) under a GPU-only ["int8", "fp16"] chain and under c4 with fallback."""
+    model = packaged_model("nudenet-320n")
+    card = INT8 / "nudenet-320n" / "card.toml"
+    fp32 = Engine.build(model, "cpu-dev", card=card, cache_dir=tmp_path)
+    int8 = Engine.build(model, profile, calib=INT8 / "calib", card=card, cache_dir=tmp_path)
+    assert int8.info.int8_check is not None
+    for name, ref in REFERENCE["nudenet-320n"]["photos"].items():
+        image = INT8 / ref["file"]
+        want, got = _top(fp32, image), _top(int8, image)
+        assert want["label"] == ref["fp32"]["label"], name
+        assert got["label"] == want["label"], (name, got, want)
+        assert abs(got["score"] - want["score"]) <= 0.1, (name, got, want)
+        assert _iou(got["box"], want["box"]) >= 0.9, (name, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", [GPU_CHAIN, "c4"], ids=["gpu-int8-fp16", "c4"])
+def test_public_classifier_keeps_top1_within_half_a_point(profile, tmp_path):
+    """PaddleOCR's pretrained text-direction classifier (HardSwish, HardSigmoid gates) on 464 text lines."""
+    from k2edge.engine.evaluate import evaluate_classifier
+
+    model = packaged_model("ppocr-cls")
+    card = load_card(INT8 / "ppocr-cls" / "card.toml")
+    data = open_dataset(INT8 / "textlines", ["0", "180"])
+    fp32 = REFERENCE["ppocr-cls"]["fp32_top1"]
+    engine = Engine.build(model, profile, calib=INT8 / "textlines-calib", card=card, cache_dir=tmp_path)
+    with engine:
+        top1 = evaluate_classifier(engine, data)["top1"]
+    assert abs(top1 - fp32) <= 0.005, (top1, fp32, engine.info.int8_check.line())
