@@ -188,6 +188,8 @@ def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp
     ok = sum(1 for a in answers) + 1  # and the settle marker
     assert samples[("k2edge_requests_total", (("model", "digits"), ("source", "edge"), ("status", "ok")))] == ok
     assert samples[("k2edge_model_info", (("model", "digits"), ("profile", "c2"), ("version", "1.1.0")))] == 1
+    int8_series = {k: v for k, v in samples.items() if k[0] == "k2edge_int8_check"}
+    assert set(int8_series) == {("k2edge_int8_check", (("measure", "agreement"), ("model", "digits"), ("profile", "c2")))}
     assert samples[("k2edge_batch_size_count", (("model", "digits"),))] >= 1
 
     progress = [(s.get("deploy") or {}).get("state") for s in client.statuses if (s.get("deploy") or {}).get("version") == "1.1.0"]
@@ -195,6 +197,9 @@ def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp
     status = _status(broker.port)
     model = status["models"][0]
     assert model["model_version"] == "1.1.0" and model["profile"] == "c2" and status["deploy"]["state"] == "idle"
+    # its INT8 engines were checked against FP32 at build: in the status and as a gauge
+    assert model["int8_check"]["status"] in ("passed", "fallback") and model["int8_check"]["task"] == "classification"
+    assert list(int8_series.values()) == [pytest.approx(model["int8_check"]["measures"]["agreement"], abs=1e-4)]
     assert status["trust"] == {"keys": 1, "allow_unsigned": False}
     records = _audits(audit)
     assert [(r["action"], r["status"], r["version"]) for r in records] == [("install", "installed", "1.1.0"),
@@ -558,3 +563,30 @@ def test_removing_a_key_revokes_the_installed_version_it_signed(tmp_path, broker
     record = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])
     assert (record["action"], record["status"], record["ok"]) == ("load", "untrusted_key", False), record
     assert record["source"].endswith("models/digits/1.0.0")
+
+
+def test_a_bundle_whose_int8_check_fails_is_not_deployed(tmp_path, broker, keys, releases):
+    """1.4.0's card asks INT8 for an exact match (cosine 1.0): the build keeps the best it found, but the deploy
+    answers failed with the check, audits it, and 1.0.0 keeps serving."""
+    card = ('task = "tensor"\n[input]\nname = "input"\nsize = [32, 32]\nresize = "stretch"\ncolor = "L"\n'
+            'scale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 1.0 }\n')
+    strict = small_model_dir(tmp_path / "strict" / "digits", card=card)
+    bundle = tmp_path / "digits-1.4.0.k2b"
+    create_bundle(strict, bundle, version="1.4.0", profiles=["c2"], key=keys["key"])
+    cfg = _config(tmp_path, broker, keys, releases["1.0.0"])
+    daemon = _daemon(cfg, tmp_path, broker)
+    audit = _audit_watcher(broker.port)
+    client = Client(broker.port).connect()
+    proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", "--timeout", "240", "--json",
+                   str(bundle))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    body = json.loads(proc.stdout)
+    assert (body["status"], body["check"], body["model_version"]) == ("failed", "int8_check", "1.0.0"), body
+    check = body["int8_check"]
+    assert check["status"] == "failed" and check["tolerance"] == {"cosine": 1.0} and check["measures"]["cosine"] > 0.99
+    assert "int8 check" in body["reason"] and "FAILED tolerance" in body["reason"] and "1.0.0 keeps running" in body["reason"]
+    assert _ask(client, "still-old")["model_version"] == "1.0.0"
+    assert [(r["action"], r["status"], r["version"]) for r in _audits(audit)] == [("install", "installed", "1.4.0"),
+                                                                                 ("build", "failed", "1.4.0")]
+    assert "FAILED tolerance" in daemon.output()
+    client.close()

@@ -87,7 +87,7 @@ class Daemon:
             self.escalation.policy.models[m.name] = self._escalation_for(self.models[m.name])
             self.lifecycle.started(plan)
             if self.metrics is not None:
-                self.metrics.set_model(m.name, plan.version, self.models[m.name].profile_name)
+                self.metrics.set_model(m.name, plan.version, self.models[m.name].profile_name, self.models[m.name].int8_check)
 
     def _escalation_for(self, rt: ModelRuntime):
         """The model's escalation settings, checked against what its card says the model is."""
@@ -114,7 +114,7 @@ class Daemon:
         self._thermal_profile(name)  # a transition during the build
         self.escalation.policy.models[name] = self._escalation_for(rt)
         if self.metrics is not None:
-            self.metrics.set_model(name, rt.version, rt.profile_name)
+            self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check)
         self.publish_status()
 
     # the thermal governor's listener ---------------------------------------------------------------
@@ -124,7 +124,7 @@ class Daemon:
         for name in self.models:
             rt = self._thermal_profile(name)
             if self.metrics is not None:
-                self.metrics.set_model(name, rt.version, rt.profile_name)
+                self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check)
         self.publish_status()
 
     def _thermal_profile(self, name: str) -> ModelRuntime:
@@ -156,7 +156,9 @@ class Daemon:
             "version": __version__,
             "models": [{"name": name, "model_version": rt.version, "task": rt.task, "profile": rt.profile_name,
                         "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": self._slots(name),
-                        "warm_profile": rt.warm_profile, "cache": rt.cache} for name, rt in self.models.items()],
+                        "warm_profile": rt.warm_profile, "cache": rt.cache,
+                        "int8_check": rt.int8_check.to_dict() if rt.int8_check is not None else None}
+                       for name, rt in self.models.items()],
             "topics": {"requests": topics.request_filter(self.cfg.prefix),
                        "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},
             "thermal": self.thermal_state,

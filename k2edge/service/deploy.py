@@ -412,6 +412,14 @@ class ModelLifecycle:
         if self._stopping.is_set():  # nothing committed yet: the next start carries the redelivered message out
             rt.deactivate()
             raise _Stopping
+        check = rt.int8_check
+        if action != "rollback" and check is not None and not check.passed:
+            # the build kept the best it found, but a new version must not serve worse answers than the one running
+            rt.deactivate()
+            result = BundleResult(FAILED, f"{name} {version}: {check.line()}; "
+                                          f"{running.version or 'the running model'} keeps running", name, version)
+            self.audit(result, "build", source)
+            return {**self._answer_body(FAILED, name, version, result.detail, "int8_check"), "int8_check": check.to_dict()}
         self._set_progress("swapping", kind=action, model=name, version=version)
         old = self.engines.swap(name, rt, SWAP_TIMEOUT_S)
         if old is None:

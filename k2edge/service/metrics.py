@@ -57,6 +57,9 @@ class MetricsError(K2EdgeError):
     """The metrics endpoint cannot start (address in use, bad host)."""
 
 
+INT8_MEASURES = ("agreement", "recall", "precision", "score_ratio", "cosine")  # exported of an INT8 check's measures
+
+
 class Metrics:
     """The daemon's metrics, in a registry of their own.
 
@@ -65,7 +68,9 @@ class Metrics:
     ``thermal_state{k2edge_thermal_state=...}`` (one series per state, 1 for the current one),
     ``temperature_celsius{sensor}``, ``escalations_total{model,reason}``,
     ``cloud_breaker_state{k2edge_cloud_breaker_state=...}``, ``outbox_depth``,
-    ``model_info{model,version,profile}``.
+    ``model_info{model,version,profile}``, ``int8_check{model,profile,measure}`` (the INT8 accuracy check
+    of the engines a model runs: ``agreement``, ``recall``, ``precision``, ``score_ratio`` or ``cosine``
+    against FP32, as its task measures; no series for a model without INT8 layers).
     """
 
     def __init__(self) -> None:
@@ -88,6 +93,9 @@ class Metrics:
                              states=list(BREAKER_STATES), registry=r)
         self._outbox = Gauge("k2edge_outbox_depth", "Deferred requests waiting in the cloud outbox", registry=r)
         self._model = Info("k2edge_model", "The version and profile each served model runs", ["model"], registry=r)
+        self._int8 = Gauge("k2edge_int8_check", "Each served model's INT8 engines measured against FP32 at build, "
+                           "by measure", ["model", "profile", "measure"], registry=r)
+        self._int8_series: dict[str, list[tuple[str, str, str]]] = {}
         self._models: set[str] = set()
         self._sensors: set[str] = set()
         self._lock = threading.Lock()
@@ -98,10 +106,18 @@ class Metrics:
 
     # -- what the daemon observes -------------------------------------------------------------
 
-    def set_model(self, model: str, version: str | None, profile: str | None) -> None:
-        """Register a served model (or its new version after a deploy or rollback)."""
+    def set_model(self, model: str, version: str | None, profile: str | None, int8_check=None) -> None:
+        """Register a served model (or its new version after a deploy, a rollback or a thermal switch), with
+        its engines' INT8 check (an :class:`~k2edge.engine.check.Int8Check`; None without INT8 layers)."""
         with self._lock:
             self._models.add(model)
+            for labels in self._int8_series.pop(model, []):
+                self._int8.remove(*labels)
+            if int8_check is not None:
+                series = [(model, profile or "", m) for m in INT8_MEASURES if m in int8_check.measures]
+                for labels in series:
+                    self._int8.labels(*labels).set(float(int8_check.measures[labels[2]]))
+                self._int8_series[model] = series
         self._model.labels(model=model).info({"version": version or "unversioned", "profile": profile or ""})
 
     def forget_model(self, model: str) -> None:

@@ -100,6 +100,12 @@ class ModelRuntime:
                      ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
         return engines
 
+    @property
+    def int8_check(self):
+        """The INT8 accuracy check of the engines this view runs (one decision serves every batch size);
+        None when no layer runs in INT8."""
+        return self.engines[1].info.int8_check
+
     def _all(self):
         return [*self.normal.values(), *(self.warm.values() if self.warm else ())]
 
