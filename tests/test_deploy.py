@@ -71,10 +71,22 @@ def _config(tmp_path, broker, keys, first: Path | None, device="t1", metrics_por
                         tables=tables)
 
 
+_STARTED: list[DaemonProcess] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_outlives_its_test():
+    """Whatever a test asserted, the daemons it started are gone when it ends."""
+    yield
+    while _STARTED:
+        _STARTED.pop().kill()
+
+
 def _daemon(cfg: Path, tmp_path, broker, device="t1") -> DaemonProcess:
     """``k2edge serve`` with ``cfg``, once its status says online."""
     since = time.time()
     d = DaemonProcess(cfg, tmp_path / f"{device}.log").start()
+    _STARTED.append(d)
     watcher = Client(broker.port).connect()
     try:
         watcher.wait_for(lambda c: any(s.get("state") == "online" and s.get("device") == device and s.get("time", 0) >= since
