@@ -29,21 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MEMBER = "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx"
-# rapidocr's cls preprocessing: BGR, height 48 keeping the ratio, width up to 192 padded on the right with 0 after
-# (x / 255 - 0.5) / 0.5, i.e. grey 127.5 before it
-CARD = """task = "classification"
-labels = "labels.txt"
-[input]
-size = [48, 192]
-resize = "pad-right"
-pad_value = 128
-color = "BGR"
-scale = 0.00392156862745098
-mean = [0.5, 0.5, 0.5]
-std = [0.5, 0.5, 0.5]
-[classification]
-output = "probabilities"
-"""
+# rapidocr's cls preprocessing, as the INT8 fixtures' card spells it (tools/make_int8_fixtures.py)
+FIXTURE = ROOT / "tests" / "fixtures" / "int8" / "ppocr-cls"
 WORDS = ["invoice", "total", "amount", "date", "street", "order", "number", "payment", "receipt", "customer", "the",
          "and", "Warehouse", "Station", "EXIT", "Platform", "Monday", "2024", "No.", "price", "$12.50", "Hello",
          "World", "parking", "zone", "open", "closed", "ticket", "route", "delivery"]
@@ -102,8 +89,8 @@ def main() -> int:
                 model.write_bytes(z.read(MEMBER))
         else:
             model.write_bytes(Path(args.model).read_bytes())
-        (tmp / "cls.card.toml").write_text(CARD)
-        (tmp / "labels.txt").write_text("0\n180\n")
+        (tmp / "cls.card.toml").write_text((FIXTURE / "card.toml").read_text())
+        (tmp / "labels.txt").write_text((FIXTURE / "labels.txt").read_text())
         render(tmp / "calib", 120, 1)
         render(tmp / "eval", 400, 2)
         render(tmp / "check", 200, 3)
