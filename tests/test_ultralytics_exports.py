@@ -71,6 +71,8 @@ def test_card_init_then_infer_needs_no_other_step(name, tmp_path, image):
     assert fmt is None or f'format = "{fmt}"' in card
     labels = (model.parent / "labels.txt").read_text().splitlines()
     assert len(labels) == (1 if task == "pose" else 1000 if task == "classification" else 80), out
+    as_written = json.loads(k2edge("infer", str(model), "-p", "cpu-dev", str(image), "--json").stdout)
+    assert ("top_k" if task == "classification" else "detections") in as_written  # the card as written serves
     if task != "classification":  # random weights score about 1e-4: lower the threshold to see answers
         (model.parent / "card.toml").write_text(card.replace("score_threshold = 0.25", "score_threshold = 0.0")
                                                 .replace("max_detections = 300", "max_detections = 3"))
