@@ -132,7 +132,7 @@ def _is_dfl(graph: Graph, node) -> bool:
 # Layers a Detect branch is made of between its fork and its last Conv (besides the learned ops and SiLU-like gates).
 _BRANCH_UNARY_OPS = {"Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Clip", "Elu", "Selu",
                      "BatchNormalization", "Identity"}
-MAX_BRANCH_DEPTH = 8  # steps walked back from a branch's last Conv looking for the fork it shares with a sibling
+MAX_BRANCH_DEPTH = 16  # steps walked back from a branch's last Conv looking for the fork it shares with a sibling
 
 
 def _branch_walk(graph: Graph, node) -> tuple[list[str], list[set[str]]]:
