@@ -230,19 +230,21 @@ def test_infer_names_an_image_that_does_not_decode(tmp_path, image):
 
 
 def test_int8_keeps_the_segmentation_pose_and_obb_heads_in_float():
-    """The head kept out of INT8 covers each task's extra values: mask coefficients and prototypes'
-    last activation, keypoint decoding, the angle."""
+    """The head kept out of INT8 covers each task's extra values (mask coefficients and prototypes, keypoint
+    decoding, the angle) and is, found from the graph alone, exactly the export's last module: the
+    Detect/Segment/Pose/OBB module with its box, class, mask, keypoint and angle branches (QUANT_VERSION 5)."""
     from k2edge.config.card import ModelCard
     from k2edge.engine.quantize import float_nodes
     from k2edge.model import normalise
 
-    for name, task in (("yolov8n-seg", "segmentation"), ("yolov8n-pose", "pose"), ("yolov8n-obb", "obb")):
+    for name, task, module in (("yolov8n-seg", "segmentation", 22), ("yolov8n-pose", "pose", 22),
+                               ("yolov8n-obb", "obb", 22), ("yolo11n", "detection", 23),
+                               ("yolov10n", "detection", 23)):
         g = normalise(zoo.load(name)).graph
         keep = float_nodes(g, ModelCard(task=task))
         for out in g.outputs:  # whatever produces each output is float
             assert g.nodes[g.producer[out]].name in keep, (name, out)
-        convs = [n.name for n in g.nodes if n.name in keep and n.op_type == "Conv" and "dfl" not in n.name]
-        assert not convs, (name, convs)  # the learned layers themselves stay quantisable
+        assert keep == {n.name for n in g.nodes if n.name.startswith(f"/model.{module}/")}, name
         if task == "pose":  # class scores and keypoint visibility
             assert sum(1 for n in g.nodes if n.name in keep and n.op_type == "Sigmoid") >= 2
 
