@@ -136,7 +136,7 @@ def test_grafana_dashboard_uses_only_metrics_that_exist():
     m.set_thermal("normal", {"CPU": 40.0})
     exposed = {s.name for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {n for e in exprs for n in re.findall(r"\bk2edge_[a-z_]+", e)}
+    used = {n for e in exprs for n in re.findall(r"\bk2edge_[a-z0-9_]+", e)}
     assert len(dash["panels"]) >= 10 and used and used <= exposed, used - exposed
     families = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
                 .removesuffix("_info") for n in exposed if not n.endswith("_created")}
