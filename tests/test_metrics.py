@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from k2edge.engine.check import Int8Check
 from k2edge.service.metrics import STAGES, Metrics, MetricsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,10 +127,28 @@ def test_registries_are_private_and_the_port_is_released():
     b.stop()
 
 
+_CHECK = Int8Check("classification", "passed", "held-out", 40, {"agreement": 0.975, "mean_abs_dp": 0.004}, {"agreement": 0.975})
+
+
+def test_int8_check_gauges_follow_the_engines_a_model_runs():
+    """One series per exported measure of the running engines' check; a switch replaces them; no INT8, no series."""
+    m = Metrics()
+    m.set_model("digits", "1.0.0", "c2", _CHECK)
+    m.set_model("boxes", None, "cpu-dev", None)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples if s.name == "k2edge_int8_check"}
+    assert samples == {("k2edge_int8_check", (("measure", "agreement"), ("model", "digits"), ("profile", "c2"))): 0.975}
+    m.set_model("digits", "1.0.0", "c4", Int8Check("classification", "failed", "held-out", 40, {"agreement": 0.9}, {"agreement": 0.975}))
+    text = m.render().decode()
+    assert 'k2edge_int8_check{measure="agreement",model="digits",profile="c4"} 0.9' in text and 'profile="c2"' not in text
+    m.set_model("digits", "1.1.0", "cpu-dev", None)
+    assert "k2edge_int8_check{" not in m.render().decode()
+
+
 def test_grafana_dashboard_uses_only_metrics_that_exist():
     dash = json.loads((ROOT / "tools" / "grafana-k2edge.json").read_text())
     m = Metrics()
-    m.set_model("digits", "1.0.0", "c2")
+    m.set_model("digits", "1.0.0", "c2", _CHECK)
     m.observe_answer("digits", "ok", "edge", {s: 1.0 for s in STAGES})
     m.observe_batch("digits", 1)
     m.observe_escalation("digits", "prompt")
