@@ -8,7 +8,7 @@ import onnx
 import pytest
 
 from k2edge import BuildError, Engine, load_profile
-from k2edge.engine.check import compare_outputs, match_detections
+from k2edge.engine.check import Int8Check, compare_outputs, match_detections, tolerance_for
 from k2edge.engine.quantize import read_trt_calibration_cache
 from k2edge.tasks.detection import Detections
 from test_cli import MODEL, ROOT, k2edge
@@ -44,6 +44,31 @@ def test_detection_measures_match_boxes_by_label_and_iou():
     one = {"output0": np.zeros((1, 6, 4))}
     m = compare_outputs("detection", [one], [one], detections=lambda o: [ref])
     assert m["recall"] == m["precision"] == m["score_ratio"] == 1.0 and m["reference_boxes"] == 2
+
+
+def test_segmentation_pose_and_obb_add_their_own_measure_of_the_matched_boxes():
+    """Boxes matched as for detection; then mask IoU, keypoint distance or rotated IoU of each matched pair."""
+    boxes, scores, classes = np.array([[0, 0, 10, 10], [20, 20, 30, 30]], np.float32), np.array([0.9, 0.8], np.float32), np.array([0, 1])
+    R, Q = {"r": np.zeros(1)}, {"q": np.zeros(1)}  # one sample each: which run's outputs these are
+    kp = np.zeros((2, 17, 3), np.float32)
+    ref_pose, int8_pose = Detections(boxes, scores, classes, kp), Detections(boxes, scores, classes, kp + [3.0, 4.0, 0.0])
+    m = compare_outputs("pose", [R], [Q], detections=lambda o: [ref_pose if "r" in o else int8_pose])
+    assert m["recall"] == 1.0 and m["keypoint_error"] == pytest.approx(5.0)  # every keypoint 3-4-5 px away
+    rb = np.array([[5, 5, 20, 5, 0.0], [25, 25, 20, 5, 0.3]], np.float32)  # oblong: turning one changes it
+    ref_obb, int8_obb = Detections(boxes, scores, classes, rb), Detections(boxes, scores, classes, rb + [0, 0, 0, 0, 1.2])
+    same = compare_outputs("obb", [R], [R], detections=lambda o: [ref_obb])
+    turned = compare_outputs("obb", [R], [Q], detections=lambda o: [ref_obb if "r" in o else int8_obb])
+    assert same["rotated_iou"] == pytest.approx(1.0, abs=1e-3) and 0 < turned["rotated_iou"] < 0.9
+    square = np.ones((10, 10), bool)
+    masks = {"r": [(square, (0, 0)), (square, (20, 20))], "q": [(square[:5], (0, 0)), (square, (20, 20))]}  # one half
+
+    def seg_masks(out, row, dets):
+        return masks[next(iter(out))]
+
+    seg = compare_outputs("segmentation", [R], [Q], detections=lambda o: [ref_pose], masks=seg_masks)
+    assert seg["mask_iou"] == pytest.approx((0.5 + 1.0) / 2)
+    check = Int8Check("pose", "passed", "held-out", 1, m, {"recall": 0.97})
+    assert "keypoints 5.00 px apart" in check.line() and tolerance_for("segmentation")[0] == tolerance_for("detection")[0]
 
 
 def test_classification_and_tensor_measures():

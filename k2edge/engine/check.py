@@ -9,6 +9,10 @@ Measures (all "higher is better" except ``mean_abs_dp`` and ``max_rel_error``):
   matches). Each run's boxes are matched against the other run's boxes decoded down to half the card's score
   threshold, so a box scored 0.26 by one run and 0.24 by the other is a score change, not a missed or an extra
   object;
+* segmentation, pose, obb: the detection measures on their boxes (an oriented box by its bounds), and of the
+  matched pairs the task's own, reported beside them: ``mask_iou`` (mean IoU of the two masks, at the
+  input's size), ``keypoint_error`` (mean distance of the keypoints, in input pixels; lower is better) or
+  ``rotated_iou`` (mean probabilistic IoU of the oriented boxes, as Ultralytics' rotated NMS measures overlap);
 * tensor: ``cosine`` (mean cosine similarity per sample and output) and ``max_rel_error`` (largest |Δ| over
   the output's largest magnitude).
 
@@ -23,6 +27,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..config.card import BOX_TASKS
 from ..errors import BuildError
 
 MATCH_IOU = 0.5
@@ -32,6 +37,7 @@ DEFAULT_TOLERANCE = {
     "detection": {"recall": 0.97, "precision": 0.97, "score_ratio": 0.9},
     "tensor": {"cosine": 0.999},
 }
+PAIR_MEASURE = {"segmentation": "mask_iou", "pose": "keypoint_error", "obb": "rotated_iou"}
 # measure -> the count that resolves it: a share of n items cannot tell 1 - t from 1 with fewer than 1 / (1 - t)
 _COUNTED = {"agreement": "samples", "recall": "reference_boxes", "precision": "int8_boxes"}
 
@@ -45,7 +51,7 @@ def tolerance_for(task: str, *layers: Mapping[str, float] | None) -> tuple[dict[
     Raises:
         BuildError: a layer names a measure the task does not have.
     """
-    tol = dict(DEFAULT_TOLERANCE.get(task, DEFAULT_TOLERANCE["tensor"]))
+    tol = dict(DEFAULT_TOLERANCE["detection"] if task in BOX_TASKS else DEFAULT_TOLERANCE.get(task, DEFAULT_TOLERANCE["tensor"]))
     explicit = False
     for layer in layers:
         for k, v in (layer or {}).items():
@@ -71,15 +77,11 @@ def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
     return inter / np.maximum(area(box) + area(boxes) - inter, 1e-12)
 
 
-def match_detections(ref, test) -> tuple[int, list[float]]:
-    """Greedy matching of ``test`` detections (best first) to ``ref`` ones: same class, IoU >= 0.5.
-
-    Returns:
-        (matches, INT8/FP32 score ratio per match).
-    """
+def match_pairs(ref, test) -> list[tuple[int, int]]:
+    """:func:`match_detections`' matches as (``test`` index, ``ref`` index) pairs."""
     used = np.zeros(len(ref), dtype=bool)
-    ratios = []
-    for box, score, cls in zip(test.boxes, test.scores, test.classes):
+    pairs = []
+    for i, (box, cls) in enumerate(zip(test.boxes, test.classes)):
         if not len(ref):
             break
         iou = _iou(np.asarray(box), np.asarray(ref.boxes))
@@ -87,7 +89,46 @@ def match_detections(ref, test) -> tuple[int, list[float]]:
         j = int(np.argmax(iou))
         if iou[j] >= MATCH_IOU:
             used[j] = True
-            ratios.append(float(score) / max(float(ref.scores[j]), 1e-12))
+            pairs.append((i, j))
+    return pairs
+
+
+def pair_measure(task: str, ref, test, pairs: Sequence[tuple[int, int]], ref_masks=None, test_masks=None) -> list[float]:
+    """The task's own measure of each matched pair (see the module docstring); a segmentation's masks are given
+    as ``(mask, origin)`` per detection (:func:`~k2edge.tasks.segmentation.box_masks`)."""
+    if not pairs:
+        return []
+    if task == "pose":  # extra: (k, keypoints, 3) x, y, score
+        return [float(np.linalg.norm(np.asarray(test.extra[i])[:, :2] - np.asarray(ref.extra[j])[:, :2], axis=1).mean())
+                for i, j in pairs]
+    if task == "obb":  # extra: (k, 5) cx cy w h angle
+        from ..tasks.obb import probiou
+
+        return [float(probiou(np.asarray(test.extra[i:i + 1]), np.asarray(ref.extra[j:j + 1]))[0, 0]) for i, j in pairs]
+    if task == "segmentation" and ref_masks is not None and test_masks is not None:
+        return [_mask_iou(*test_masks[i], *ref_masks[j]) for i, j in pairs]
+    return []
+
+
+def _mask_iou(a: np.ndarray, a_at: tuple[int, int], b: np.ndarray, b_at: tuple[int, int]) -> float:
+    """IoU of two boolean masks that start at ``a_at`` and ``b_at`` (x, y) of one image."""
+    x0, y0 = min(a_at[0], b_at[0]), min(a_at[1], b_at[1])
+    x1 = max(a_at[0] + a.shape[1], b_at[0] + b.shape[1])
+    y1 = max(a_at[1] + a.shape[0], b_at[1] + b.shape[0])
+    canvas = np.zeros((2, y1 - y0, x1 - x0), dtype=bool)
+    canvas[0, a_at[1] - y0:a_at[1] - y0 + a.shape[0], a_at[0] - x0:a_at[0] - x0 + a.shape[1]] = a
+    canvas[1, b_at[1] - y0:b_at[1] - y0 + b.shape[0], b_at[0] - x0:b_at[0] - x0 + b.shape[1]] = b
+    union = np.logical_or(canvas[0], canvas[1]).sum()
+    return float(np.logical_and(canvas[0], canvas[1]).sum() / union) if union else 1.0
+
+
+def match_detections(ref, test) -> tuple[int, list[float]]:
+    """Greedy matching of ``test`` detections (best first) to ``ref`` ones: same class, IoU >= 0.5.
+
+    Returns:
+        (matches, INT8/FP32 score ratio per match).
+    """
+    ratios = [float(test.scores[i]) / max(float(ref.scores[j]), 1e-12) for i, j in match_pairs(ref, test)]
     return len(ratios), ratios
 
 
@@ -100,13 +141,14 @@ def _rows(outputs) -> int:
 
 
 def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabilities=None, detections=None,
-                    relaxed=None) -> dict[str, float]:
+                    relaxed=None, masks=None) -> dict[str, float]:
     """Measure INT8 outputs against FP32 ones, per batch (each the model's outputs, by name or in order, real rows only).
 
     Args:
         probabilities: classification: outputs -> (n, classes) probabilities (default softmax of the first output).
-        detections: detection: outputs -> a list of :class:`~k2edge.tasks.detection.Detections` per sample.
-        relaxed: detection: the same at half the card's score threshold (default: ``detections``).
+        detections: box tasks: outputs -> a list of :class:`~k2edge.tasks.detection.Detections` per sample.
+        relaxed: box tasks: the same at half the card's score threshold (default: ``detections``).
+        masks: segmentation: (outputs, sample row, detections) -> each detection's ``(mask, origin)``.
     """
     if task == "classification":
         to_p = probabilities or (lambda outs: _softmax(np.asarray(_values(outs)[0]).reshape(_rows(outs), -1)))
@@ -116,20 +158,27 @@ def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabili
         rows = np.arange(len(p))
         return {"agreement": float(np.mean(top == q.argmax(axis=1))), "mean_abs_dp": float(np.mean(np.abs(p[rows, top] - q[rows, top]))),
                 "samples": int(len(p))}
-    if task == "detection":
+    if task in BOX_TASKS:
         relaxed = relaxed or detections
-        found, kept, ref_n, test_n, ratios = 0, 0, 0, 0, []
+        found, kept, ref_n, test_n, ratios, pair_values = 0, 0, 0, 0, [], []
         for r_out, q_out in zip(reference, int8):
-            for r, q, r_low, q_low in zip(detections(r_out), detections(q_out), relaxed(r_out), relaxed(q_out)):
+            rows = zip(detections(r_out), detections(q_out), relaxed(r_out), relaxed(q_out))
+            for row, (r, q, r_low, q_low) in enumerate(rows):
                 m, rs = match_detections(r_low, q)  # INT8 boxes that FP32 also sees
                 kept += m
                 ratios += rs
                 found += match_detections(q_low, r)[0]  # FP32 boxes that INT8 also sees
                 ref_n += len(r)
                 test_n += len(q)
-        return {"recall": found / ref_n if ref_n else 1.0, "precision": kept / test_n if test_n else 1.0,
-                "score_ratio": float(np.mean(ratios)) if ratios else (1.0 if not ref_n else 0.0),
-                "reference_boxes": ref_n, "int8_boxes": test_n, "samples": sum(_rows(r) for r in reference)}
+                if task in PAIR_MEASURE:  # the task's own measure, of the boxes both runs kept
+                    both = (masks(r_out, row, r), masks(q_out, row, q)) if masks is not None else (None, None)
+                    pair_values += pair_measure(task, r, q, match_pairs(r, q), *both)
+        out = {"recall": found / ref_n if ref_n else 1.0, "precision": kept / test_n if test_n else 1.0,
+               "score_ratio": float(np.mean(ratios)) if ratios else (1.0 if not ref_n else 0.0),
+               "reference_boxes": ref_n, "int8_boxes": test_n, "samples": sum(_rows(r) for r in reference)}
+        if task in PAIR_MEASURE and pair_values:
+            out[PAIR_MEASURE[task]] = float(np.mean(pair_values))
+        return out
     cosines, rel = [], 0.0
     for r_out, q_out in zip(reference, int8):
         for a, b in zip(_values(r_out), _values(q_out)):
@@ -205,9 +254,12 @@ class Int8Check:
         if self.task == "classification":
             n = int(m.get("samples", self.samples))
             return f"{round(m['agreement'] * n)}/{n} top-1 agree ({m['agreement']:.3f}), mean |Δp| {m['mean_abs_dp']:.4f}"
-        if self.task == "detection":
+        if self.task in BOX_TASKS:
+            words = {"mask_iou": "mask IoU {:.3f}", "keypoint_error": "keypoints {:.2f} px apart",
+                     "rotated_iou": "rotated IoU {:.3f}"}
+            own = "".join(f", {words[k].format(m[k])}" for k in words if k in m)
             return (f"recall {m['recall']:.3f}, precision {m['precision']:.3f} ({int(m['int8_boxes'])} INT8 / "
-                    f"{int(m['reference_boxes'])} FP32 boxes), score ratio {m['score_ratio']:.3f}")
+                    f"{int(m['reference_boxes'])} FP32 boxes), score ratio {m['score_ratio']:.3f}{own}")
         return f"cosine {m['cosine']:.5f}, max relative error {m['max_rel_error']:.4f}"
 
     def line(self) -> str:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..config.card import ModelCard
+from ..config.card import BOX_TASKS, ModelCard
 from ..dla.planner import PartitionPlan
 from ..dla.precision import usable_chain
 from ..errors import BuildError
@@ -44,7 +44,7 @@ from .quantize import (MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, Q
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
-_LOWER_IS_BETTER = ("mean_abs_dp", "max_rel_error")
+_LOWER_IS_BETTER = ("mean_abs_dp", "max_rel_error", "keypoint_error")
 _COUNTS = ("samples", "reference_boxes", "int8_boxes")
 
 
@@ -112,7 +112,7 @@ class _CheckRunner:
         self.shape = model.graph.shape(model.graph.inputs[0])
         self.outputs = list(model.graph.outputs)
         self.relaxed = None
-        if task == "detection" and decoder is not None:
+        if task in BOX_TASKS and decoder is not None:
             from ..tasks import TaskDecoder
 
             spec = decoder.card.detection
@@ -127,6 +127,12 @@ class _CheckRunner:
     def _named(self, values, n) -> dict[str, np.ndarray]:
         return {k: v[:n] for k, v in zip(self.outputs, values)}
 
+    def _masks(self, outputs, row: int, dets) -> list:
+        """A segmentation's masks of one sample's detections, at the input's size."""
+        from ..tasks.segmentation import box_masks
+
+        return box_masks(np.asarray(outputs[self.decoder.protos])[row], dets.extra, dets.boxes, None, tuple(self.shape[2:]))
+
     def measure(self, qdq_models: list) -> dict[str, float]:
         """The check's measures for INT8 emulated by ``qdq_models`` (the worst of them, measure by measure)."""
         d, low = self.decoder, self.relaxed
@@ -138,7 +144,8 @@ class _CheckRunner:
                 self.task, self.reference, got,
                 probabilities=(lambda o: d.probabilities(o)) if d is not None else None,
                 detections=(lambda o: d.detections(o, [None] * len(next(iter(o.values()))))) if d is not None else None,
-                relaxed=(lambda o: low.detections(o, [None] * len(next(iter(o.values()))))) if low is not None else None))
+                relaxed=(lambda o: low.detections(o, [None] * len(next(iter(o.values()))))) if low is not None else None,
+                masks=self._masks if self.task == "segmentation" and d is not None else None))
         worst = dict(per_model[0])
         for measures in per_model[1:]:
             for k, v in measures.items():
