@@ -433,8 +433,10 @@ def test_cli_ctrl_c_keeps_results_and_resume_finishes(tmp_path):
     args = ["pareto-sweep", str(MODEL), "--dataset", str(EVAL), "--profiles", "c5", "c6", "cpu-dev", "c1",
             "--runs", "8", "--requests", "300", "--warmup", "10", "--limit", "100", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Ctrl-C as a terminal sends it, whatever this test inherited: a shell that runs the suite in the background
+    # (nohup, `cmd &` without job control) leaves SIGINT ignored, and Python then keeps ignoring it
     proc = subprocess.Popen([sys.executable, "-m", "k2edge", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env)
+                            text=True, cwd=ROOT, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         try:
