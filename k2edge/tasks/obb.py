@@ -13,7 +13,7 @@ from ..config.card import DetectionSpec
 from .detection import Detections, candidates
 from .preprocess import Geometry
 
-__all__ = ["decode_obb", "probiou", "rotated_nms"]
+__all__ = ["decode_obb", "probiou", "rbox_bounds", "rotated_nms"]
 
 
 def _covariance(b: np.ndarray):
@@ -82,8 +82,13 @@ def decode_obb(pred: np.ndarray, spec: DetectionSpec, geometry: Geometry | None 
         rb[:, 1] = (rb[:, 1] - geometry.pad_y) / geometry.scale_y
         rb[:, 2] /= geometry.scale_x
         rb[:, 3] /= geometry.scale_y
+    return Detections(rbox_bounds(rb).astype(np.float32), scores.astype(np.float32), classes, rb)
+
+
+def rbox_bounds(rboxes) -> np.ndarray:
+    """The axis-aligned ``x1 y1 x2 y2`` around each oriented box ``[cx, cy, w, h, angle]`` (radians)."""
+    rb = np.asarray(rboxes, dtype=np.float64).reshape(-1, 5)
     cos, sin = np.abs(np.cos(rb[:, 4])), np.abs(np.sin(rb[:, 4]))
     hw = (rb[:, 2] * cos + rb[:, 3] * sin) / 2
     hh = (rb[:, 2] * sin + rb[:, 3] * cos) / 2
-    boxes = np.stack([rb[:, 0] - hw, rb[:, 1] - hh, rb[:, 0] + hw, rb[:, 1] + hh], axis=1)
-    return Detections(boxes.astype(np.float32), scores.astype(np.float32), classes, rb)
+    return np.stack([rb[:, 0] - hw, rb[:, 1] - hh, rb[:, 0] + hw, rb[:, 1] + hh], axis=1)

@@ -44,11 +44,10 @@ def confidence(probs: Sequence[float], measure: str, num_classes: int | None = N
 
 def _box_only(d: dict) -> dict:
     box = d.get("box")
-    if box is None:  # an oriented box [cx, cy, w, h, angle in radians]: the rectangle around its corners
-        cx, cy, w, h, angle = (float(v) for v in d["rbox"])
-        c, s = abs(math.cos(angle)), abs(math.sin(angle))
-        ex, ey = (w * c + h * s) / 2, (w * s + h * c) / 2
-        box = [cx - ex, cy - ey, cx + ex, cy + ey]
+    if box is None:  # an oriented box: the rectangle around its corners
+        from .obb import rbox_bounds
+
+        box = rbox_bounds(d["rbox"])[0].tolist()
     return {k: d[k] for k in ("index", "label", "score") if k in d} | {"box": box}
 
 
