@@ -101,9 +101,11 @@ class Broker:
 
 
 def write_config(path: Path, port: int, models: list[dict], device: str = "t1", service: dict | None = None,
-                 fleet: str | None = None, mqtt_extra: dict | None = None, tables: dict[str, dict] | None = None) -> Path:
+                 fleet: str | None = None, mqtt_extra: dict | None = None, tables: dict[str, dict] | None = None,
+                 streams: list[dict] = ()) -> Path:
     """A daemon config; ``tables`` adds top-level tables ([cloud], [thermal]); a dict value inside a
-    model entry becomes its sub-table ([models.escalation])."""
+    model entry becomes its sub-table ([models.escalation]); each of ``streams`` a [[streams]] entry, whose
+    ``zones`` and ``lines`` lists become [[streams.zones]] and [[streams.lines]]."""
     def val(v):
         return json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
 
@@ -127,6 +129,13 @@ def write_config(path: Path, port: int, models: list[dict], device: str = "t1", 
         for sub, table in ((k, v) for k, v in m.items() if isinstance(v, dict)):
             lines.append(f"[models.{sub}]")
             lines += [f"{k} = {val(v)}" for k, v in table.items()]
+    for st in streams:
+        lines.append("[[streams]]")
+        lines += [f"{k} = {val(v)}" for k, v in st.items() if k not in ("zones", "lines")]
+        for sub in ("zones", "lines"):
+            for table in st.get(sub, ()):
+                lines.append(f"[[streams.{sub}]]")
+                lines += [f"{k} = {val(v)}" for k, v in table.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

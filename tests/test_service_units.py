@@ -13,7 +13,8 @@ from k2edge.config.schema import ConfigError, read_secret
 from k2edge.service import topics
 from k2edge.service.protocol import RequestError, parse_request
 from k2edge.service.runtime import batch_sizes
-from k2edge.service.transport import AckSequencer, backoff
+from k2edge.backoff import backoff
+from k2edge.service.transport import AckSequencer
 
 
 def _parse(obj, ctype=None, props=None):

@@ -1,4 +1,4 @@
-"""Drawing answers on an image for ``k2edge infer --save-annotated`` (Pillow, imported lazily): boxes
+"""Drawing answers on an image for ``k2edge infer --save-annotated`` and ``k2edge watch`` (Pillow, imported lazily): boxes
 and labels; a segmentation's masks tinted in; a pose's keypoints (visible ones) and skeleton-free
 dots; an obb's rotated boxes as polygons."""
 
@@ -19,10 +19,16 @@ def _corners(cx: float, cy: float, w: float, h: float, angle: float) -> list[tup
 
 def annotate(image_path: Path, detections: list[dict], out: Path) -> None:
     """Write ``image_path`` with each detection drawn on it (box or rbox, mask, keypoints, ``label score``) to ``out``."""
+    from PIL import Image
+
+    draw_detections(Image.open(image_path).convert("RGB"), detections).save(out)
+
+
+def draw_detections(img, detections: list[dict]):
+    """``img`` (a PIL RGB image) with each detection drawn on it; a ``track_id`` is shown as ``#id``."""
     import numpy as np
     from PIL import Image, ImageDraw
 
-    img = Image.open(image_path).convert("RGB")
     if any("mask" in d for d in detections):
         from ..tasks.segmentation import rle_decode
 
@@ -48,9 +54,9 @@ def annotate(image_path: Path, detections: list[dict], out: Path) -> None:
             if score >= 0.5:
                 r = width + 1
                 draw.ellipse((x - r, y - r, x + r, y + r), fill=colour)
-        text = f"{d['label']} {d['score']:.2f}"
+        text = f"{d['label']} {d['score']:.2f}" + (f" #{d['track_id']}" if d.get("track_id") is not None else "")
         left, top, right, bottom = draw.textbbox((x1, y1), text)
         top_y = y1 - (bottom - top) - 2 if y1 - (bottom - top) - 2 >= 0 else y1
         draw.rectangle((x1, top_y, x1 + (right - left) + 4, top_y + (bottom - top) + 2), fill=colour)
         draw.text((x1 + 2, top_y), text, fill=(0, 0, 0))
-    img.save(out)
+    return img

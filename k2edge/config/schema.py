@@ -19,6 +19,7 @@ from ..profile.validation import describe_validation_error, model_keys
 from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
 from .deploy import DeploySettings, TrustSettings
+from .streams import StreamConfig
 from .thermal import ThermalSettings
 
 DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
@@ -191,6 +192,8 @@ class DaemonConfig(_Strict):
     deploy: DeploySettings = Field(default_factory=DeploySettings)
     metrics: MetricsSettings | None = Field(None, description="the Prometheus /metrics endpoint; without it none")
     models: tuple[ModelConfig, ...]
+    streams: tuple[StreamConfig, ...] = Field((), description="video sources processed by a served detection model; "
+                                                                "read at start (a change takes effect at the next start)")
     source: Path | None = Field(None, exclude=True)
 
     @field_validator("device_id")
@@ -212,6 +215,18 @@ class DaemonConfig(_Strict):
             raise ValueError(f"model {bundled[0]!r} names a bundle, which is loaded only with a [trust] table "
                              "naming the keys that sign it (or allow_unsigned = true)")
         return v
+
+    @model_validator(mode="after")
+    def _streams(self):
+        names = [s.name for s in self.streams]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"stream names must be unique, repeated: {dup}")
+        served = {m.name for m in self.models}
+        for s in self.streams:
+            if s.model not in served:
+                raise ValueError(f"stream {s.name!r}: model {s.model!r} is not served here; served: {sorted(served)}")
+        return self
 
     @property
     def client_id(self) -> str:
@@ -240,6 +255,9 @@ def _resolve(data: dict, base: Path) -> dict:
     trust = data.get("trust")
     if isinstance(trust, dict) and isinstance(trust.get("keys"), list):
         trust["keys"] = [str(base / k) if isinstance(k, str) and k and not os.path.isabs(k) else k for k in trust["keys"]]
+    for st in data.get("streams", []) if isinstance(data.get("streams"), list) else []:
+        if isinstance(st, dict):
+            fix(st, ("password_file",))
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         if isinstance(m, dict):
             fix(m, ("onnx", "bundle", "labels", "calib", "card"))

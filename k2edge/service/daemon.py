@@ -25,7 +25,9 @@ from .deploy import MAX_WAITING, ModelLifecycle
 from .escalation import Escalation
 from .request_path import RequestPath
 from .runtime import ModelRuntime
+from .event_store import EventStore
 from .sdnotify import Notifier
+from .stream_path import StreamPath
 from .metrics import Metrics, ServiceStats
 from .transport import MqttTransport
 
@@ -44,6 +46,7 @@ class Daemon:
 
     DRAIN = (  # the order matters: each step needs what the ones after it still provide
         "_stop_admitting",            # new requests stay with the broker for the next start
+        "_stop_streams",              # no new frames; the readers stop within the drain time
         "_stop_deploys",              # a deploy not committed is dropped unanswered: redelivered at the next start
         "_finish_requests",           # every admitted request answered or handed to the cloud
         "_finish_cloud_work",         # running cloud calls answered; queued ones back in the outbox
@@ -53,6 +56,7 @@ class Daemon:
         "_disconnect",
         "_stop_lines",
         "_close_answer_book",
+        "_close_event_store",
         "_stop_metrics",
         "_release_engines",
     )
@@ -67,6 +71,7 @@ class Daemon:
         self.answers: AnswerBook | None = None
         self.escalation: Escalation | None = None
         self.path: RequestPath | None = None
+        self.streams: StreamPath | None = None
         self.lifecycle: ModelLifecycle | None = None
         self.control: MqttTransport | None = None
         self._control_ready = threading.Event()  # the control connection had its subscriptions once
@@ -96,6 +101,19 @@ class Daemon:
             return rt.cfg.escalation.for_task(rt.task, f"models.{i}.escalation")
         except ValueError as exc:
             raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
+
+    def _stream_path(self) -> StreamPath | None:
+        """The enabled ``[[streams]]``, each checked against its model's task; None without any."""
+        enabled = [s for s in self.cfg.streams if s.enabled]
+        if not enabled:
+            return None
+        for i, s in enumerate(self.cfg.streams):
+            task = self.models[s.model].task
+            if s.enabled and task != "detection":
+                raise ConfigError(f"{self.cfg.source or 'config'}: streams.{i}: model {s.model!r} is a {task} model; "
+                                  "streams take detection models (tracking needs boxes)")
+        return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(state_dir(self.cfg) / "events.sqlite"),
+                          self.metrics, on_change=self.publish_status)
 
     # the deploy lifecycle's host -------------------------------------------------------------------
     def build_runtime(self, m, version: str | None) -> ModelRuntime:
@@ -165,6 +183,7 @@ class Daemon:
             "cloud": {"breaker": cloud["breaker"], "budget": cloud["budget"], "outbox": cloud["outbox"]} if cloud else None,
             "trust": {"keys": len(trust.keys), "allow_unsigned": trust.allow_unsigned} if trust is not None else None,
             "deploy": self.lifecycle.status() if self.lifecycle else None,
+            "streams": self.streams.status() if self.streams is not None else {},
             "metrics": f"{self.cfg.metrics.host}:{self.metrics.port}" if self.metrics is not None and self.metrics.port else None,
             "time": time.time(),
         }).encode()
@@ -235,11 +254,14 @@ class Daemon:
             self.metrics.start(cfg.metrics.host, cfg.metrics.port)
         self.stats = ServiceStats(self.metrics)
         self._build_models()
-        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, self.transport)
+        self.streams = self._stream_path()
+        self.path = RequestPath(cfg, self.models, self.answers, self.escalation, self.stats, self.transport, self.streams)
         self.lifecycle.attach(self.control, self.path, self)
         self.path.start()
         self.transport.start(self.path)
         self.control.start(self.lifecycle)
+        if self.streams is not None:
+            self.streams.start(self.path.lines)
         self.lifecycle.start()
         self.escalation.start()
         ready = False
@@ -273,6 +295,8 @@ class Daemon:
                 last_dog = now
             if now - last_flush >= 1.0:
                 self.answers.flush()
+                if self.streams is not None:
+                    self.streams.tick()
                 if self.metrics is not None:
                     self._observe()
                 last_flush = now
@@ -300,6 +324,10 @@ class Daemon:
         self.path.draining.set()
         self.notify.notify("STOPPING=1", "STATUS=draining")
         self.publish_status()  # draining
+
+    def _stop_streams(self) -> None:
+        if self.streams is not None:
+            self.streams.stop(min(5.0, self.cfg.service.drain_timeout_s))
 
     def _stop_deploys(self) -> None:
         self.lifecycle.stop(5.0)
@@ -336,6 +364,10 @@ class Daemon:
 
     def _close_answer_book(self) -> None:
         self.answers.close()
+
+    def _close_event_store(self) -> None:
+        if self.streams is not None:
+            self.streams.events.close()
 
     def _stop_metrics(self) -> None:
         if self.metrics is not None:

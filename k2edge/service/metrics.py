@@ -50,6 +50,7 @@ OTHER = "other"
 
 # 0.25 ms (a CPU lane at batch 1) to 30 s (a slow cloud answer)
 _LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_FRAME_AGE_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -70,7 +71,9 @@ class Metrics:
     ``cloud_breaker_state{k2edge_cloud_breaker_state=...}``, ``outbox_depth``,
     ``model_info{model,version,profile}``, ``int8_check{model,profile,measure}`` (the INT8 accuracy check
     of the engines a model runs: ``agreement``, ``recall``, ``precision``, ``score_ratio`` or ``cosine``
-    against FP32, as its task measures; no series for a model without INT8 layers).
+    against FP32, as its task measures; no series for a model without INT8 layers),
+    ``stream_frames_total{stream,outcome}`` (``decoded``, ``processed``, ``dropped``), ``stream_up{stream}``,
+    ``stream_reconnects_total{stream}``, ``stream_frame_age_seconds{stream}`` (histogram, decoded to published).
     """
 
     def __init__(self) -> None:
@@ -95,6 +98,15 @@ class Metrics:
         self._model = Info("k2edge_model", "The version and profile each served model runs", ["model"], registry=r)
         self._int8 = Gauge("k2edge_int8_check", "Each served model's INT8 engines measured against FP32 at build, "
                            "by measure", ["model", "profile", "measure"], registry=r)
+        self._stream_frames = Counter("k2edge_stream_frames", "Frames of each stream: decoded, processed, or dropped "
+                                      "(decoded and never processed, fps throttling included)", ["stream", "outcome"],
+                                      registry=r)
+        self._stream_up = Gauge("k2edge_stream_up", "1 while a stream delivers frames", ["stream"], registry=r)
+        self._stream_reconnects = Counter("k2edge_stream_reconnects", "Successful reopenings of each stream's source",
+                                          ["stream"], registry=r)
+        self._frame_age = Histogram("k2edge_stream_frame_age_seconds", "A processed frame's age: decoded to published",
+                                    ["stream"], buckets=_FRAME_AGE_BUCKETS, registry=r)
+        self._totals: dict[tuple, float] = {}
         self._int8_series: dict[str, list[tuple[str, str, str]]] = {}
         self._models: set[str] = set()
         self._sensors: set[str] = set()
@@ -178,6 +190,24 @@ class Metrics:
 
     def set_outbox_depth(self, depth: int) -> None:
         self._outbox.set(depth)
+
+    def set_stream(self, stream: str, up: bool, counts: Mapping[str, int], reconnects: int) -> None:
+        """A stream's state and its running totals (counters only ever move forward to them). Stream names come
+        from the config, a closed set."""
+        for outcome in ("decoded", "processed", "dropped"):
+            self._advance(self._stream_frames.labels(stream=stream, outcome=outcome), (stream, outcome), counts.get(outcome, 0))
+        self._advance(self._stream_reconnects.labels(stream=stream), (stream, "reconnects"), reconnects)
+        self._stream_up.labels(stream=stream).set(1 if up else 0)
+
+    def _advance(self, counter, key: tuple, total: float) -> None:
+        """Move a counter up to ``total`` (the stream keeps the count; the counter follows it)."""
+        with self._lock:
+            delta, self._totals[key] = total - self._totals.get(key, 0), max(total, self._totals.get(key, 0))
+        if delta > 0:
+            counter.inc(delta)
+
+    def observe_frame_age(self, stream: str, seconds: float) -> None:
+        self._frame_age.labels(stream=stream).observe(max(0.0, seconds))
 
     # -- exposing them ------------------------------------------------------------------------
 

@@ -5,8 +5,8 @@
    payload, compute the request's key (reply topic, id, attempt), let the answer book recognise a
    redelivery, check the model and the bound, and put the request on its model's line. Nothing
    here decodes an image or runs a model; a request refused here is answered here.
-3. **the line** (:class:`Line`, one thread per model): takes any work items (a request today, a
-   video frame next) and forms a batch of everything waiting, up to the engines' largest batch,
+3. **the line** (:class:`Line`, one thread per model): takes the waiting requests, then the newest
+   frame of each of its streams (:mod:`k2edge.service.stream_path`), up to the engines' largest batch,
    as soon as the engine has room (``batch_timeout_ms`` may hold a batch for companions). A lone
    request for an idle, quick, one-lane engine, with nothing else waiting to be read, is run by the
    network thread itself — one thread, no hand-off. Engines change only between batches
@@ -51,6 +51,7 @@ from .protocol import (BAD_REQUEST, BUSY, DEADLINE_EXCEEDED, INTERNAL, PAYLOAD_T
                        RequestError, encode, error_body, ok_body, parse_request, peek_key)
 from .runtime import ModelRuntime
 from .metrics import ServiceStats
+from .stream_path import StreamPath
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class RequestPath:
     """
 
     def __init__(self, cfg: DaemonConfig, models: dict[str, ModelRuntime], answers: AnswerBook, escalation: Escalation,
-                 stats: ServiceStats, broker: Broker) -> None:
+                 stats: ServiceStats, broker: Broker, streams: "StreamPath | None" = None) -> None:
         self.cfg = cfg
         self.models = models
         self.answers = answers
@@ -120,7 +121,9 @@ class RequestPath:
         self._idle = threading.Condition()
         self._decoders = ThreadPoolExecutor(s.staging_threads, thread_name_prefix="k2edge-decode") \
             if s.staging_threads > 1 else None
-        self.lines = {name: Line(name, rt, self, s.batch_timeout_ms / 1e3) for name, rt in models.items()}
+        self.streams = streams
+        self.lines = {name: Line(name, rt, self, s.batch_timeout_ms / 1e3, streams.feeds(name) if streams else ())
+                      for name, rt in models.items()}
         escalation.attach(self, answers)
 
     # lifecycle ------------------------------------------------------------------------------------
@@ -260,6 +263,9 @@ class RequestPath:
         """
         rt = line.runtime
         now = clock()
+        frames = [w for w in batch if not isinstance(w, Work)]  # a stream's frames (the stream path's items)
+        if frames:
+            batch = [w for w in batch if isinstance(w, Work)]
         done: list[tuple[Work, dict]] = []
         live: list[Work] = []
         timely = []
@@ -288,41 +294,54 @@ class RequestPath:
             w.timings["stage"] = (staged - now) * 1e3 / len(batch)
         if done:
             self.answer(done)
-        if not live:
+        if frames:
+            frames = self.streams.stage(rt, frames)
+        if not live and not frames:
             slot.free()
             return
-        samples = [w.sample for w in live]
+        samples = [w.sample for w in live] + [f.sample for f in frames]
         if line.inline:
             try:
                 outputs = rt.infer(samples)
             except Exception as exc:
                 outputs = exc
             slot.free()
-            self.finish_batch(rt, live, outputs, staged)
+            self._finish(rt, live, frames, outputs, staged)
             return
         try:
             future = rt.submit(samples)
         except Exception as exc:
             slot.free()
-            self.finish_batch(rt, live, exc, staged)
+            self._finish(rt, live, frames, exc, staged)
             return
-        future.add_done_callback(functools.partial(self._lanes_done, rt, live, staged, slot))
+        future.add_done_callback(functools.partial(self._lanes_done, rt, live, frames, staged, slot))
 
-    def _lanes_done(self, rt: ModelRuntime, live: list[Work], staged: float, slot: "Slot", f: Future) -> None:
+    def _lanes_done(self, rt: ModelRuntime, live: list[Work], frames: list, staged: float, slot: "Slot", f: Future) -> None:
         """A batch's lanes finished (on the lane that ran its last segment)."""
         try:
             outputs = f.result()
         except Exception as exc:
             outputs = exc
         try:
-            self.finish_batch(rt, live, outputs, staged)
+            self._finish(rt, live, frames, outputs, staged)
         finally:  # after the answers: a line with every slot free has no batch left to answer (a swap waits for that)
             slot.free()
+
+    def _finish(self, rt: ModelRuntime, live: list[Work], frames: list, outputs, started: float) -> None:
+        """The requests' answers first (their rows lead the batch), then the frames' (the stream path)."""
+        if live:
+            self.finish_batch(rt, live, outputs, started)
+        if frames:
+            rows = outputs if isinstance(outputs, Exception) else {k: v[len(live):] for k, v in outputs.items()}
+            self.streams.finish(rt, frames, rows, started)
 
     def fail_batch(self, line: "Line", batch: list[Work], exc: Exception) -> None:
         """A batch raised: answer what it left unanswered."""
         log.error("model %s: a batch of %d failed", line.name, len(batch), exc_info=exc)
-        left = [w for w in batch if not w.answered]
+        for f in batch:
+            if not isinstance(f, Work):
+                f.stream.release(f, failed=True)
+        left = [w for w in batch if isinstance(w, Work) and not w.answered]
         if left:
             self.answer([(w, self.error(w, INTERNAL, f"internal error: {type(exc).__name__}")) for w in left])
 
@@ -443,6 +462,16 @@ class WorkItem(Protocol):
     received: float
 
 
+class FrameFeed(Protocol):
+    """A stream, as its model's line sees it (:class:`~k2edge.streams.stream.Stream`)."""
+
+    def ready(self) -> bool:
+        """A frame waits and none of this stream is in flight."""
+
+    def take(self):
+        """The newest frame as a work item, now in flight; or None."""
+
+
 class BatchRunner(Protocol):
     """What a line hands its batches to (the request path)."""
 
@@ -488,11 +517,13 @@ class Line:
     STUCK_AFTER_S = 30.0  # a batch in flight this long means a wedged lane: stop the heartbeat
     QUICK_S = 0.005  # a lone request runs on the network thread only on a model that answers it this fast
 
-    def __init__(self, name: str, runtime: ModelRuntime, runner: BatchRunner, timeout: float) -> None:
+    def __init__(self, name: str, runtime: ModelRuntime, runner: BatchRunner, timeout: float, feeds=()) -> None:
         self.name = name
         self.runner = runner
         self.timeout = timeout
         self.items: deque = deque()
+        self.feeds: list[FrameFeed] = list(feeds)
+        self._next_feed = 0  # round robin: which stream's frame a full batch leaves out
         self._cond = threading.Condition()
         self._running = 0  # batches whose run() has not returned (an inline batch's answers are out by then)
         self._next: ModelRuntime | None = None  # engines to take at the next rest
@@ -523,6 +554,26 @@ class Line:
         with self._cond:
             self.items.append(item)
             self._cond.notify()
+
+    def wake(self) -> None:
+        """A feed has a new frame."""
+        with self._cond:
+            self._cond.notify()
+
+    def _frames_ready(self) -> bool:
+        return any(f.ready() for f in self.feeds)
+
+    def _take_frames(self, room: int) -> list:
+        """Up to ``room`` frames, one per ready feed, starting after the feed served first last time."""
+        n, frames = len(self.feeds), []
+        for i in range(n):
+            if len(frames) >= room:
+                break
+            frame = self.feeds[(self._next_feed + i) % n].take()
+            if frame is not None:
+                frames.append(frame)
+        self._next_feed = (self._next_feed + 1) % n if n else 0
+        return frames
 
     def free_slot(self) -> None:
         """A batch left the engine: room for the next."""
@@ -587,7 +638,10 @@ class Line:
                             continue
                         self._cond.wait(0.5)
                         continue
-                    if self.items and self._free > 0:
+                    frames = self.feeds and not self._stopping and self._frames_ready()
+                    if (self.items or frames) and self._free > 0:
+                        if not self.items or frames:
+                            break  # a frame never waits for companions: the newest would replace it
                         hold = self.items[0].received + self.timeout - clock()
                         if self.timeout <= 0 or len(self.items) >= self.max_batch or hold <= 0 or self._stopping:
                             break
@@ -597,10 +651,15 @@ class Line:
                         return
                     self._cond.wait(0.5)
                 batch = [self.items.popleft() for _ in range(min(len(self.items), self.max_batch))]
+                requests = len(batch)
+                if self.feeds and not self._stopping and len(batch) < self.max_batch:
+                    batch += self._take_frames(self.max_batch - len(batch))  # requests first: they have deadlines
+                if not batch:
+                    continue  # the frame went (a stream stopped) between the check and the take
                 self._free -= 1
                 self._running += 1
                 self._progress = now
-            self.runner.taken(len(batch))
+            self.runner.taken(requests)
             self.run(batch)
 
     def take_idle(self) -> bool:
@@ -609,7 +668,7 @@ class Line:
         if not (self.inline and self.quick):
             return False
         with self._cond:
-            if self.items or not self._at_rest() or self._stopping or self._next is not None:
+            if self.items or self._frames_ready() or not self._at_rest() or self._stopping or self._next is not None:
                 return False
             self._free -= 1
             self._running += 1

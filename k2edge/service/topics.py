@@ -57,6 +57,16 @@ def audit_topic(prefix: str) -> str:
     return f"{prefix}/audit"
 
 
+def stream_detections_topic(prefix: str, stream: str) -> str:
+    """A stream's detections, one message per processed frame (QoS 0)."""
+    return f"{prefix}/streams/{stream}/detections"
+
+
+def stream_events_topic(prefix: str, stream: str) -> str:
+    """A stream's events: zone_enter, zone_leave, line_cross, stream_up, stream_down, stream_ended (QoS 1)."""
+    return f"{prefix}/streams/{stream}/events"
+
+
 def control_kind(topic: str) -> str | None:
     """``deploy`` or ``rollback`` for a model lifecycle topic (a device's or a group's), else None."""
     for kind in ("deploy", "rollback"):

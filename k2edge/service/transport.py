@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import random
 import select
 import socket
 import ssl
@@ -37,6 +36,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from ..backoff import backoff
 from ..config.schema import DaemonConfig, read_secret
 
 log = logging.getLogger(__name__)
@@ -101,12 +101,6 @@ class AckSequencer:
                 to_ack.append(self._pending.popitem(last=False)[0])
         for m in to_ack:
             self._send(m)
-
-
-def backoff(attempt: int, lo: float, hi: float, rng=random.random) -> float:
-    """Full-jitter exponential backoff: uniform in [lo, min(hi, lo * 2**attempt)]."""
-    cap = min(hi, lo * (2 ** min(attempt, 30)))
-    return lo + (cap - lo) * rng()
 
 
 class _Client(mqtt.Client):

@@ -1,0 +1,198 @@
+"""``k2edge watch MODEL SOURCE``: one video source through a detector, with the daemon's reader and tracker."""
+
+from __future__ import annotations
+
+COMMAND = "watch"
+HELP = "run a detector on a video file, RTSP camera or V4L2 device: tracked detections per frame, and events"
+ORDER = 45
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..errors import InputError
+from .common import add_build, add_model, build_engine
+
+STREAM = "watch"
+
+
+def register(p) -> None:
+    add_model(p)
+    p.add_argument("source", metavar="SOURCE", help="file:///path.mp4 (or a plain path), rtsp://[user:pass@]host[:port]/path, "
+                   "v4l2:///dev/video0, csi://0 (Jetson), gst:<pipeline>")
+    add_build(p, profile_required=False)
+    p.set_defaults(profile="cpu-dev")
+    p.add_argument("--fps", type=float, metavar="N", help="frames to process per second (of video, for a file); "
+                   "default: every frame")
+    p.add_argument("--realtime", action="store_true",
+                   help="play a file at its own frame rate, dropping what the model cannot keep up with (as a camera)")
+    p.add_argument("--json", action="store_true", help="one JSON line per processed frame (the daemon's detections "
+                   "payload) and per event")
+    p.add_argument("--save-annotated", metavar="OUT.mp4", help="write the processed frames with their boxes and track ids")
+    p.add_argument("--read-timeout", type=float, default=5.0, metavar="S",
+                   help="a live source with no frame for this long is reconnected (default 5)")
+
+
+class _Listener:
+    """The reader's news, for the main loop: a frame waits, or the state changed."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+
+    def on_frame(self, reader) -> None:
+        self.wake.set()
+
+    def on_state(self, reader, old: str, new: str, reason: str | None) -> None:
+        event = {"up": {"event": "stream_up"}, "ended": {"event": "stream_ended"}}.get(new)
+        if event is None and old == "up" and new in ("reconnecting", "down"):
+            event = {"event": "stream_down", "reason": reason}
+        with self._lock:
+            if event is not None:
+                self.events.append(event)
+            elif reason:
+                self.events.append({"event": "stream_error", "state": new, "reason": reason})
+        self.wake.set()
+
+    def drain(self) -> list[dict]:
+        with self._lock:
+            out, self.events = self.events, []
+        return out
+
+
+def _source(text: str):
+    from ..streams.source import parse_source
+
+    if "://" not in text and not text.startswith("gst:"):
+        path = Path(text)
+        if not path.is_file():
+            raise InputError(f"source {text!r}: no such file (give a file path or a URI such as rtsp://host/path)")
+        text = path.resolve().as_uri()
+    try:
+        return parse_source(text)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def run(args) -> int:
+    from ..streams.payload import detections_payload, event_payload
+    from ..streams.reader import StreamReader
+    from ..streams.source import backend_for
+    from ..streams.stream import Stream
+
+    if args.fps is not None and args.fps <= 0:
+        raise InputError("--fps must be above 0")
+    spec = _source(args.source)
+    if not spec.live and spec.kind == "file" and not Path(spec.target).is_file():
+        raise InputError(f"source {spec.shown!r}: no such file")
+    out = Path(args.save_annotated) if args.save_annotated else None
+    if out is not None and not out.resolve().parent.is_dir():
+        raise InputError(f"--save-annotated {args.save_annotated!r}: its directory does not exist")
+    try:
+        backend = backend_for(spec)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    engine = build_engine(args)
+    if engine.card.task != "detection":
+        raise InputError(f"watch tracks detections; this model's task is {engine.card.task!r} (a card with "
+                         "task = \"detection\" makes it a detector)")
+    listener = _Listener()
+    pace = "realtime" if args.realtime else "every"
+    reader = StreamReader(STREAM, spec, listener, backend=backend, pace=pace, fps=args.fps, read_timeout_s=args.read_timeout)
+    model = Path(args.model).stem if Path(args.model).stem != "model" else Path(args.model).resolve().parent.name
+    stream = Stream(STREAM, model, reader)
+    writer = None
+    frames = 0
+
+    def emit(events: list[dict], frame: int | None) -> None:
+        for e in events:
+            body = event_payload(STREAM, e, frame)
+            if args.json:
+                body.pop("frame")  # event lines carry "event" and no "frame": a reader tells them from frame lines
+                print(json.dumps(body), flush=True)
+            else:
+                extra = " ".join(f"{k}={body[k]}" for k in ("track_id", "label", "zone", "line", "direction", "reason")
+                                 if body.get(k) is not None)
+                print(f"  event {body['event']} {extra}".rstrip(), flush=True)
+
+    with engine:
+        reader.start()
+        try:
+            while True:
+                emit(listener.drain(), reader.last_index)
+                item = stream.take()
+                if item is None:
+                    if reader.state in ("ended", "down") and not reader.ready():
+                        break
+                    listener.wake.wait(0.5)
+                    listener.wake.clear()
+                    continue
+                t0 = time.perf_counter()
+                batch, geometries = engine.stage_mapped([item.frame.image])
+                t1 = time.perf_counter()
+                outputs = engine.infer({engine.input_name: batch})
+                t2 = time.perf_counter()
+                detections = engine.answers(outputs, 1, geometries, 1)[0]["detections"]
+                tracked = stream.track(item, detections)
+                latency = {"wait": (item.taken - item.frame.captured) * 1e3, "stage": (t1 - t0) * 1e3,
+                           "infer": (t2 - t1) * 1e3, "age": (time.monotonic() - item.frame.captured) * 1e3}
+                body = detections_payload(STREAM, item.frame, model, None, tracked.detections, latency)
+                frames += 1
+                if args.json:
+                    print(json.dumps(body), flush=True)
+                else:
+                    dets = ", ".join(f"{d['label']}#{d['track_id']} {d['score']:.2f}" for d in body["detections"])
+                    print(f"frame {body['frame']} pts {body['pts']:.3f}: {len(body['detections'])} detection(s)"
+                          + (f": {dets}" if dets else ""), flush=True)
+                emit(tracked.events, item.frame.index)
+                if out is not None:
+                    writer = writer or _Writer(out, args.fps or reader.source_fps or 25.0, item.frame.image.shape)
+                    writer.write(item.frame.image, tracked.detections)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            reader.stop(2.0)
+            emit(listener.drain(), reader.last_index)
+            if writer is not None:
+                writer.close()
+    if reader.state == "down":
+        raise InputError(f"source {spec.shown!r}: {reader.last_error}")
+    r = reader
+    print(f"{frames} frame(s) processed, {r.decoded} decoded, {r.dropped} dropped, {r.reconnects} reconnect(s)"
+          + (f"; annotated video: {out}" if out is not None and writer is not None else ""), file=sys.stderr)
+    return 0
+
+
+class _Writer:
+    """The annotated video (H.264 through PyAV)."""
+
+    def __init__(self, path: Path, fps: float, shape: tuple) -> None:
+        import av
+        from fractions import Fraction
+
+        self._av = av
+        try:
+            self.container = av.open(str(path), "w")
+        except (av.error.FFmpegError, OSError) as exc:
+            raise InputError(f"--save-annotated {str(path)!r}: cannot write ({exc})") from None
+        self.stream = self.container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+        self.h, self.w = shape[0] - shape[0] % 2, shape[1] - shape[1] % 2  # yuv420p needs even sizes
+        self.stream.width, self.stream.height, self.stream.pix_fmt = self.w, self.h, "yuv420p"
+
+    def write(self, image, detections: list[dict]) -> None:
+        from PIL import Image
+
+        from .annotate import draw_detections
+
+        img = draw_detections(Image.fromarray(image[: self.h, : self.w]), detections)
+        frame = self._av.VideoFrame.from_image(img)
+        for packet in self.stream.encode(frame):
+            self.container.mux(packet)
+
+    def close(self) -> None:
+        for packet in self.stream.encode():
+            self.container.mux(packet)
+        self.container.close()

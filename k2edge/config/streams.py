@@ -1,0 +1,102 @@
+"""``[[streams]]``: video sources bound to a detection model, with their zones and lines.
+
+A source is a URI in jetson-inference's style (see :mod:`k2edge.streams.source` for what each
+scheme means and which backend reads it). RTSP credentials may sit in the URI; they are redacted
+everywhere the source is shown (logs, status, metrics). ``password_file`` keeps the password out of
+the TOML altogether.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _name(value: str, what: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(f"{what} must be letters, digits, '_' or '-' (it becomes a topic level), got {value!r}")
+    return value
+
+
+Point = tuple[float, float]
+
+
+class ZoneConfig(_Strict):
+    """A polygon in source pixels; a track's anchor (its box's bottom-centre) inside it is in the zone."""
+
+    name: str
+    points: tuple[Point, ...] = Field(min_length=3, description="[[x, y], ...] in source pixels, at least 3")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v):
+        return _name(v, "zone name")
+
+
+class LineConfig(_Strict):
+    """A segment in source pixels; a track's anchor crossing it is a ``line_cross`` event."""
+
+    name: str
+    start: Point
+    end: Point
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v):
+        return _name(v, "line name")
+
+    @model_validator(mode="after")
+    def _length(self):
+        if tuple(self.start) == tuple(self.end):
+            raise ValueError(f"line {self.name!r}: start and end are the same point")
+        return self
+
+
+class StreamConfig(_Strict):
+    """One video source, processed by one served detection model."""
+
+    name: str
+    source: str = Field(description="file:///path.mp4 | rtsp://[user:pass@]host[:port]/path | v4l2:///dev/video0 | "
+                                    "csi://0 | gst:<pipeline ending in an appsink>")
+    model: str = Field(description="a [[models]] name; its card's task must be detection (or segmentation, pose, obb)")
+    fps: float | None = Field(None, gt=0, le=1000, description="frames per second to process; default the source's own rate")
+    enabled: bool = True
+    loop: bool = Field(False, description="file:// sources: start again at the end instead of ending")
+    backend: str = Field("auto", pattern="^(auto|pyav|gstreamer)$",
+                         description="auto: gstreamer for csi:// and gst:, pyav (FFmpeg) for the rest")
+    reconnect_max_s: float = Field(2.0, gt=0, le=3600, description="the cap of the jittered exponential reconnect backoff")
+    read_timeout_s: float = Field(5.0, gt=0, le=3600, description="no decoded frame for this long is a stall: reconnect")
+    open_timeout_s: float = Field(10.0, gt=0, le=3600, description="how long opening the source may take")
+    password_file: Path | None = Field(None, description="the RTSP password (replaces one in the URI; never logged)")
+    zones: tuple[ZoneConfig, ...] = ()
+    lines: tuple[LineConfig, ...] = ()
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v):
+        return _name(v, "stream name")
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, v):
+        from ..streams.source import parse_source
+
+        parse_source(v)  # raises ValueError naming what is wrong (without the password)
+        return v
+
+    @model_validator(mode="after")
+    def _unique(self):
+        for what, items in (("zone", self.zones), ("line", self.lines)):
+            names = [i.name for i in items]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"{what} names must be unique within a stream, repeated: {dup}")
+        return self

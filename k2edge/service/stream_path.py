@@ -1,0 +1,179 @@
+"""The frames' path: from a stream's reader to published detections and events, in the order it happens.
+
+1. **read** (:class:`~k2edge.streams.reader.StreamReader`, one thread per stream): decode
+   continuously, keep only the newest frame, wake the model's line.
+2. **take** (the model's :class:`~k2edge.service.request_path.Line`): when the engine has room, a
+   batch takes the waiting requests first, then the newest frame of each stream of that model with
+   none in flight (frames of several streams batch together, as DeepStream's nvstreammux does).
+   Requests keep their deadlines; frames that find no room are replaced by newer ones (dropped).
+3. **stage** (:meth:`StreamPath.stage`, on the line): the frame's pixels into a sample by the card.
+4. **infer**: in the same batch as the requests (:meth:`RequestPath.run_batch
+   <k2edge.service.request_path.RequestPath.run_batch>`).
+5. **finish** (:meth:`StreamPath.finish`): decode detections, track, zones and lines
+   (:meth:`Stream.track <k2edge.streams.stream.Stream.track>`), then publish: the detections at
+   QoS 0; the events stored in the :class:`~k2edge.service.event_store.EventStore` first, then
+   published at QoS 1 and marked delivered when the broker acknowledges them.
+
+Streams are read from the config at start; a changed ``[[streams]]`` takes effect at the next start.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+
+from ..config.streams import StreamConfig
+from ..deadline import clock
+from ..errors import InputError
+from ..streams.payload import detections_payload, event_payload
+from ..streams.reader import StreamReader
+from ..streams.source import backend_for, parse_source
+from ..streams.stream import Stream, StreamFrame
+from . import topics
+from .event_store import EventStore
+
+log = logging.getLogger(__name__)
+
+
+class StreamPath:
+    """Every stream of the daemon, and what happens to their frames (see the module docstring).
+
+    Args:
+        configs: the enabled ``[[streams]]``.
+        prefix: the topic prefix.
+        publisher: the request connection (``publish(topic, payload, qos, on_delivered=...)``).
+        events: the event store.
+        metrics: the Prometheus metrics, or None.
+        on_change: called (no arguments) when a stream's state changed: republish the status.
+    """
+
+    def __init__(self, configs: list[StreamConfig], prefix: str, publisher, events: EventStore, metrics=None,
+                 on_change=None) -> None:
+        self.prefix, self.publisher, self.events, self.metrics = prefix, publisher, events, metrics
+        self.on_change = on_change
+        self.streams: dict[str, Stream] = {}
+        self.lines: dict[str, object] = {}  # model -> its line (woken by new frames)
+        self._lock = threading.Lock()
+        for c in configs:
+            password = c.password_file.read_text(encoding="utf-8").rstrip("\r\n") if c.password_file else None
+            spec = parse_source(c.source, password)
+            reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace="realtime", fps=c.fps,
+                                  loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
+                                  open_timeout_s=c.open_timeout_s)
+            self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],
+                                          [(ln.name, ln.start, ln.end) for ln in c.lines])
+
+    # lifecycle ------------------------------------------------------------------------------------
+    def feeds(self, model: str) -> list[Stream]:
+        """The streams model ``model``'s line takes frames from."""
+        return [s for s in self.streams.values() if s.model == model]
+
+    def start(self, lines: dict) -> None:
+        """Republish events a previous run stored and never saw delivered, then start reading."""
+        self.lines = lines
+        for event_id, topic, payload in self.events.pending():
+            self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self.events.delivered, event_id))
+        for s in self.streams.values():
+            s.reader.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop taking frames and stop the readers (within ``timeout`` in all)."""
+        end = time.monotonic() + timeout
+        for s in self.streams.values():
+            s.accepting = False
+        for s in self.streams.values():
+            if not s.reader.stop(max(0.1, end - time.monotonic())):
+                log.warning("stream %s: its reader did not stop in time (a backend read still blocks)", s.name)
+
+    # the reader's listener ------------------------------------------------------------------------
+    def on_frame(self, reader: StreamReader) -> None:
+        line = self.lines.get(self.streams[reader.name].model)
+        if line is not None:
+            line.wake()
+
+    def on_state(self, reader: StreamReader, old: str, new: str, reason: str | None) -> None:
+        event = None
+        if new == "up":
+            event = {"event": "stream_up"}
+        elif old == "up" and new in ("reconnecting", "down"):
+            event = {"event": "stream_down", "reason": reason}
+        elif new == "ended":
+            event = {"event": "stream_ended"}
+        if event is not None:
+            stream = self.streams[reader.name]
+            self._publish_events(stream, [event], reader.last_index)
+        if self.on_change is not None:
+            self.on_change()
+
+    # 3. stage (on the line) -------------------------------------------------------------------------
+    def stage(self, rt, frames: list[StreamFrame]) -> list[StreamFrame]:
+        """The frames' samples, by the card; a frame that cannot be staged is dropped (logged once per stream)."""
+        staged = []
+        for f in frames:
+            t0 = clock()
+            try:
+                f.sample, f.geometry = rt.preprocess.stage_mapped(f.frame.image)
+            except InputError as exc:
+                if not f.stream.frame_errors:
+                    log.warning("stream %s: a frame cannot be staged for model %s: %s", f.stream.name, rt.name, exc)
+                f.stream.release(f, failed=True)
+                continue
+            f.frame.image = None  # the pixels are in the sample now
+            f.timings["stage"] = (clock() - t0) * 1e3
+            staged.append(f)
+        return staged
+
+    # 5. finish ----------------------------------------------------------------------------------------
+    def finish(self, rt, frames: list[StreamFrame], outputs, started: float) -> None:
+        """Detections, tracks, events, publishing (``outputs``: the frames' rows, or the batch's exception)."""
+        if isinstance(outputs, Exception):
+            log.error("model %s: a batch with %d frame(s) failed: %s", rt.name, len(frames), outputs)
+            for f in frames:
+                f.stream.release(f, failed=True)
+            return
+        now = clock()
+        results = rt.results(outputs, [f.geometry for f in frames], [1] * len(frames))
+        for f, result in zip(frames, results):
+            s = f.stream
+            if isinstance(result, Exception):
+                s.release(f, failed=True)
+                continue
+            fragment, _ = result
+            tracked = s.track(f, fragment["detections"])
+            latency = {"wait": (f.taken - f.frame.captured) * 1e3, **f.timings, "infer": (now - started) * 1e3,
+                       "batch": len(frames)}
+            age = time.monotonic() - f.frame.captured
+            latency["age"] = age * 1e3
+            body = detections_payload(s.name, f.frame, rt.name, rt.version, tracked.detections, latency)
+            self.publisher.publish(topics.stream_detections_topic(self.prefix, s.name), json.dumps(body).encode(), qos=0)
+            if self.metrics is not None:
+                self.metrics.observe_frame_age(s.name, age)
+            if tracked.events:
+                self._publish_events(s, tracked.events, f.frame.index)
+
+    def _publish_events(self, stream: Stream, events: list[dict], frame: int | None) -> None:
+        topic = topics.stream_events_topic(self.prefix, stream.name)
+        bodies = [event_payload(stream.name, e, frame) for e in events]
+        rows = [(b["event_id"], topic, json.dumps(b).encode()) for b in bodies]
+        self.events.add(rows)
+        for event_id, _, payload in rows:
+            self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self.events.delivered, event_id))
+
+    # numbers ------------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Once a second (the serving loop): the readers' stall watchdog, the metrics."""
+        now = time.monotonic()
+        for s in self.streams.values():
+            s.reader.check(now)
+            s.sample_rates(now)
+            if self.metrics is not None:
+                r = s.reader
+                self.metrics.set_stream(s.name, r.state == "up",
+                                        {"decoded": r.decoded, "processed": s.processed, "dropped": r.dropped}, r.reconnects)
+
+    def status(self) -> dict:
+        """The ``streams`` object of the daemon's status, keyed by stream name."""
+        return {name: s.status() for name, s in self.streams.items()}

@@ -1,0 +1,270 @@
+"""One source's connection: a thread that decodes continuously and keeps only the newest frame.
+
+States (:data:`STATES`)::
+
+    starting --first frame--> up --error / live source ended / no frame for read_timeout_s--> reconnecting
+    reconnecting --first frame after a reopen--> up
+    starting | reconnecting --a failure retrying cannot help (no such file, no video stream)--> down
+    up --a file's end (loop = false)--> ended
+
+A frame waits in the reader's slot until the processing side takes it; a newer one replaces it
+and the older is counted as dropped, never queued. So a processed frame is at most one frame
+interval plus one batch old, however slow the model (the lag of users' capture loops is a queue).
+
+The reader never blocks its owner: opening and reading are bounded by the backend's timeouts,
+and the watchdog (:meth:`StreamReader.check`) declares a stall after ``read_timeout_s`` without a
+decoded frame whatever the backend does, abandons the stuck thread (it exits when its read
+returns) and reconnects with a fresh one. Reconnections back off exponentially with jitter, capped
+at ``reconnect_max_s``.
+
+Pacing (``pace``): ``live`` keeps the newest frame; ``realtime`` plays a file at its own frame
+rate (a camera stand-in: what the daemon does with ``file://``); ``every`` hands over every frame,
+waiting for it to be taken (``k2edge watch`` on a file).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from ..backoff import backoff
+from .capture import Capture, SourceError, open_capture
+from .source import SourceSpec
+
+log = logging.getLogger(__name__)
+
+STATES = ("starting", "up", "reconnecting", "down", "ended")
+RECONNECT_MIN_S = 0.1
+
+
+@dataclass(slots=True)
+class Frame:
+    """One decoded frame.
+
+    Attributes:
+        index: 0-based, counted from the stream's first open (it keeps counting across reconnects).
+        pts: seconds on the source's own timeline (may restart after a reconnect).
+        captured_at: Unix time at which it was decoded.
+        captured: the same instant on the monotonic clock (frame age).
+        image: (H, W, 3) uint8 RGB.
+    """
+
+    index: int
+    pts: float
+    captured_at: float
+    captured: float
+    image: np.ndarray
+
+
+class ReaderListener(Protocol):
+    def on_state(self, reader: "StreamReader", old: str, new: str, reason: str | None) -> None:
+        """A state change (the reader's or the watchdog's thread): ``up`` is a stream_up, leaving
+        ``up`` for ``reconnecting``/``down`` a stream_down, ``ended`` a stream_ended."""
+
+    def on_frame(self, reader: "StreamReader") -> None:
+        """A new frame waits in the slot (wake the processing side)."""
+
+
+class StreamReader:
+    """See the module docstring.
+
+    Args:
+        name: the stream's name (logs).
+        spec: the parsed source.
+        listener: told of state changes and new frames.
+        backend: ``pyav`` or ``gstreamer``.
+        pace: ``live``, ``realtime`` or ``every`` (see the module docstring); live sources are always ``live``.
+        fps: frames per second to keep; the rest are dropped (counted). None: every frame.
+        loop: a file starts again at its end.
+        opener: opens a source (tests inject a failing one; default :func:`open_capture`).
+    """
+
+    def __init__(self, name: str, spec: SourceSpec, listener: ReaderListener, *, backend: str = "pyav",
+                 pace: str = "live", fps: float | None = None, loop: bool = False, read_timeout_s: float = 5.0,
+                 reconnect_max_s: float = 2.0, open_timeout_s: float = 10.0,
+                 opener: Callable[..., Capture] = open_capture) -> None:
+        self.name, self.spec, self.listener = name, spec, listener
+        self.backend, self.fps, self.loop = backend, fps, loop
+        self.pace = "live" if spec.live else pace
+        self.read_timeout_s, self.reconnect_max_s, self.open_timeout_s = read_timeout_s, reconnect_max_s, open_timeout_s
+        self._open = opener
+        self._cond = threading.Condition()
+        self._frame: Frame | None = None
+        self._generation = 0
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self.state = "starting"
+        self.last_error: str | None = None
+        self.decoded = self.dropped = self.reconnects = self.corrupt = 0
+        self.source_fps: float | None = None
+        self._next_index = 0
+        self._last_frame = time.monotonic()
+        self._keep_after: float | None = None  # fps throttling: the time the next frame is due
+
+    # lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._spawn()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop reading; True when every reader thread exited within ``timeout``."""
+        with self._cond:
+            self._stopping = True
+            self._generation += 1
+            self._cond.notify_all()
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    def _spawn(self) -> None:
+        gen = self._generation
+        t = threading.Thread(target=self._run, args=(gen,), name=f"k2edge-stream-{self.name}", daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    @property
+    def last_index(self) -> int | None:
+        """The index of the newest decoded frame (None before the first)."""
+        return self._next_index - 1 if self._next_index else None
+
+    # the processing side ----------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return self._frame is not None
+
+    def take(self) -> Frame | None:
+        """The newest frame, or None; the slot is empty afterwards."""
+        with self._cond:
+            frame, self._frame = self._frame, None
+            if frame is not None:
+                self._cond.notify_all()  # pace "every": the thread may decode the next
+            return frame
+
+    def check(self, now: float | None = None) -> None:
+        """The stall watchdog (call it about once a second): no decoded frame for ``read_timeout_s``
+        while up is a stall, whatever the backend's own timeouts do."""
+        now = time.monotonic() if now is None else now
+        with self._cond:
+            if self.state != "up" or self._stopping or now - self._last_frame < self.read_timeout_s:
+                return
+            if self.pace == "every" and self._frame is not None:
+                return  # waiting for the frame to be taken is not a stall
+            self._generation += 1  # the stuck thread's frames are ignored; it exits when its read returns
+            self._cond.notify_all()
+        self._set_state("reconnecting", f"no frame for {now - self._last_frame:.1f} s (stalled)")
+        self._spawn()
+
+    # the reader thread --------------------------------------------------------------------------------
+    def _current(self, gen: int) -> bool:
+        return gen == self._generation and not self._stopping
+
+    def _run(self, gen: int) -> None:
+        attempt = 0
+        while self._current(gen):
+            cap = None
+            try:
+                cap = self._open(self.spec, self.backend, self.open_timeout_s, self.read_timeout_s)
+                self.source_fps = cap.fps or self.source_fps
+                self._read(gen, cap)
+                if not self._current(gen):
+                    return
+                if not self.spec.live:
+                    if self.loop:
+                        attempt = 0
+                        continue
+                    self._set_state("ended", None)
+                    return
+                reason = "the source ended (a live source that ends is a disconnect)"
+            except SourceError as exc:
+                reason = str(exc)
+                if exc.permanent:
+                    if self._current(gen):
+                        self._set_state("down", reason)
+                    return
+            except Exception as exc:  # a backend bug must not kill the stream: it is a disconnect
+                log.exception("stream %s: reading failed", self.name)
+                reason = f"{type(exc).__name__}: {exc}"
+            finally:
+                if cap is not None:
+                    self.corrupt += cap.corrupt
+                    cap.close()
+            if not self._current(gen):
+                return
+            self._set_state("reconnecting", reason)
+            delay = backoff(attempt, RECONNECT_MIN_S, self.reconnect_max_s)
+            attempt += 1
+            with self._cond:
+                self._cond.wait_for(lambda: not self._current(gen), delay)
+
+    def _read(self, gen: int, cap: Capture) -> None:
+        period = 1.0 / self.fps if self.fps else 0.0
+        start_wall = first_pts = None
+        for image, pts in cap.frames():
+            now = time.monotonic()
+            if not self._current(gen):
+                return
+            if self.pace == "realtime":  # a file as a camera: each frame at its time
+                if start_wall is None:
+                    start_wall, first_pts = now, pts
+                wait = start_wall + (pts - first_pts) - now
+                if wait > 0:
+                    with self._cond:
+                        if self._cond.wait_for(lambda: not self._current(gen), wait):
+                            return
+                    now = time.monotonic()
+            frame = Frame(self._next_index, pts, time.time(), now, image)
+            with self._cond:
+                if not self._current(gen):
+                    return
+                self._next_index += 1
+                self.decoded += 1
+                self._last_frame = now
+                first = self.state != "up"
+                if period and not self._keep(pts if not self.spec.live else now, period):
+                    self.dropped += 1  # throttled to fps
+                    frame = None
+                if frame is not None:
+                    if self.pace == "every":
+                        self._cond.wait_for(lambda: self._frame is None or not self._current(gen))
+                        if not self._current(gen):
+                            return
+                    if self._frame is not None:
+                        self.dropped += 1  # never processed: replaced by a newer one
+                    self._frame = frame
+            if first:
+                if self.state == "reconnecting":
+                    self.reconnects += 1
+                self._set_state("up", None)
+            if frame is not None:
+                self.listener.on_frame(self)
+
+    def _keep(self, t: float, period: float) -> bool:
+        """fps throttling on the frame's time (a file's pts: ``--fps`` means frames per second of video;
+        a camera's arrival): keep one frame per period, on schedule, without drifting."""
+        due = self._keep_after
+        if due is not None and due - period <= t < due - period / 4:
+            return False
+        self._keep_after = t + period if due is None or t >= due + period or t < due - period else due + period
+        return True
+
+    def _set_state(self, new: str, reason: str | None) -> None:
+        with self._cond:
+            old = self.state
+            if old == new:
+                if reason:
+                    self.last_error = reason
+                return
+            self.state = new
+            if reason:
+                self.last_error = reason
+            if new == "up":
+                self._last_frame = time.monotonic()
+        if new in ("reconnecting", "down") and reason:
+            log.warning("stream %s: %s: %s", self.name, new, reason)
+        else:
+            log.info("stream %s: %s", self.name, new)
+        self.listener.on_state(self, old, new, reason)
