@@ -260,7 +260,7 @@ class ByteTracker:
         second = order[(scores[order] >= self.low) & (scores[order] < self.high)]
         associate(second[owner[second] < 0], tracked, _SECOND_STAGE_IOU)
         tentative = [t for t, tr in enumerate(self._tracks) if tr.state == _TENTATIVE]
-        starters = order[(owner[order] < 0) & (scores[order] >= min(self.high, self.new_track))]
+        starters = order[(owner[order] < 0) & (scores[order] >= max(self.low, min(self.high, self.new_track)))]
         associate(starters, tentative, _TENTATIVE_IOU)
 
         ids = np.zeros(n, dtype=np.int64)
