@@ -102,8 +102,9 @@ class StreamPath:
             event = {"event": "stream_down", "reason": reason}
         elif new == "ended":
             event = {"event": "stream_ended"}
+        stream = self.streams[reader.name]
+        self._observe(stream)
         if event is not None:
-            stream = self.streams[reader.name]
             self._publish_events(stream, [event], reader.last_index)
         if self.on_change is not None:
             self.on_change()
@@ -169,10 +170,13 @@ class StreamPath:
         for s in self.streams.values():
             s.reader.check(now)
             s.sample_rates(now)
-            if self.metrics is not None:
-                r = s.reader
-                self.metrics.set_stream(s.name, r.state == "up",
-                                        {"decoded": r.decoded, "processed": s.processed, "dropped": r.dropped}, r.reconnects)
+            self._observe(s)
+
+    def _observe(self, s: Stream) -> None:
+        if self.metrics is not None:
+            r = s.reader
+            self.metrics.set_stream(s.name, r.state == "up", {"decoded": r.decoded, "processed": s.processed,
+                                                              "dropped": r.dropped}, r.reconnects)
 
     def status(self) -> dict:
         """The ``streams`` object of the daemon's status, keyed by stream name."""

@@ -1,0 +1,213 @@
+"""Stream sources without the daemon: URIs and their redaction, the [[streams]] config, and the
+newest-frame reader on real videos made with PyAV (pacing, fps throttling, loops, ends, files that
+cannot be read)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from k2edge.config.schema import ConfigError, load_config
+from k2edge.streams.reader import StreamReader
+from k2edge.streams.source import parse_source, redact
+
+av = pytest.importorskip("av")
+
+
+def _video(path, frames=30, fps=15, size=(64, 48)):
+    """A plain H.264 clip whose frame i has grey level 4 * i (so a decoded frame tells its index)."""
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
+        s.options = {"crf": "0", "preset": "ultrafast", "g": "5"}
+        for i in range(frames):
+            img = np.full((size[1], size[0], 3), 4 * i, np.uint8)
+            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+class Recorder:
+    """The reader's listener: every state change, and a wake-up per frame."""
+
+    def __init__(self):
+        self.states: list[tuple[str, str, str | None]] = []
+        self.cond = threading.Condition()
+
+    def on_state(self, reader, old, new, reason):
+        with self.cond:
+            self.states.append((old, new, reason))
+            self.cond.notify_all()
+
+    def on_frame(self, reader):
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait(self, predicate, timeout=30.0):
+        with self.cond:
+            assert self.cond.wait_for(predicate, timeout), f"timed out; states {self.states}"
+
+
+def _drain(reader: StreamReader, rec: Recorder, timeout=30.0) -> list:
+    """Take every frame until the reader ends or is down."""
+    got, end = [], time.monotonic() + timeout
+    while time.monotonic() < end:
+        f = reader.take()
+        if f is not None:
+            got.append(f)
+            continue
+        if reader.state in ("ended", "down") and not reader.ready():
+            return got
+        with rec.cond:
+            rec.cond.wait(0.05)
+    raise AssertionError(f"the reader did not end; state {reader.state}")
+
+
+# URIs ----------------------------------------------------------------------------------------------
+def test_source_uris_and_redaction():
+    """Every scheme parses; credentials never show; malformed URIs are refused without the password."""
+    s = parse_source("rtsp://admin:s3cret@10.0.0.5:8554/cam")
+    assert s.kind == "rtsp" and s.live and "s3cret" in s.target
+    assert s.shown == "rtsp://***@10.0.0.5:8554/cam" and "s3cret" not in repr(s) and str(s) == s.shown
+    assert parse_source("rtsp://10.0.0.5/cam", password="p@ss:w/rd").target == "rtsp://:p%40ss%3Aw%2Frd@10.0.0.5/cam"
+    assert parse_source("file:///data/a.mp4").target == "/data/a.mp4" and not parse_source("file:///data/a.mp4").live
+    assert parse_source("v4l2:///dev/video1").target == "/dev/video1"
+    assert parse_source("csi://0").kind == "csi"
+    assert parse_source("gst:videotestsrc ! appsink name=sink").target.startswith("videotestsrc")
+    for bad in ("http://x/y", "rtsp://user:hunter2@/path", "rtsp://u:hunter2@host:99999/x", "csi://front", "gst:", "/a.mp4"):
+        with pytest.raises(ValueError) as e:
+            parse_source(bad)
+        assert "hunter2" not in str(e.value)
+    assert redact("rtsp://u:p@h/x") == "rtsp://***@h/x" and redact("file:///a@b.mp4") == "file:///a@b.mp4"
+
+
+def test_streams_config_errors_name_the_field(tmp_path):
+    """[[streams]] is validated with field paths; a password in a bad source never reaches the message."""
+    base = ('device_id = "t"\n[[models]]\nname = "boxes"\nonnx = "m.onnx"\n')
+
+    def load(streams: str) -> str:
+        p = tmp_path / "k.toml"
+        p.write_text(base + streams)
+        with pytest.raises(ConfigError) as e:
+            load_config(p)
+        return str(e.value)
+
+    assert "streams.0.name" in load('[[streams]]\nname = "a/b"\nsource = "file:///x.mp4"\nmodel = "boxes"\n')
+    msg = load('[[streams]]\nname = "a"\nsource = "rtsp://u:hunter2@/x"\nmodel = "boxes"\n')
+    assert "streams.0.source" in msg and "hunter2" not in msg
+    assert "not served here" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "cats"\n')
+    assert "streams.0.fps" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\nfps = 0\n')
+    assert "at least 3" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
+                                '[[streams.zones]]\nname = "z"\npoints = [[0, 0], [1, 1]]\n')
+    assert "same point" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
+                                '[[streams.lines]]\nname = "l"\nstart = [1, 1]\nend = [1, 1]\n')
+    assert "unique" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n' * 2)
+
+
+# the reader on files ---------------------------------------------------------------------------------
+def test_every_frame_in_order_then_ended(tmp_path):
+    """pace "every": each frame handed over in order with its index and pts; the end is "ended"."""
+    path = _video(tmp_path / "a.mp4", frames=30, fps=15)
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="every")
+    r.start()
+    got = _drain(r, rec)
+    assert [f.index for f in got] == list(range(30))
+    assert [round(f.pts * 15) for f in got] == list(range(30))
+    assert [int(f.image[0, 0, 0]) for f in got] == pytest.approx([4 * i for i in range(30)], abs=3)
+    assert r.state == "ended" and r.dropped == 0 and r.decoded == 30 and r.source_fps == 15
+    assert [s[1] for s in rec.states] == ["up", "ended"]
+
+
+def test_fps_throttles_a_file_by_its_own_time(tmp_path):
+    """fps = 5 on a 15 fps file keeps every third frame (by pts); the rest count as dropped."""
+    path = _video(tmp_path / "a.mp4", frames=30, fps=15)
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="every", fps=5)
+    r.start()
+    got = _drain(r, rec)
+    assert [f.index for f in got] == list(range(0, 30, 3))
+    assert r.dropped == 20 and r.decoded == 30
+
+
+def test_newest_frame_only_when_the_taker_is_slow(tmp_path):
+    """pace "realtime": a file plays at its own rate; a taker that is slower than it gets the newest
+    frame each time, never a backlog, and the rest are counted as dropped."""
+    path = _video(tmp_path / "a.mp4", frames=45, fps=30)
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="realtime")
+    r.start()
+    got, started = [], time.monotonic()
+    while r.state not in ("ended", "down") or r.ready():
+        f = r.take()
+        if f is not None:
+            got.append((f, time.monotonic()))
+            time.sleep(0.1)  # a model three frames slow
+        else:
+            time.sleep(0.005)
+    took = time.monotonic() - started
+    assert took >= 45 / 30 * 0.9  # played at its own rate, not as fast as it decodes
+    assert len(got) < 45 and r.dropped == 45 - len(got)
+    for f, when in got:  # taken at most about a frame interval after it was decoded (plus scheduling)
+        assert when - f.captured < 0.1 + 0.5
+
+
+def test_loop_starts_again_and_keeps_counting(tmp_path):
+    """loop = true: the file starts again at its end; frame indices keep counting, pts restart."""
+    path = _video(tmp_path / "a.mp4", frames=10, fps=15)
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="every", loop=True)
+    r.start()
+    got = []
+    while len(got) < 25:
+        f = r.take()
+        if f is not None:
+            got.append(f)
+        else:
+            time.sleep(0.005)
+    assert r.stop(5.0)
+    assert [f.index for f in got] == list(range(25))
+    assert [round(f.pts * 15) for f in got[:25]] == [i % 10 for i in range(25)]
+    assert r.state == "up" and r.reconnects == 0
+
+
+def test_files_that_cannot_be_read_are_down_at_once(tmp_path):
+    """A missing file, a file that is not a video, and one with no video stream: state "down" with
+    the reason, no retry loop, the thread gone."""
+    (tmp_path / "junk.mp4").write_bytes(b"this is not a video" * 100)
+    with av.open(str(tmp_path / "audio.mka"), "w") as c:  # a real media file with an audio stream only
+        s = c.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for p in s.encode(frame):
+            c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    for name, why in (("missing.mp4", "no such file"), ("junk.mp4", "cannot open"), ("audio.mka", "no video stream")):
+        rec = Recorder()
+        r = StreamReader("a", parse_source((tmp_path / name).as_uri()), rec)
+        r.start()
+        rec.wait(lambda: r.state == "down", 20)
+        assert why in r.last_error, r.last_error
+        assert r.stop(2.0)
+        assert [s[1] for s in rec.states] == ["down"]
+
+
+def test_corrupt_packets_are_skipped_not_fatal(tmp_path):
+    """Bytes overwritten in the middle of a file: the decoder skips what it cannot decode and the
+    stream still reaches its end with most frames."""
+    path = _video(tmp_path / "a.mp4", frames=60, fps=15, size=(160, 120))
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 400] = bytes(range(256)) + bytes(144)
+    path.write_bytes(bytes(data))
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="every")
+    r.start()
+    got = _drain(r, rec)
+    assert r.state == "ended" and len(got) >= 30

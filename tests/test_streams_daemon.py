@@ -1,0 +1,161 @@
+"""Streams in the daemon, against a real mosquitto: a PyAV-made video of digits crossing a line, played
+by a ``file://`` stream at its own rate through the demo detector — tracked detections per frame,
+zone and line events equal to the video's ground truth, status and metrics, MQTT requests answered
+beside the frames, a source that never opens harming nothing, events surviving a broker restart."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections import Counter
+
+import pytest
+from mqtt_support import ROOT, Client, free_port, image_request
+from stream_videos import scenario_crossing
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("av")
+
+DETECTOR = ROOT / "models" / "detector"
+BOXES = {"name": "boxes", "onnx": DETECTOR / "model.onnx", "profile": "cpu-dev"}
+SCENES = sorted((DETECTOR / "samples").glob("*.jpg"))
+STREAMS = "k2edge/t1/streams/#"
+
+
+@pytest.fixture(scope="module")
+def crossing(tmp_path_factory):
+    return scenario_crossing(tmp_path_factory.mktemp("video") / "crossing.mp4")
+
+
+def _stream(crossing, name="cam", **extra) -> dict:
+    (x0, y0), (x1, y1) = crossing.line
+    return {"name": name, "source": crossing.path.as_uri(), "model": "boxes",
+            "lines": [{"name": "door", "start": [x0, y0], "end": [x1, y1]}],
+            "zones": [{"name": "right", "points": [[x0, 0], [320, 0], [320, 240], [x0, 240]]}], **extra}
+
+
+def _messages(client: Client, kind: str, stream: str = "cam") -> list[dict]:
+    with client._cond:
+        return [b for t, b in client.other if t == f"k2edge/t1/streams/{stream}/{kind}"]
+
+
+def _events(client: Client, event: str, stream: str = "cam") -> list[dict]:
+    return [e for e in _messages(client, "events", stream) if e["event"] == event]
+
+
+def _wait_event(client: Client, event: str, stream: str = "cam", n: int = 1, timeout: float = 120) -> None:
+    client.wait_for(lambda c: len(_events(c, event, stream)) >= n, timeout)
+
+
+def _crossings(events: list[dict]) -> Counter:
+    return Counter((e["label"], e["direction"]) for e in events if e["event"] == "line_cross")
+
+
+def _expected(crossing) -> Counter:
+    return Counter((c.label, c.direction) for c in crossing.crossings)
+
+
+def _metric(port: int, line_start: str, want: float | None = None, timeout: float = 10.0) -> float:
+    """A series' value from /metrics; with ``want``, polled until it has that value (the gauges follow
+    the stream once a second) or ``timeout`` passes."""
+    end = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        value = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+        if want is None or value == want or time.monotonic() > end:
+            return value
+        time.sleep(0.2)
+
+
+def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_ground_truth(run_daemon, broker, crossing):
+    """Every processed frame is published with tracked detections; the line crossings are the video's,
+    with the right directions; status counts them; /metrics counts the frames; requests for the same
+    model are answered meanwhile."""
+    port = free_port()
+    client = Client(broker.port).connect()
+    client.subscribe(STREAMS)
+    run_daemon(models=[BOXES], streams=[_stream(crossing)], tables={"metrics": {"port": port}})
+    _wait_event(client, "stream_up")
+    rids = [client.publish("k2edge/t1/infer/boxes", image_request(p, rid=f"r{i}")) for i, p in enumerate(SCENES * 2)]
+    _wait_event(client, "stream_ended")
+    answers = client.wait_answers(len(rids), timeout=60)
+    assert all(a["status"] == "ok" and a["detections"] for a in answers)
+
+    frames = _messages(client, "detections")
+    assert len(frames) >= 0.5 * len(crossing.truth.frames)  # the model is far quicker than 15 fps; most are processed
+    assert [f["frame"] for f in frames] == sorted({f["frame"] for f in frames})
+    first = frames[0]
+    assert set(first) == {"stream", "frame", "pts", "captured_at", "model", "model_version", "detections", "latency_ms"}
+    assert first["stream"] == "cam" and first["model"] == "boxes" and abs(first["captured_at"] - time.time()) < 120
+    dets = [d for f in frames for d in f["detections"]]
+    assert dets and all(set(d) == {"index", "label", "score", "box", "track_id"} and isinstance(d["track_id"], int)
+                        for d in dets)
+
+    events = _messages(client, "events")
+    assert _crossings(events) == _expected(crossing)
+    assert len({e["event_id"] for e in events}) == len(events)
+    for e in events:
+        if e["event"] == "line_cross":
+            assert e["line"] == "door" and isinstance(e["track_id"], int) and isinstance(e["frame"], int)
+    assert {e["label"] for e in events if e["event"] == "zone_enter"} >= {"7", "8", "4", "3", "5"}
+
+    client.wait_for(lambda c: c.statuses and c.statuses[-1].get("streams", {}).get("cam", {}).get("state") == "ended", 30)
+    st = client.statuses[-1]["streams"]["cam"]
+    assert st["source"] == crossing.path.as_uri() and st["reconnects"] == 0 and st["last_error"] is None
+    assert st["processed"] == len(frames) and st["processed"] + st["dropped"] == st["decoded"] == len(crossing.truth.frames)
+    door = st["counts"]["lines"]["door"]
+    assert Counter({(k, d): n for d in ("in", "out") for k, n in door[d].items()}) == _expected(crossing)
+    decoded = 'k2edge_stream_frames_total{outcome="decoded",stream="cam"}'
+    assert _metric(port, decoded, len(crossing.truth.frames)) == len(crossing.truth.frames)
+    processed = 'k2edge_stream_frames_total{outcome="processed",stream="cam"}'
+    assert _metric(port, processed, len(frames)) == len(frames)
+    assert _metric(port, 'k2edge_stream_frame_age_seconds_count{stream="cam"}', len(frames)) == len(frames)
+    assert _metric(port, 'k2edge_stream_up{stream="cam"}', 0) == 0  # ended
+
+
+def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(run_daemon, broker, crossing):
+    """A camera nobody serves keeps reconnecting (status says why, with its password redacted) while the
+    file stream runs to its end and requests are answered; SIGTERM then drains and exits 0 promptly."""
+    dead = free_port()  # nothing listens: every open is refused
+    client = Client(broker.port).connect()
+    client.subscribe(STREAMS)
+    d = run_daemon(models=[BOXES], streams=[
+        _stream(crossing),
+        {"name": "dead", "source": f"rtsp://admin:hunter2@127.0.0.1:{dead}/cam", "model": "boxes", "reconnect_max_s": 0.5},
+    ])
+    rids = [client.publish("k2edge/t1/infer/boxes", image_request(p, rid=f"r{i}")) for i, p in enumerate(SCENES)]
+    client.wait_answers(len(rids), timeout=60)
+    _wait_event(client, "stream_ended")
+    assert _crossings(_messages(client, "events")) == _expected(crossing)
+    client.wait_for(lambda c: (c.statuses[-1].get("streams", {}).get("dead", {}).get("state") == "reconnecting"), 30)
+    st = client.statuses[-1]["streams"]["dead"]
+    assert st["last_error"] and st["reconnects"] == 0 and st["decoded"] == 0
+    assert "hunter2" not in str(client.statuses) and st["source"] == f"rtsp://***@127.0.0.1:{dead}/cam"
+    assert not _messages(client, "events", "dead")  # never up, so never down either
+    t0 = time.monotonic()
+    assert d.terminate(timeout=60) == 0
+    assert time.monotonic() - t0 < 30
+    assert "hunter2" not in d.output()
+
+
+def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(run_daemon, broker, crossing, tmp_path):
+    """The broker restarts in the middle of the video: every crossing is delivered, and each crossing
+    has one event_id (a redelivery is byte-identical, never a second event)."""
+    client = Client(broker.port, client_id=f"watcher-{tmp_path.name[-8:]}", persistent=True).connect()
+    client.subscribe(STREAMS)
+    run_daemon(models=[BOXES], streams=[_stream(crossing)])
+    _wait_event(client, "line_cross")  # the first crossing (frame ~36 of 90); the next two come within ~2 s
+    broker.stop()
+    time.sleep(2.5)  # the outage itself: events raised now can only be held by the daemon
+    broker.start()
+    _wait_event(client, "stream_ended", timeout=120)
+    client.wait_for(lambda c: sum(_crossings(_messages(c, "events")).values()) >= len(crossing.crossings), 30)
+    events = [e for e in _messages(client, "events") if e["event"] == "line_cross"]
+    by_id = {}
+    for e in events:
+        assert by_id.setdefault(e["event_id"], e) == e  # a redelivery is the same event
+    distinct = list(by_id.values())
+    assert _crossings(distinct) == _expected(crossing)
+    assert len({(e["track_id"], e["frame"]) for e in distinct}) == len(distinct)
+    client.close()
