@@ -80,9 +80,10 @@ class PyAVCapture:
                                      timeout=(open_timeout_s, max(read_timeout_s / 2, 0.1)))
         except FileNotFoundError:
             raise SourceError(f"{spec.shown}: no such file", permanent=True) from None
+        except av.error.ExitError:  # FFmpeg's interrupt: the open timeout
+            raise SourceError(f"{spec.shown}: cannot open: no answer within {open_timeout_s:g} s") from None
         except av.error.FFmpegError as exc:
-            raise SourceError(f"{spec.shown}: cannot open: {_reason(exc)}",
-                              permanent=spec.kind == "file" and not isinstance(exc, av.error.ExitError)) from None
+            raise SourceError(f"{spec.shown}: cannot open: {_reason(exc)}", permanent=spec.kind == "file") from None
         except OSError as exc:
             raise SourceError(f"{spec.shown}: cannot open: {exc.strerror or exc}", permanent=spec.kind == "file") from None
         if not self.container.streams.video:
@@ -95,7 +96,7 @@ class PyAVCapture:
         self.stream.thread_type = "AUTO"
         rate = self.stream.average_rate or self.stream.guessed_rate
         self.fps = float(rate) if rate else None
-        self._shown = spec.shown
+        self._shown, self._read_timeout_s = spec.shown, read_timeout_s
 
     def frames(self) -> Iterator[tuple[np.ndarray, float]]:
         av, stream = self._av, self.stream
@@ -110,6 +111,8 @@ class PyAVCapture:
                 for frame in decoded:
                     pts = frame.pts * base if frame.pts is not None else (frame.time or 0.0)
                     yield frame.to_ndarray(format="rgb24"), float(pts)
+        except av.error.ExitError:  # FFmpeg's interrupt: the read timeout
+            raise SourceError(f"{self._shown}: stalled: no data for about {self._read_timeout_s:g} s") from None
         except av.error.FFmpegError as exc:
             raise SourceError(f"{self._shown}: {_reason(exc)}") from None
         except OSError as exc:
