@@ -13,6 +13,14 @@ PY=${PYTHON:-python3}
 
 die() { echo "quickstart: $*" >&2; exit 1; }
 
+can_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
+
+apt_updated=
+apt_install() {  # quietly; the package lists are refreshed once a run
+    [ -n "$apt_updated" ] || { apt-get update -qq || true; apt_updated=1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
 need_python() {
     command -v "$PY" >/dev/null || die "$PY not found; install Python 3.10+ (apt-get install python3)"
     "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "Python 3.10+ needed, found $("$PY" -V 2>&1)"
@@ -23,8 +31,8 @@ setup() {
     if [ ! -x "$VENV/bin/python" ]; then
         if ! "$PY" -m venv "$VENV" 2>/dev/null; then
             rm -rf "$VENV"
-            if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-                apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+            if can_apt; then
+                apt_install python3-venv
                 "$PY" -m venv "$VENV"
             else
                 die "python3 -m venv failed; install the venv module: sudo apt-get install python3-venv"
@@ -38,13 +46,27 @@ setup() {
 
 need_mosquitto() {
     command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] && return 0
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    if can_apt; then
         echo "quickstart: installing mosquitto (the MQTT broker the demo and the tests use)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null
+        apt_install mosquitto
         # the tests and the demo start their own broker; Debian's starts one on 1883 that we do not need
         return 0
     fi
     die "mosquitto not found; install it: sudo apt-get install mosquitto"
+}
+
+# the RTSP stream tests' camera is GStreamer's RTSP server, reached from Debian's python3-gi (a venv
+# cannot see it); without it those tests skip
+need_rtsp_server() {
+    local sys_py=/usr/bin/python3 pkgs="python3-gi gir1.2-gst-rtsp-server-1.0"
+    "$sys_py" -c 'import gi; gi.require_version("GstRtspServer", "1.0"); from gi.repository import GstRtspServer' \
+        >/dev/null 2>&1 && return 0
+    if can_apt; then
+        echo "quickstart: installing $pkgs (GStreamer's RTSP server: the camera of the stream tests)"
+        apt_install --no-install-recommends $pkgs && return 0
+    fi
+    echo "quickstart: warning: no GStreamer RTSP server for $sys_py, the RTSP stream tests will be skipped" \
+         "(sudo apt-get install $pkgs)" >&2
 }
 
 free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -87,6 +109,6 @@ demo() {
 
 case "${1:-}" in
     demo) setup; demo ;;
-    test) shift; need_mosquitto; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+    test) shift; need_mosquitto; need_rtsp_server; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
     *) echo "usage: $0 demo | test [pytest args]" >&2; exit 2 ;;
 esac
