@@ -557,13 +557,13 @@ def test_selftest_exits_2_without_tensorrt():
 
 def test_selftest_against_the_double(trt, cache_dir, capsys):
     """The self-test builds the profiles, compares with ONNX Runtime and prints the table; a mismatch exits 1."""
-    rc = _selftest().main(["--profiles", "c5,c6", "--samples", "6", "--cache", str(cache_dir)])
+    rc = _selftest().main(["--profiles", "c5,c6", "--samples", "6", "--cache", str(cache_dir), "--skip-streams"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "gpu:fp16 dla0:fp16 dla1:fp16" in out and "as planned" in out and "p50 ms" in out
     for check in ("direct-io", "chw32-cuts", "event-flags"):
         assert f"check {check}: ok" in out, out
-    rc = _selftest().main(["--profiles", "c2", "--samples", "6", "--cache", str(cache_dir), "--tolerance", "0"])
+    rc = _selftest().main(["--profiles", "c2", "--samples", "6", "--cache", str(cache_dir), "--tolerance", "0", "--skip-streams"])
     assert rc == 1 and "MISMATCH" in capsys.readouterr().out
 
 
@@ -790,3 +790,10 @@ def test_nothing_the_rules_accept_is_refused_by_the_dla_table():
         for node, support in zip(g.node, support_table(nm.graph)):
             if support.ok:
                 assert dla_capable(_NodeView(node, shapes, consts)), (name, node.name, node.op_type)
+
+
+def test_selftest_stream_check_says_what_it_needs():
+    """Off a Jetson the NVDEC check fails with what is missing (gi, or GStreamer's nvv4l2decoder), never a traceback."""
+    checks = _selftest().stream_checks([])
+    assert len(checks) == 1 and checks[0][0] == "nvdec-decode" and not checks[0][1]
+    assert "gi" in checks[0][2] or "nvv4l2decoder" in checks[0][2]
