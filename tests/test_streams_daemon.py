@@ -100,7 +100,11 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
             assert e["line"] == "door" and isinstance(e["track_id"], int) and isinstance(e["frame"], int)
     assert {e["label"] for e in events if e["event"] == "zone_enter"} >= {"7", "8", "4", "3", "5"}
 
-    client.wait_for(lambda c: c.statuses and c.statuses[-1].get("streams", {}).get("cam", {}).get("state") == "ended", 30)
+    def final(c):  # the status republished once the last frame was out
+        st = c.statuses[-1].get("streams", {}).get("cam", {}) if c.statuses else {}
+        return st.get("state") == "ended" and st["processed"] + st["dropped"] == st["decoded"]
+
+    client.wait_for(final, 30)
     st = client.statuses[-1]["streams"]["cam"]
     assert st["source"] == crossing.path.as_uri() and st["reconnects"] == 0 and st["last_error"] is None
     assert st["processed"] == len(frames) and st["processed"] + st["dropped"] == st["decoded"] == len(crossing.truth.frames)

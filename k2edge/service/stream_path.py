@@ -154,6 +154,8 @@ class StreamPath:
                 self.metrics.observe_frame_age(s.name, age)
             if tracked.events:
                 self._publish_events(s, tracked.events, f.frame.index)
+            if s.reader.state == "ended" and not s.reader.ready() and self.on_change is not None:
+                self.on_change()  # the file's last frame is out: the status' counts are final now
 
     def _publish_events(self, stream: Stream, events: list[dict], frame: int | None) -> None:
         topic = topics.stream_events_topic(self.prefix, stream.name)
