@@ -84,6 +84,10 @@ def test_source_uris_and_redaction():
             parse_source(bad)
         assert "hunter2" not in str(e.value)
     assert redact("rtsp://u:p@h/x") == "rtsp://***@h/x" and redact("file:///a@b.mp4") == "file:///a@b.mp4"
+    assert redact("rtsp://admin:pa/ss@10.0.0.1/s") == "rtsp://***@10.0.0.1/s"  # a "/" in the password too
+    with pytest.raises(ValueError, match="percent-encode") as e:
+        parse_source("rtsp://admin:hunter2/x@10.0.0.1/s")
+    assert "hunter2" not in str(e.value)
 
 
 def test_streams_config_errors_name_the_field(tmp_path):

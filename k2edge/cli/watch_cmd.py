@@ -53,8 +53,8 @@ class _Listener:
         with self._lock:
             if event is not None:
                 self.events.append(event)
-            elif reason:
-                self.events.append({"event": "stream_error", "state": new, "reason": reason})
+        if event is None and reason:  # a reopen that failed: not an event (it was down already), but say why
+            print(f"watch: {new}: {reason}", file=sys.stderr, flush=True)
         self.wake.set()
 
     def drain(self) -> list[dict]:
@@ -123,6 +123,7 @@ def run(args) -> int:
         try:
             while True:
                 emit(listener.drain(), reader.last_index)
+                reader.check()  # the stall watchdog, as the daemon runs it
                 item = stream.take()
                 if item is None:
                     if reader.state in ("ended", "down") and not reader.ready():

@@ -66,7 +66,7 @@ class StreamConfig(_Strict):
     name: str
     source: str = Field(description="file:///path.mp4 | rtsp://[user:pass@]host[:port]/path | v4l2:///dev/video0 | "
                                     "csi://0 | gst:<pipeline ending in an appsink>")
-    model: str = Field(description="a [[models]] name; its card's task must be detection (or segmentation, pose, obb)")
+    model: str = Field(description="a [[models]] name; its card's task must be detection")
     fps: float | None = Field(None, gt=0, le=1000, description="frames per second to process; default the source's own rate")
     enabled: bool = True
     loop: bool = Field(False, description="file:// sources: start again at the end instead of ending")

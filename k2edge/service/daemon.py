@@ -103,16 +103,18 @@ class Daemon:
             raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
 
     def _stream_path(self) -> StreamPath | None:
-        """The enabled ``[[streams]]``, each checked against its model's task; None without any."""
+        """The enabled ``[[streams]]``, each checked against its model's task; None without any (and without
+        events of an earlier run still waiting in the event store to be delivered)."""
         enabled = [s for s in self.cfg.streams if s.enabled]
-        if not enabled:
+        store = state_dir(self.cfg) / "events.sqlite"
+        if not enabled and not store.exists():
             return None
         for i, s in enumerate(self.cfg.streams):
             task = self.models[s.model].task
             if s.enabled and task != "detection":
                 raise ConfigError(f"{self.cfg.source or 'config'}: streams.{i}: model {s.model!r} is a {task} model; "
                                   "streams take detection models (tracking needs boxes)")
-        return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(state_dir(self.cfg) / "events.sqlite"),
+        return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store),
                           self.metrics, on_change=self.publish_status)
 
     # the deploy lifecycle's host -------------------------------------------------------------------
@@ -367,7 +369,7 @@ class Daemon:
 
     def _close_event_store(self) -> None:
         if self.streams is not None:
-            self.streams.events.close()
+            self.streams.close()
 
     def _stop_metrics(self) -> None:
         if self.metrics is not None:

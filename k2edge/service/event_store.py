@@ -43,11 +43,13 @@ class EventStore:
             self._db.executemany("INSERT OR IGNORE INTO events (event_id, topic, payload) VALUES (?, ?, ?)", rows)
             self._db.execute("COMMIT")
 
-    def delivered(self, event_id: str) -> None:
-        """The broker acknowledged the event."""
+    def delivered(self, event_ids: list[str]) -> None:
+        """The broker acknowledged these events (one transaction)."""
         with self._lock:
-            self._db.execute("UPDATE events SET delivered = 1 WHERE event_id = ?", (event_id,))
-            self._since_prune += 1
+            self._db.execute("BEGIN")
+            self._db.executemany("UPDATE events SET delivered = 1 WHERE event_id = ?", [(i,) for i in event_ids])
+            self._db.execute("COMMIT")
+            self._since_prune += len(event_ids)
             if self._since_prune >= 1000:
                 self._since_prune = 0
                 self._db.execute("DELETE FROM events WHERE delivered = 1 AND seq < "

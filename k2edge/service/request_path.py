@@ -324,20 +324,28 @@ class RequestPath:
             outputs = exc
         try:
             self._finish(rt, live, frames, outputs, staged)
+        except Exception as exc:  # nothing else would answer them: this runs as a future's callback
+            self._fail(rt.name, live + frames, exc)
         finally:  # after the answers: a line with every slot free has no batch left to answer (a swap waits for that)
             slot.free()
 
     def _finish(self, rt: ModelRuntime, live: list[Work], frames: list, outputs, started: float) -> None:
         """The requests' answers first (their rows lead the batch), then the frames' (the stream path)."""
-        if live:
-            self.finish_batch(rt, live, outputs, started)
-        if frames:
-            rows = outputs if isinstance(outputs, Exception) else {k: v[len(live):] for k, v in outputs.items()}
-            self.streams.finish(rt, frames, rows, started)
+        try:
+            if live:
+                self.finish_batch(rt, live, outputs, started)
+        finally:
+            if frames:
+                rows = outputs if isinstance(outputs, Exception) else {k: v[len(live):] for k, v in outputs.items()}
+                self.streams.finish(rt, frames, rows, started)
 
     def fail_batch(self, line: "Line", batch: list[Work], exc: Exception) -> None:
         """A batch raised: answer what it left unanswered."""
-        log.error("model %s: a batch of %d failed", line.name, len(batch), exc_info=exc)
+        self._fail(line.name, batch, exc)
+
+    def _fail(self, model: str, batch: list, exc: Exception) -> None:
+        """Answer what a failed batch left unanswered; release its frames (once: each knows whether it was)."""
+        log.error("model %s: a batch of %d failed", model, len(batch), exc_info=exc)
         for f in batch:
             if not isinstance(f, Work):
                 f.stream.release(f, failed=True)

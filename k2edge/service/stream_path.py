@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 
+from ..config.schema import read_secret
 from ..config.streams import StreamConfig
 from ..deadline import clock
 from ..errors import InputError
@@ -57,8 +58,9 @@ class StreamPath:
         self.streams: dict[str, Stream] = {}
         self.lines: dict[str, object] = {}  # model -> its line (woken by new frames)
         self._lock = threading.Lock()
+        self._delivered: list[str] = []  # event ids the broker acknowledged, written to the store by tick()
         for c in configs:
-            password = c.password_file.read_text(encoding="utf-8").rstrip("\r\n") if c.password_file else None
+            password = read_secret(c.password_file, what=f"streams {c.name!r}: password_file") if c.password_file else None
             spec = parse_source(c.source, password)
             reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace="realtime", fps=c.fps,
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
@@ -75,18 +77,26 @@ class StreamPath:
         """Republish events a previous run stored and never saw delivered, then start reading."""
         self.lines = lines
         for event_id, topic, payload in self.events.pending():
-            self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self.events.delivered, event_id))
+            self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
         for s in self.streams.values():
             s.reader.start()
 
     def stop(self, timeout: float) -> None:
-        """Stop taking frames and stop the readers (within ``timeout`` in all)."""
+        """Stop taking frames, stop the readers and let the frames in flight finish (within ``timeout`` in
+        all): their events are stored before the event store closes."""
         end = time.monotonic() + timeout
         for s in self.streams.values():
             s.accepting = False
         for s in self.streams.values():
             if not s.reader.stop(max(0.1, end - time.monotonic())):
                 log.warning("stream %s: its reader did not stop in time (a backend read still blocks)", s.name)
+        while any(s.in_flight for s in self.streams.values()) and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """After the broker connection is gone: the last acknowledgements, then the event store."""
+        self._write_delivered()
+        self.events.close()
 
     # the reader's listener ------------------------------------------------------------------------
     def on_frame(self, reader: StreamReader) -> None:
@@ -117,12 +127,13 @@ class StreamPath:
             t0 = clock()
             try:
                 f.sample, f.geometry = rt.preprocess.stage_mapped(f.frame.image)
-            except InputError as exc:
+            except Exception as exc:  # one bad frame fails neither its stream nor the requests of its batch
                 if not f.stream.frame_errors:
-                    log.warning("stream %s: a frame cannot be staged for model %s: %s", f.stream.name, rt.name, exc)
+                    log.warning("stream %s: a frame cannot be staged for model %s: %s", f.stream.name, rt.name,
+                                exc if isinstance(exc, InputError) else repr(exc))
                 f.stream.release(f, failed=True)
                 continue
-            f.frame.image = None  # the pixels are in the sample now
+            f.frame.picture = None  # the pixels are in the sample now
             f.timings["stage"] = (clock() - t0) * 1e3
             staged.append(f)
         return staged
@@ -130,18 +141,24 @@ class StreamPath:
     # 5. finish ----------------------------------------------------------------------------------------
     def finish(self, rt, frames: list[StreamFrame], outputs, started: float) -> None:
         """Detections, tracks, events, publishing (``outputs``: the frames' rows, or the batch's exception)."""
-        if isinstance(outputs, Exception):
-            log.error("model %s: a batch with %d frame(s) failed: %s", rt.name, len(frames), outputs)
+        try:
+            if isinstance(outputs, Exception):
+                log.error("model %s: a batch with %d frame(s) failed: %s", rt.name, len(frames), outputs)
+                return
+            self._finish(rt, frames, outputs, started)
+        except Exception:
+            log.exception("model %s: finishing a batch's frames failed", rt.name)
+        finally:  # a frame never stays in flight: its stream would take no other
             for f in frames:
-                f.stream.release(f, failed=True)
-            return
+                f.stream.release(f, failed=True)  # once: a frame processed is released already
+
+    def _finish(self, rt, frames: list[StreamFrame], outputs, started: float) -> None:
         now = clock()
         results = rt.results(outputs, [f.geometry for f in frames], [1] * len(frames))
         for f, result in zip(frames, results):
             s = f.stream
             if isinstance(result, Exception):
-                s.release(f, failed=True)
-                continue
+                continue  # released as failed by finish()
             fragment, _ = result
             tracked = s.track(f, fragment["detections"])
             latency = {"wait": (f.taken - f.frame.captured) * 1e3, **f.timings, "infer": (now - started) * 1e3,
@@ -149,7 +166,8 @@ class StreamPath:
             age = time.monotonic() - f.frame.captured
             latency["age"] = age * 1e3
             body = detections_payload(s.name, f.frame, rt.name, rt.version, tracked.detections, latency)
-            self.publisher.publish(topics.stream_detections_topic(self.prefix, s.name), json.dumps(body).encode(), qos=0)
+            if self.publisher.connected.is_set():  # QoS 0: while the broker is away there is no one to tell
+                self.publisher.publish(topics.stream_detections_topic(self.prefix, s.name), json.dumps(body).encode(), qos=0)
             if self.metrics is not None:
                 self.metrics.observe_frame_age(s.name, age)
             if tracked.events:
@@ -163,12 +181,27 @@ class StreamPath:
         rows = [(b["event_id"], topic, json.dumps(b).encode()) for b in bodies]
         self.events.add(rows)
         for event_id, _, payload in rows:
-            self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self.events.delivered, event_id))
+            self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
+
+    def _on_delivered(self, event_id: str) -> None:
+        """The broker acknowledged an event (the MQTT network thread: no disk here; :meth:`tick` writes it)."""
+        with self._lock:
+            self._delivered.append(event_id)
+
+    def _write_delivered(self) -> None:
+        with self._lock:
+            ids, self._delivered = self._delivered, []
+        if ids:
+            try:
+                self.events.delivered(ids)
+            except Exception:  # a full disk: they are sent again at the next start (byte-identical)
+                log.exception("the event store could not record %d delivered event(s)", len(ids))
 
     # numbers ------------------------------------------------------------------------------------------
     def tick(self) -> None:
         """Once a second (the serving loop): the readers' stall watchdog, the metrics."""
         now = time.monotonic()
+        self._write_delivered()
         for s in self.streams.values():
             s.reader.check(now)
             s.sample_rates(now)

@@ -474,6 +474,8 @@ class MqttTransport:
         if correlation is not None:
             props.CorrelationData = correlation
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        if qos == 0 and info.rc != mqtt.MQTT_ERR_SUCCESS:
+            return info  # not sent (disconnected): paho calls back nothing for it, so nothing waits on its packet id
         with self._delivery_lock:
             if info.mid in self._early:
                 self._early.discard(info.mid)

@@ -1,7 +1,8 @@
 """Opening a source and decoding its frames: PyAV (FFmpeg, CPU decode) and GStreamer (NVDEC on a Jetson).
 
-A :class:`Capture` yields ``(rgb, pts)`` pairs (an ``(H, W, 3)`` uint8 array and the frame's time
-in seconds on the source's timeline) until the source ends, and raises :class:`SourceError` when
+A :class:`Capture` yields ``(picture, pts)`` pairs (the decoded picture — an object with
+``to_ndarray(format="rgb24")``, converted only for frames that are processed, or an ``(H, W, 3)``
+uint8 array — and the frame's time in seconds on the source's timeline) until the source ends, and raises :class:`SourceError` when
 it fails. Both backends bound every wait (open and read); the reader adds its own stall watchdog on
 top, because a backend's timeouts are not always what they say (PyAV's read timeout notices a stall
 only after about twice its value).
@@ -42,8 +43,8 @@ class Capture(Protocol):
     corrupt: int
     """Packets that could not be decoded (skipped)."""
 
-    def frames(self) -> Iterator[tuple[np.ndarray, float]]:
-        """Decoded frames until the source ends. Raises :class:`SourceError`."""
+    def frames(self) -> Iterator[tuple[object, float]]:
+        """Decoded pictures until the source ends. Raises :class:`SourceError`."""
 
     def close(self) -> None:
         """Release the source (idempotent)."""
@@ -99,7 +100,7 @@ class PyAVCapture:
         self.fps = float(rate) if rate else None
         self._shown, self._read_timeout_s = spec.shown, read_timeout_s
 
-    def frames(self) -> Iterator[tuple[np.ndarray, float]]:
+    def frames(self) -> Iterator[tuple[object, float]]:
         av, stream = self._av, self.stream
         base = float(stream.time_base) if stream.time_base else 0.0
         try:
@@ -111,7 +112,7 @@ class PyAVCapture:
                     continue
                 for frame in decoded:
                     pts = frame.pts * base if frame.pts is not None else (frame.time or 0.0)
-                    yield frame.to_ndarray(format="rgb24"), float(pts)
+                    yield frame, float(pts)
         except av.error.ExitError:  # FFmpeg's interrupt: the read timeout
             raise SourceError(f"{self._shown}: stalled: no data for about {self._read_timeout_s:g} s") from None
         except av.error.FFmpegError as exc:
@@ -140,9 +141,9 @@ def gst_pipeline(spec: SourceSpec) -> str:
     if spec.kind == "gst":
         return spec.target
     if spec.kind == "rtsp":
-        return f"rtspsrc location={spec.target} protocols=tcp latency=0 ! decodebin ! {to_rgb} ! {sink}"
+        return f"rtspsrc location=\"{spec.target}\" protocols=tcp latency=0 ! decodebin ! {to_rgb} ! {sink}"
     if spec.kind == "file":
-        return f"filesrc location={spec.target} ! decodebin ! {to_rgb} ! {sink}"
+        return f"filesrc location=\"{spec.target}\" ! decodebin ! {to_rgb} ! {sink}"
     if spec.kind == "v4l2":
         return f"v4l2src device={spec.target} ! videoconvert ! video/x-raw,format=RGB ! {sink}"
     return (f"nvarguscamerasrc sensor-id={spec.target} ! video/x-raw(memory:NVMM) ! nvvidconv ! "
@@ -168,7 +169,8 @@ class GstCapture:
         try:
             self.pipeline = Gst.parse_launch(gst_pipeline(spec))
         except Exception as exc:  # GLib.Error: an element this machine lacks (nvv4l2decoder off a Jetson)
-            raise SourceError(f"{spec.shown}: GStreamer pipeline: {exc}", permanent=True) from None
+            detail = str(exc).replace(spec.target, spec.shown) if spec.kind != "gst" else str(exc)
+            raise SourceError(f"{spec.shown}: GStreamer pipeline: {detail}", permanent=True) from None
         self.sink = self.pipeline.get_by_name("sink")
         if self.sink is None:
             raise SourceError(f"{spec.shown}: the pipeline needs an appsink named sink", permanent=True)

@@ -51,14 +51,22 @@ class Frame:
         pts: seconds on the source's own timeline (may restart after a reconnect).
         captured_at: Unix time at which it was decoded.
         captured: the same instant on the monotonic clock (frame age).
-        image: (H, W, 3) uint8 RGB.
+        picture: the decoder's frame (converted to RGB only when :attr:`image` is first read: a
+            frame replaced before it is processed is never converted), or an (H, W, 3) array.
     """
 
     index: int
     pts: float
     captured_at: float
     captured: float
-    image: np.ndarray
+    picture: object
+
+    @property
+    def image(self) -> np.ndarray:
+        """(H, W, 3) uint8 RGB."""
+        if not isinstance(self.picture, np.ndarray):
+            self.picture = self.picture.to_ndarray(format="rgb24")
+        return self.picture
 
 
 class ReaderListener(Protocol):
@@ -100,7 +108,9 @@ class StreamReader:
         self._threads: list[threading.Thread] = []
         self.state = "starting"
         self.last_error: str | None = None
-        self.decoded = self.dropped = self.reconnects = self.corrupt = 0
+        self.decoded = self.dropped = self.reconnects = 0
+        self._corrupt_closed = 0  # corrupt packets of captures closed since
+        self._capture: Capture | None = None
         self.source_fps: float | None = None
         self._next_index = 0
         self._last_frame = time.monotonic()
@@ -126,6 +136,17 @@ class StreamReader:
         t = threading.Thread(target=self._run, args=(gen,), name=f"k2edge-stream-{self.name}", daemon=True)
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
         t.start()
+
+    @property
+    def corrupt(self) -> int:
+        """Packets that could not be decoded (skipped), the open capture's included."""
+        cap = self._capture
+        return self._corrupt_closed + (cap.corrupt if cap is not None else 0)
+
+    def count_dropped(self, n: int = 1) -> None:
+        """``n`` frames taken for processing were never processed (they failed)."""
+        with self._cond:
+            self.dropped += n
 
     @property
     def last_index(self) -> int | None:
@@ -155,8 +176,9 @@ class StreamReader:
                 return  # waiting for the frame to be taken is not a stall
             self._generation += 1  # the stuck thread's frames are ignored; it exits when its read returns
             self._cond.notify_all()
-        self._set_state("reconnecting", f"no frame for {now - self._last_frame:.1f} s (stalled)")
-        self._spawn()
+            self._spawn()  # under the lock: the new thread's first state change waits for this one's
+            stalled = now - self._last_frame
+        self._set_state("reconnecting", f"no frame for {stalled:.1f} s (stalled)")
 
     # the reader thread --------------------------------------------------------------------------------
     def _current(self, gen: int) -> bool:
@@ -168,6 +190,7 @@ class StreamReader:
             cap = None
             try:
                 cap = self._open(self.spec, self.backend, self.open_timeout_s, self.read_timeout_s)
+                self._capture = cap
                 self.source_fps = cap.fps or self.source_fps
                 self._read(gen, cap)
                 if not self._current(gen):
@@ -190,7 +213,10 @@ class StreamReader:
                 reason = f"{type(exc).__name__}: {exc}"
             finally:
                 if cap is not None:
-                    self.corrupt += cap.corrupt
+                    with self._cond:
+                        self._corrupt_closed += cap.corrupt
+                        if self._capture is cap:
+                            self._capture = None
                     cap.close()
             if not self._current(gen):
                 return
@@ -203,7 +229,7 @@ class StreamReader:
     def _read(self, gen: int, cap: Capture) -> None:
         period = 1.0 / self.fps if self.fps else 0.0
         start_wall = first_pts = None
-        for image, pts in cap.frames():
+        for picture, pts in cap.frames():
             now = time.monotonic()
             if not self._current(gen):
                 return
@@ -216,7 +242,7 @@ class StreamReader:
                         if self._cond.wait_for(lambda: not self._current(gen), wait):
                             return
                     now = time.monotonic()
-            frame = Frame(self._next_index, pts, time.time(), now, image)
+            frame = Frame(self._next_index, pts, time.time(), now, picture)
             with self._cond:
                 if not self._current(gen):
                     return
@@ -240,7 +266,7 @@ class StreamReader:
                     self.reconnects += 1
                 self._set_state("up", None)
             if frame is not None:
-                self.listener.on_frame(self)
+                self._tell(self.listener.on_frame, self)
 
     def _keep(self, t: float, period: float) -> bool:
         """fps throttling on the frame's time (a file's pts: ``--fps`` means frames per second of video;
@@ -267,4 +293,11 @@ class StreamReader:
             log.warning("stream %s: %s: %s", self.name, new, reason)
         else:
             log.info("stream %s: %s", self.name, new)
-        self.listener.on_state(self, old, new, reason)
+        self._tell(self.listener.on_state, self, old, new, reason)
+
+    def _tell(self, callback, *args) -> None:
+        """A listener's failure (a full disk under the event store) must not stop the reader."""
+        try:
+            callback(*args)
+        except Exception:
+            log.exception("stream %s: the listener failed", self.name)

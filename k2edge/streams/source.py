@@ -49,10 +49,12 @@ def redact(uri: str) -> str:
     scheme, sep, rest = uri.partition("://")
     if not sep:
         return uri
-    netloc, slash, tail = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return f"{scheme}://{netloc}{slash}{tail}"
+    # the credentials end at the last "@" before any query or fragment (a password may hold "/" or ":")
+    end = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, end)
+    if at < 0 or "/" in rest[:at] and scheme.lower() == "file":
+        return uri
+    return f"{scheme}://***@{rest[at + 1:]}"
 
 
 def parse_source(uri: str, password: str | None = None) -> SourceSpec:
@@ -84,6 +86,9 @@ def parse_source(uri: str, password: str | None = None) -> SourceSpec:
             raise ValueError(f"source {shown!r}: no file path (file:///absolute/path.mp4)")
         return SourceSpec("file", path, shown, False)
     if scheme in ("rtsp", "rtsps"):
+        if shown != uri and "@" not in parts.netloc:
+            raise ValueError(f"source {shown!r}: the credentials hold '/', '?' or '#': percent-encode them (%2F, %3F, "
+                             "%23) or put the password in password_file")
         if not parts.hostname:
             raise ValueError(f"source {shown!r}: no host (rtsp://[user:pass@]host[:port]/path)")
         try:

@@ -69,11 +69,16 @@ class Stream:
         self._in_flight = False
         self._lock = threading.Lock()
         self._rates: deque = deque()  # (monotonic, decoded, processed)
+        self._counts = self.analytics.counts()  # a snapshot for status (other threads), taken after each frame
         self.accepting = True
 
     # the line's feed ----------------------------------------------------------------------------------
     def ready(self) -> bool:
         return self.accepting and not self._in_flight and self.reader.ready()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight
 
     def take(self) -> StreamFrame | None:
         """The newest frame, now in flight; None when none waits or one is in flight already."""
@@ -95,7 +100,8 @@ class Stream:
             self._in_flight = False
             if failed:
                 self.frame_errors += 1
-                self.reader.dropped += 1
+        if failed:
+            self.reader.count_dropped()
 
     # after inference --------------------------------------------------------------------------------
     def track(self, item: StreamFrame, detections: list[dict]) -> Tracked:
@@ -107,6 +113,9 @@ class Stream:
             update = self.tracker.update(boxes, scores, [d["label"] for d in detections])
             out = [{**d, "track_id": int(t)} for d, t in zip(detections, update.ids)]
             events = self.analytics.update(update.active, update.removed)
+            counts = self.analytics.counts()
+            with self._lock:
+                self._counts = counts
             self.processed += 1
             self.last_frame = item.frame.index
             return Tracked(out, events)
@@ -134,8 +143,10 @@ class Stream:
     def status(self) -> dict:
         """The stream's entry in the daemon's status."""
         fps_in, fps_processed = self.rates()
+        with self._lock:
+            counts = self._counts
         r = self.reader
         return {"state": r.state, "source": r.spec.shown, "model": self.model, "fps_in": round(fps_in, 2),
                 "fps_processed": round(fps_processed, 2), "decoded": r.decoded, "processed": self.processed,
-                "dropped": r.dropped, "reconnects": r.reconnects, "last_error": r.last_error,
-                "counts": self.analytics.counts()}
+                "dropped": r.dropped, "corrupt": r.corrupt, "reconnects": r.reconnects, "last_error": r.last_error,
+                "counts": counts}
