@@ -123,7 +123,7 @@ def model_files(name: str, cache: Path) -> tuple[Path, Path]:
 # measurement --------------------------------------------------------------------------------------------
 class Subscriber:
     """Every detections message of both systems, stamped on arrival: (system, stream, arrival, captured_at,
-    frame, pts, batch); and k2edge's stream events with their arrival."""
+    frame, pts, batch, k2edge's latency_ms or None); and k2edge's stream events with their arrival."""
 
     def __init__(self, port: int) -> None:
         import paho.mqtt.client as mqtt
@@ -148,7 +148,7 @@ class Subscriber:
             else:
                 system = "k2edge" if msg.topic.startswith("k2edge/") else "peer"
                 self.records.append((system, body["stream"], arrival, body["captured_at"], body["frame"], body["pts"],
-                                     body.get("latency_ms", {}).get("batch")))
+                                     body.get("latency_ms", {}).get("batch"), body.get("latency_ms")))
             self._cond.notify_all()
 
     def mark(self) -> int:
@@ -218,12 +218,14 @@ def summarise(records: list[tuple], t0: float, t1: float, streams: int, fps: flo
         idx = sorted(r[4] for r in recs if r[1] == s)
         gaps += (idx[-1] - idx[0] + 1 - len(idx)) if idx else 0
     batches = [r[6] for r in recs if r[6] is not None]
+    own = [r[7] for r in recs if r[7]]
+    account = {k: _pct([o[k] for o in own if k in o], 50) for k in ("wait", "stage", "infer", "age")} if own else None
     return {"seconds": span, "frames": len(recs), "fps": len(recs) / span, "offered_fps": streams * fps,
             "processed_share": len(recs) / (span * streams * fps), "skipped_frames": gaps,
             "age_p50_ms": _pct(ages, 50), "age_p99_ms": _pct(ages, 99), "age_max_ms": float(ages.max()) if len(ages) else float("nan"),
             "first_third": {"p50_ms": _pct(thirds[0], 50), "p99_ms": _pct(thirds[0], 99)},
             "last_third": {"p50_ms": _pct(thirds[2], 50), "p99_ms": _pct(thirds[2], 99)},
-            "mean_batch": statistics.fmean(batches) if batches else None,
+            "mean_batch": statistics.fmean(batches) if batches else None, "own_account_p50_ms": account,
             "streams_seen": len({r[1] for r in recs})}
 
 
@@ -368,6 +370,17 @@ def _runs_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def _account(runs: list[dict]) -> str:
+    """k2edge's own account of its frames (``latency_ms`` in its messages), p50 per key, median over runs."""
+    acc = [r["own_account_p50_ms"] for r in runs if r["system"] == "k2edge" and r["own_account_p50_ms"]]
+    if not acc:
+        return ""
+    keys = ", ".join(f"{k} {statistics.median(a[k] for a in acc):.1f}" for k in acc[0])
+    return (f"k2edge's own account (latency_ms in its messages, p50): {keys} ms (wait: in the reader's slot until a "
+            "batch took it; infer: from the batch's start, staging included, to its outputs; age: at that point, "
+            "before tracking, JSON and publishing)")
+
+
 def _rss_row(runs: list[dict]) -> str:
     return _row("RSS at the end, all processes", *(f"{_med(runs, s, lambda r: r['rss_mib']):.0f} MiB" for s in ("peer", "k2edge")))
 
@@ -404,7 +417,7 @@ def cmd_capacity(args) -> dict:
                    f"<= peer + {GOAL_CAPACITY_AGE_MS:.0f} ms ({k_p99 - p_p99:+.1f} ms): {'met' if met_age else 'NOT met'}"),
               _row("CPU ms per frame (+ broker)", f"{_med(runs, 'peer', lambda r: r['cpu_ms_per_frame']):.2f}",
                    f"{_med(runs, 'k2edge', lambda r: r['cpu_ms_per_frame']):.2f}"),
-              _rss_row(runs)]
+              _rss_row(runs), "", _account(runs)]
     print("\n" + "\n".join(lines))
     summary = {"bench": "capacity", "streams": args.streams, "fps": FPS,
                "k2edge": {"fps": _med(runs, "k2edge", lambda r: r["fps"]), "age_p50_ms": _med(runs, "k2edge", lambda r: r["age_p50_ms"]),
@@ -441,7 +454,7 @@ def cmd_overload(args) -> dict:
                    f"k2edge flat (<= 1.2x), peer grows: {'met' if flat else 'NOT met'}"),
               _row("CPU ms per frame (+ broker)", f"{_med(runs, 'peer', lambda r: r['cpu_ms_per_frame']):.1f}",
                    f"{_med(runs, 'k2edge', lambda r: r['cpu_ms_per_frame']):.1f}"),
-              _rss_row(runs)]
+              _rss_row(runs), "", _account(runs)]
     print("\n" + "\n".join(lines))
     summary = {"bench": "overload", "streams": args.streams, "fps": FPS, "ratio": ratio,
                "k2edge": {"fps": k_fps, "age_growth": k_growth,
@@ -497,8 +510,8 @@ def cmd_soak(args) -> dict:
               f"{'met' if age_ratio <= GOAL_SOAK_AGE_RATIO else 'NOT met'}",
               f"RSS growth after the first minute: {rss_growth:+.1%} (goal <= {GOAL_SOAK_RSS_GROWTH:.0%}): "
               f"{'met' if rss_growth <= GOAL_SOAK_RSS_GROWTH else 'NOT met'}",
-              f"whole run: {run['fps']:.2f} frames/s, age p99 {run['age_p99_ms']:.0f} ms, skipped {run['skipped_frames']} "
-              f"(newest-frame drops), mean batch {run['mean_batch'] or 0:.2f}, reader lateness p99 "
+              f"whole run: {run['fps']:.2f} frames/s, age p99 {run['age_p99_ms']:.0f} ms, frames not processed {run['skipped_frames']} "
+              f"(throttled to the stream's fps, or replaced by a newer one), mean batch {run['mean_batch'] or 0:.2f}, reader lateness p99 "
               f"{run['reader_lateness_ms']['p99']:.1f} ms"]
     print("\n".join(lines))
     summary = {"bench": "soak", "minutes": args.minutes, "capacity_fps": cap["fps"], "streams": streams, "fps": fps,
