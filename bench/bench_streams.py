@@ -258,7 +258,7 @@ class Rig:
         streams = [{"name": n, "source": v.as_uri(), "model": "m", "loop": True, **({"fps": self.fps} if self.fps else {})}
                    for n, v in zip(self.stream_names(), self.videos)]
         cfg = write_config(self.tmp / f"k2edge-{self.runs}.toml", self.broker.port,
-                           [{"name": "m", "onnx": self.onnx, "card": self.card, "profile": "cpu-dev"}],
+                           [{"name": "m", "onnx": self.onnx, "card": self.card, "profile": self.args.profile}],
                            device=DEVICE, service=service, streams=streams)
         log = self.tmp / f"k2edge-{self.runs}.log"
         daemon = DaemonProcess(cfg, log, env={"K2EDGE_CACHE_DIR": str(self.args.cache / "engines")}).start()
@@ -388,7 +388,7 @@ def _rss_row(runs: list[dict]) -> str:
 def _header(args, what: str) -> list[str]:
     tpl = f"threads_per_lane {args.threads_per_lane}" if args.threads_per_lane is not None else "service defaults"
     peer = f"intra-op threads {args.peer_threads}" if args.peer_threads else "ONNX Runtime defaults"
-    return [f"{what}; k2edge serve (cpu-dev, {tpl}) vs bench/peer_stream.py (one process per stream, {peer}); "
+    return [f"{what}; k2edge serve ({args.profile}, {tpl}) vs bench/peer_stream.py (one process per stream, {peer}); "
             f"{args.rounds} round(s) x {args.seconds:.0f} s per system after a {args.warmup:.0f} s warm-up, A/B interleaved; "
             f"one mosquitto; {os.cpu_count()} cores shared by all", ""]
 
@@ -604,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="reconnect: camera crashes")
     ap.add_argument("--down-s", type=float, default=3.0, help="reconnect: seconds the camera stays away")
     ap.add_argument("--video-seconds", type=float, default=30.0, help="length of each video (they loop)")
+    ap.add_argument("--profile", default="cpu-dev", help="k2edge's profile for the model (name or JSON file; default "
+                    "cpu-dev: one lane). profiles/cpu-lanes.json: three whole-model lanes, as GPU + DLA0 + DLA1")
     ap.add_argument("--threads-per-lane", type=int, help="k2edge's [service] threads_per_lane (default: the daemon's, 1)")
     ap.add_argument("--peer-threads", type=int, help="the peer's ONNX Runtime intra-op threads (default: ONNX Runtime's)")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "k2edge-bench",
