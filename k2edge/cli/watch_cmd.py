@@ -47,9 +47,9 @@ class _Listener:
         self.wake.set()
 
     def on_state(self, reader, old: str, new: str, reason: str | None) -> None:
-        event = {"up": {"event": "stream_up"}, "ended": {"event": "stream_ended"}}.get(new)
-        if event is None and old == "up" and new in ("reconnecting", "down"):
-            event = {"event": "stream_down", "reason": reason}
+        from ..streams.reader import state_event
+
+        event = state_event(old, new, reason)
         with self._lock:
             if event is not None:
                 self.events.append(event)

@@ -30,7 +30,7 @@ from ..config.streams import StreamConfig
 from ..deadline import clock
 from ..errors import InputError
 from ..streams.payload import detections_payload, event_payload
-from ..streams.reader import StreamReader
+from ..streams.reader import StreamReader, state_event
 from ..streams.source import backend_for, parse_source
 from ..streams.stream import Stream, StreamFrame
 from . import topics
@@ -105,13 +105,7 @@ class StreamPath:
             line.wake()
 
     def on_state(self, reader: StreamReader, old: str, new: str, reason: str | None) -> None:
-        event = None
-        if new == "up":
-            event = {"event": "stream_up"}
-        elif old == "up" and new in ("reconnecting", "down"):
-            event = {"event": "stream_down", "reason": reason}
-        elif new == "ended":
-            event = {"event": "stream_ended"}
+        event = state_event(old, new, reason)
         stream = self.streams[reader.name]
         self._observe(stream)
         if event is not None:

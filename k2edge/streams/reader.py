@@ -69,6 +69,18 @@ class Frame:
         return self.picture
 
 
+def state_event(old: str, new: str, reason: str | None) -> dict | None:
+    """The event a state change is, if any: ``stream_up`` (the first frame after an open or a reopen),
+    ``stream_down`` (leaving ``up``: the first sign of loss, with its reason), ``stream_ended``."""
+    if new == "up":
+        return {"event": "stream_up"}
+    if old == "up" and new in ("reconnecting", "down"):
+        return {"event": "stream_down", "reason": reason}
+    if new == "ended":
+        return {"event": "stream_ended"}
+    return None
+
+
 class ReaderListener(Protocol):
     def on_state(self, reader: "StreamReader", old: str, new: str, reason: str | None) -> None:
         """A state change (the reader's or the watchdog's thread): ``up`` is a stream_up, leaving

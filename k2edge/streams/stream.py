@@ -65,7 +65,6 @@ class Stream:
         self.analytics = Analytics([Zone(n, p) for n, p in zones], [CountLine(n, s, e) for n, s, e in lines])
         self.processed = 0
         self.frame_errors = 0
-        self.last_frame: int | None = None
         self._in_flight = False
         self._lock = threading.Lock()
         self._rates: deque = deque()  # (monotonic, decoded, processed)
@@ -117,7 +116,6 @@ class Stream:
             with self._lock:
                 self._counts = counts
             self.processed += 1
-            self.last_frame = item.frame.index
             return Tracked(out, events)
         finally:
             self.release(item)
