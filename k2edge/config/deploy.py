@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
+
+from .tables import Strict as _Strict
 
 __all__ = ["DeploySettings", "TrustSettings"]
 
 MIB = 1 << 20
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class TrustSettings(_Strict):

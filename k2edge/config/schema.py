@@ -8,11 +8,10 @@ start and kept out of every log, status message and repr.
 from __future__ import annotations
 
 import os
-import re
 import socket
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
@@ -20,24 +19,14 @@ from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
 from .deploy import DeploySettings, TrustSettings
 from .streams import StreamConfig
+from .tables import Strict as _Strict, topic_level as _topic_level
 from .thermal import ThermalSettings
 
 DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
-_TOPIC_LEVEL = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 
 class ConfigError(K2EdgeError):
     """The daemon config is missing, not TOML, or invalid (the message names the key)."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _topic_level(value: str, what: str) -> str:
-    if not _TOPIC_LEVEL.match(value):
-        raise ValueError(f"{what} must be letters, digits, '_', '.', ':' or '-' (it becomes a topic level), got {value!r}")
-    return value
 
 
 class MqttConfig(_Strict):

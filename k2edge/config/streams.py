@@ -8,22 +8,15 @@ the TOML altogether.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from .tables import Strict as _Strict, topic_level
 
 
 def _name(value: str, what: str) -> str:
-    if not _NAME.match(value):
-        raise ValueError(f"{what} must be letters, digits, '_' or '-' (it becomes a topic level), got {value!r}")
-    return value
+    return topic_level(value, what, narrow=True)
 
 
 Point = tuple[float, float]

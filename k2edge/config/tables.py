@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from typing import Callable, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, create_model, field_validator
@@ -10,9 +11,32 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, cre
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
 
-__all__ = ["SettingsError", "bound", "validate_settings"]
+__all__ = ["SettingsError", "Strict", "bound", "topic_level", "validate_settings"]
 
 M = TypeVar("M", bound=BaseModel)
+
+_TOPIC_LEVELS = {  # what a name that becomes an MQTT topic level may hold
+    False: (re.compile(r"^[A-Za-z0-9_.:-]+$"), "letters, digits, '_', '.', ':' or '-'"),
+    True: (re.compile(r"^[A-Za-z0-9_-]+$"), "letters, digits, '_' or '-'"),  # stream, zone and line names
+}
+
+
+class Strict(BaseModel):
+    """A config table: unknown keys are errors; a loaded config never changes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def topic_level(value: str, what: str, narrow: bool = False) -> str:
+    """``value`` when it can be a topic level (``narrow``: without '.' and ':').
+
+    Raises:
+        ValueError: naming ``what`` and the characters allowed.
+    """
+    pattern, allowed = _TOPIC_LEVELS[narrow]
+    if not pattern.match(value):
+        raise ValueError(f"{what} must be {allowed} (it becomes a topic level), got {value!r}")
+    return value
 
 
 class SettingsError(K2EdgeError):
