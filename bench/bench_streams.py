@@ -394,13 +394,18 @@ def _header(args, what: str) -> list[str]:
 
 
 # subcommands --------------------------------------------------------------------------------------------
-def cmd_capacity(args) -> dict:
+def _ab(args, model: str, what: str) -> list[dict]:
+    """``args.rounds`` A/B rounds of k2edge and the peer on ``model`` with ``args.streams`` streams."""
     with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
-        rig = Rig(Path(tmp), args, "detector", args.streams)
+        rig = Rig(Path(tmp), args, model, args.streams)
         try:
-            runs = ab_runs(rig, args, "capacity")
+            return ab_runs(rig, args, what)
         finally:
             rig.close()
+
+
+def cmd_capacity(args) -> dict:
+    runs = _ab(args, "detector", "capacity")
     k_p99, p_p99 = _med(runs, "k2edge", lambda r: r["age_p99_ms"]), _med(runs, "peer", lambda r: r["age_p99_ms"])
     k_share = min(r["processed_share"] for r in runs if r["system"] == "k2edge")
     k_skipped = sum(r["skipped_frames"] for r in runs if r["system"] == "k2edge")
@@ -429,12 +434,7 @@ def cmd_capacity(args) -> dict:
 
 
 def cmd_overload(args) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
-        rig = Rig(Path(tmp), args, "yolov8n", args.streams)
-        try:
-            runs = ab_runs(rig, args, "overload")
-        finally:
-            rig.close()
+    runs = _ab(args, "yolov8n", "overload")
     k_fps, p_fps = _med(runs, "k2edge", lambda r: r["fps"]), _med(runs, "peer", lambda r: r["fps"])
     ratio = k_fps / p_fps if p_fps else float("inf")
 
