@@ -1,4 +1,4 @@
-"""The trained demo detector (models/detector, trained by tools/train_detector.py on branch det):
+"""The trained demo detector (models/detector, trained by tools/train_detector.py):
 ``k2edge infer --card C --json`` equals the hand-written reference pipeline (letterbox, pad-right,
 stretch; landscape and portrait; .npy tensors in input pixels), and its FP16 / INT8 mAP@0.5 stay
 within 0.005 / 0.015 of FP32 (>= 0.8), all from ``k2edge eval --json``."""
@@ -19,7 +19,8 @@ DET = Path(__file__).resolve().parents[1] / "models" / "detector"
 MODEL = DET / "model.onnx"
 
 if not MODEL.is_file():
-    pytest.skip("the demo detector (models/detector, branch det) is not here yet", allow_module_level=True)
+    pytest.skip("models/detector/model.onnx is missing (it ships with the repository; "
+                "tools/train_detector.py makes it again)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
