@@ -89,6 +89,8 @@ run "$PREFIX/venv/bin/python" -m pip install -q "$REPO$extras"
 run install -d -m 0755 "$PREFIX/models"
 run cp -r "$REPO/models/digits" "$PREFIX/models/"
 run install -m 0644 "$REPO/README.md" "$PREFIX/README.md"
+run install -d -m 0755 "$PREFIX/docs"
+run install -m 0644 "$REPO"/docs/*.md "$PREFIX/docs/"  # the README links here
 
 for cred in mqtt-password k2-api-key; do
     [ -e "/etc/k2edge/credentials/$cred" ] || run install -m 0600 -o root -g root /dev/null "/etc/k2edge/credentials/$cred"
