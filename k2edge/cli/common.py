@@ -36,14 +36,14 @@ def add_model(p: argparse.ArgumentParser) -> None:
 def input_shapes_of(args, batch_size: int = 1) -> dict | None:
     """``--input-shape``, else the static shape a dynamic export takes from its card's size or its
     metadata's (as ``infer`` and ``build`` do), else None."""
-    if args.input_shape:
-        return dict(args.input_shape)
     from pathlib import Path
 
-    from ..engine.engine import card_file, card_input_shapes
+    from ..config.resolve import card_file, input_shapes
     from ..model.ingest import load_onnx
 
-    return card_input_shapes(load_onnx(args.model)[0], card_file(Path(args.model), args.card), batch_size)
+    if args.input_shape:
+        return dict(args.input_shape)
+    return input_shapes(load_onnx(args.model)[0], card_file(Path(args.model), args.card), batch_size)
 
 
 def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None:
