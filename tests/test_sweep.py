@@ -516,6 +516,9 @@ def test_line_progress_prints_each_finished_step_with_elapsed_and_remaining():
         "[1/2] c3 run 1/2: p50 0.712 ms (0:10 elapsed, about 0:10 left)",
         "[1/1] c3: p50 0.700 ms, 1,540/s, top-1 99.63 % (2 runs, 3.0 s) (0:22 elapsed, done)",
     ]
+    from k2edge.eta import duration
+
+    assert [duration(s) for s in (0.4, 59.6, 61, 3723)] == ["0:00", "1:00", "1:01", "1:02:03"]
 
 
 def _sweep_lines(text: str, names: list[str]) -> dict[str, list[str]]:
