@@ -80,6 +80,21 @@ def test_eval_json():
     assert data["samples"] == 540 and data["top1"] >= 0.97
 
 
+def test_an_int8_build_and_an_eval_piped_print_one_line_per_step(tmp_path):
+    """Output that is not a terminal: calibration in tenths, then the evaluation in tenths, each line with the
+    elapsed and the remaining time and the last one done; --json keeps stdout one document."""
+    import re
+
+    proc = k2edge("eval", MODEL, "-p", "c4", "--dataset", str(ROOT / "models/digits/eval.npz"), "--limit", "30",
+                  "--cache", str(tmp_path / "cache"), "--json")
+    json.loads(proc.stdout)
+    steps = [x for x in proc.stderr.splitlines() if re.match(r"(calibrating|eval): \d+/\d+ \(\d+:\d\d elapsed", x)]
+    calibrating = [x for x in steps if x.startswith("calibrating")]
+    evaluating = [x for x in steps if x.startswith("eval")]
+    assert 5 <= len(calibrating) <= 10 and all("left)" in x for x in calibrating[:-1]), proc.stderr
+    assert len(evaluating) == 10 and evaluating[-1].startswith("eval: 30/30 ") and evaluating[-1].endswith("done)"), proc.stderr
+
+
 def test_profiles_commands(tmp_path):
     listing = k2edge("profiles", "list").stdout
     for name in ("c1", "c2", "c3", "c4", "c5", "c6", "cpu-dev"):

@@ -138,7 +138,7 @@ def test_eval_refuses_mismatched_categories_and_wrong_kind(det_dir, coco_set, tm
 def test_int8_keeps_the_head_in_float_and_the_boxes(det_dir, coco_set, cache_dir):
     """INT8 through the card: the head (decode, concat) gets no Q/DQ and no TensorRT range; mAP holds."""
     from k2edge.engine.cache import EngineCache
-    from k2edge.engine.engine import model_card
+    from k2edge.config.resolve import model_card
     from k2edge.engine.quantize import calibrate_int8, detection_head, float_nodes
     from k2edge.model import normalise
     from k2edge.model.datasets import open_dataset

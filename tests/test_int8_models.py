@@ -11,7 +11,7 @@ from k2edge import Engine, load_profile
 from k2edge.config.card import load_card
 from k2edge.dla.planner import plan_partition
 from k2edge.engine.cache import EngineCache
-from k2edge.engine.engine import load_labels, model_card
+from k2edge.config.resolve import load_labels, model_card
 from k2edge.engine.int8 import decide_int8
 from k2edge.engine.quantize import QuantSettings, calibrate_int8, calibration_split, float_nodes, ort_settings, stage_batches
 from k2edge.model.datasets import open_calibration, open_dataset

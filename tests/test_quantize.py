@@ -149,7 +149,7 @@ def test_silu_gpu_plan_matches_plain_onnxruntime_and_keeps_its_answers(silu, tmp
     from k2edge.dla.planner import plan_partition
     from k2edge.engine.check import compare_outputs
     from k2edge.engine.calibration import session
-    from k2edge.engine.engine import model_card
+    from k2edge.config.resolve import model_card
     from k2edge.engine.quantize import QuantSettings, calibration_split
 
     nm = normalise(str(silu / "silu.onnx"))
@@ -191,7 +191,7 @@ def test_silu_on_the_dla_fuses_the_gate(silu, tmp_path):
     from k2edge.dla.planner import plan_partition
 
     nm = normalise(str(silu / "silu.onnx"))
-    from k2edge.engine.engine import model_card
+    from k2edge.config.resolve import model_card
 
     pre = Preprocess.from_card(model_card(silu / "silu.onnx", nm))
     plan = plan_partition(nm, load_profile("c4"))
@@ -208,7 +208,7 @@ def test_silu_on_the_dla_fuses_the_gate(silu, tmp_path):
 def test_model_wise_plan_gets_gpu_and_dla_artefacts(silu, tmp_path):
     """A model-wise plan running the same nodes on the GPU and the DLAs: two artefacts, both cached."""
     from k2edge.dla.planner import plan_partition
-    from k2edge.engine.engine import model_card
+    from k2edge.config.resolve import model_card
 
     nm = normalise(str(silu / "silu.onnx"))
     pre = Preprocess.from_card(model_card(silu / "silu.onnx", nm))

@@ -485,3 +485,91 @@ def test_recommendation_names_configurations_within_the_run_to_run_spread():
     assert doc["recommendation"]["name"] == "a" and doc["recommendation"]["within_spread"] == ["b"]
     assert "b matches its top-1" in doc["recommendation"]["reason"]
     assert [r["name"] for r in doc["configs"] if r["on_front"]] == ["a"]
+
+
+# --- progress where the output is not a terminal -----------------------------------------------------
+
+def test_line_progress_prints_each_finished_step_with_elapsed_and_remaining():
+    """A run that leaves its configuration unfinished, then the configuration a run finishes: one line each,
+    the remaining time from the pace so far (half the work in 10 s: about 10 s left)."""
+    import io
+
+    from k2edge.sweep.progress import LineProgress
+
+    now = [100.0]
+    out = io.StringIO()
+    p = LineProgress(out, clock=lambda: now[0])
+    p.start(total_units=100, steps=2, configs=1)
+    p.begin_step("[1/2] c3 run 1/2")
+    now[0] += 10
+    p.advance(50)
+    record = {"name": "c3", "status": "partial", "runs": [{"latency_p50_ms": 0.7123}]}
+    p.end_step(record)
+    p.begin_step("[2/2] c3 run 2/2")
+    now[0] += 12
+    p.advance(50)
+    record.update(status="ok", latency_ms={"p50": 0.7}, throughput_per_s=1540.0, top1=0.9963, measure_seconds=3.0)
+    record["runs"].append({"latency_p50_ms": 0.69})
+    p.end_step(record)
+    p.config_done(record)
+    assert out.getvalue().splitlines() == [
+        "[1/2] c3 run 1/2: p50 0.712 ms (0:10 elapsed, about 0:10 left)",
+        "[1/1] c3: p50 0.700 ms, 1,540/s, top-1 99.63 % (2 runs, 3.0 s) (0:22 elapsed, done)",
+    ]
+    from k2edge.eta import duration
+
+    assert [duration(s) for s in (0.4, 59.6, 61, 3723)] == ["0:00", "1:00", "1:01", "1:02:03"]
+
+
+def _sweep_lines(text: str, names: list[str]) -> dict[str, list[str]]:
+    """The progress lines ``[k/N] name: ...`` a sweep printed for each configuration it finished."""
+    import re
+
+    return {n: [x for x in text.splitlines() if re.match(rf"\[\d+/{len(names)}\] {re.escape(n)}: p50 ", x)] for n in names}
+
+
+def test_sweep_with_stdout_to_a_file_prints_one_line_per_configuration(tmp_path):
+    """`k2edge pareto-sweep ... > sweep.log` from a terminal: the bar on the terminal (stderr), and in the file one
+    line per finished configuration with its elapsed and remaining time, then the table; with `2>&1` (a job's log)
+    the same lines once each."""
+    import pty
+    import threading
+
+    profiles = ["cpu-dev", "c5"]
+    args = [sys.executable, "-m", "k2edge", "pareto-sweep", str(MODEL), "--dataset", str(EVAL), "--profiles", *profiles,
+            "--runs", "1", "--requests", "5", "--warmup", "0", "--limit", "20"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    master, slave = pty.openpty()
+    terminal = bytearray()
+
+    def drain():  # a terminal is read as it is written, or the writer blocks
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            terminal.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    log = tmp_path / "sweep.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([*args, "--out", str(tmp_path / "a")], stdout=f, stderr=slave, cwd=ROOT, env=env, timeout=600)
+    os.close(slave)
+    reader.join(timeout=30)
+    os.close(master)
+    assert proc.returncode == 0, terminal.decode(errors="replace")
+    text = log.read_text()
+    lines = _sweep_lines(text, profiles)
+    assert all(len(v) == 1 for v in lines.values()), text
+    assert all(" elapsed" in v[0] for v in lines.values()) and "about " in lines["cpu-dev"][0], text
+    assert "pareto-sweep of model.onnx" in text and b"ETA" in terminal  # the table in the file, the bar on the terminal
+
+    with open(tmp_path / "job.log", "w") as f:
+        proc = subprocess.run([*args, "--out", str(tmp_path / "b")], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                              timeout=600)
+    text = (tmp_path / "job.log").read_text()
+    assert proc.returncode == 0, text
+    assert all(len(v) == 1 for v in _sweep_lines(text, profiles).values()), text

@@ -81,7 +81,7 @@ def collect_contents(model_dir: str | os.PathLike, profiles: list[str] = ()) -> 
     import onnx
 
     from ..config.card import find_card
-    from ..engine.engine import find_calibration
+    from ..config.resolve import find_calibration
     from ..errors import ProfileError
     from ..profile import find_profile, load_profile
 

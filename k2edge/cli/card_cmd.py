@@ -70,10 +70,8 @@ def run(args) -> int:
 
     nm, name, shape, outputs = _model(args)
     if args.card_command == "show":
-        from ..engine.engine import model_card
-
         from ..config.card import card_sources
-        from ..engine.engine import card_file
+        from ..config.resolve import card_file, model_card
 
         card = model_card(Path(args.model), nm, args.card)
         sources = card_sources(shape, nm.metadata(), card_file(Path(args.model), args.card))

@@ -161,7 +161,7 @@ def _detection_curve(args, engine) -> int:
     if measure not in ("max_box_score", "uncertain_boxes"):
         raise K2EdgeError(f"--measure {measure} is a classifier measure; a detector takes max_box_score or uncertain_boxes")
     dataset = open_eval_set(engine, args.dataset, args.limit)
-    progress = Progress(len(dataset), "curve")
+    progress = Progress(len(dataset), "curve", json_output=args.json)
     iou_type, sigmas = instance_metric(engine.card) if engine.card.task != "detection" else ("bbox", None)
     with engine:
         run = run_detector if iou_type == "bbox" else run_instances
@@ -203,7 +203,7 @@ def _curve(args) -> int:
     if args.measure not in MEASURES[:3]:
         raise K2EdgeError(f"--measure {args.measure} is a detector measure; a classifier takes max_softmax, margin or entropy")
     dataset = open_labelled(args.dataset, engine.labels, args.limit)
-    progress = Progress(len(dataset), "curve")
+    progress = Progress(len(dataset), "curve", json_output=args.json)
     rows = []
     with engine:
         for result in engine.stream(list(dataset.samples)):

@@ -36,14 +36,14 @@ def add_model(p: argparse.ArgumentParser) -> None:
 def input_shapes_of(args, batch_size: int = 1) -> dict | None:
     """``--input-shape``, else the static shape a dynamic export takes from its card's size or its
     metadata's (as ``infer`` and ``build`` do), else None."""
-    if args.input_shape:
-        return dict(args.input_shape)
     from pathlib import Path
 
-    from ..engine.engine import card_file, card_input_shapes
+    from ..config.resolve import card_file, input_shapes
     from ..model.ingest import load_onnx
 
-    return card_input_shapes(load_onnx(args.model)[0], card_file(Path(args.model), args.card), batch_size)
+    if args.input_shape:
+        return dict(args.input_shape)
+    return input_shapes(load_onnx(args.model)[0], card_file(Path(args.model), args.card), batch_size)
 
 
 def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None:
@@ -79,40 +79,72 @@ def build_engine(args):
     """Build the engine the common options describe; the INT8 check's line goes to stderr."""
     from ..engine.engine import Engine
 
-    bar = ProgressBar()
+    progress = Progress(json_output=getattr(args, "json", False))
     try:
         engine = Engine.build(args.model, args.profile, args.calib, precision=args.precision, board=board_of(args),
                               backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
-                              card=args.card, check=getattr(args, "check", None), progress=bar.update)
+                              card=args.card, check=getattr(args, "check", None), progress=progress.update)
     finally:
-        bar.close()
+        progress.close()
     if engine.info.int8_check is not None:
         print(engine.info.int8_check.line(), file=sys.stderr)
     return engine
 
 
-class ProgressBar:
-    """A build's progress on stderr (``calibrating [#####     ] 24/48``), only when stderr is a terminal."""
+class Progress:
+    """A long step's progress (calibration, the INT8 fallback, an evaluation): a bar on stderr when it is a
+    terminal (``calibrating [#####     ] 24/48``); where the output is not a terminal, one plain line per
+    finished step with the elapsed and the estimated remaining time (see :func:`k2edge.eta.progress_outputs`).
+
+    A step is a tenth of a phase (``calibrating: 24/240``), or each of a phase of ten or fewer (the INT8
+    fallback's trials); a phase's last step always has its line.
+
+    Args:
+        total / label: the phase :meth:`advance` counts (``eval`` over the evaluation set).
+        json_output: the command's stdout is a ``--json`` document (no lines there).
+    """
 
     WIDTH = 24
+    STEPS = 10
 
-    def __init__(self, stream=None) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
+    def __init__(self, total: int = 0, label: str = "", json_output: bool = False) -> None:
+        from ..eta import StepLines, progress_outputs
+
+        self.total, self.label, self.done = total, label, 0
+        bar, lines = progress_outputs(json_output)
+        self.bar = sys.stderr if bar else None
+        self.lines = StepLines(lines) if lines is not None else None
         self.shown = False
+        self._what: str | None = None
+        self._lined = 0
+        self._last = self.lines.clock() if self.lines is not None else 0.0  # when the last update came
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more of the ``total`` done."""
+        self.done += n
+        self.update(self.label, self.done, self.total)
 
     def update(self, what: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
+        """``done`` of ``total`` of ``what`` (``Engine.build``'s ``progress`` callback)."""
         total = max(total, done, 1)
-        filled = int(self.WIDTH * done / total)
-        self.stream.write(f"\r{what} [{'#' * filled}{' ' * (self.WIDTH - filled)}] {done}/{total}\033[K")
-        self.stream.flush()
-        self.shown = True
+        if what != self._what:
+            if self.lines is not None and self._what is not None:
+                self.lines.restart(self._last)  # the new phase began when the last one's last step ended
+            self._what, self._lined = what, 0
+        if self.lines is not None:
+            self._last = self.lines.clock()
+        if self.bar is not None:
+            filled = int(self.WIDTH * done / total)
+            self.bar.write(f"\r{what} [{'#' * filled}{' ' * (self.WIDTH - filled)}] {done}/{total}\033[K")
+            self.bar.flush()
+            self.shown = True
+        if self.lines is not None and (done >= total or done - self._lined >= total / self.STEPS):
+            self._lined = done
+            self.lines.line(f"{what}: {done}/{total}", done / total)
 
     def close(self) -> None:
         if self.shown:
-            self.stream.write("\n")
+            self.bar.write("\n")
             self.shown = False
 
 
@@ -128,21 +160,3 @@ def table(rows: list[list], header: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-class Progress:
-    """A one-line progress indicator on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.done = total, label, 0
-        self.enabled = sys.stderr.isatty()
-
-    def advance(self, n: int = 1) -> None:
-        self.done += n
-        if self.enabled and (self.done == self.total or self.done % 20 == 0):
-            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")

@@ -34,7 +34,7 @@ def run(args) -> int:
         raise InputError("--limit must be at least 1")
     engine = build_engine(args)
     dataset = open_eval_set(engine, args.dataset, args.limit)
-    progress = Progress(len(dataset), "eval")
+    progress = Progress(len(dataset), "eval", json_output=args.json)
     task = engine.card.task
     detector = task in ("detection", "segmentation", "pose")
     with engine:

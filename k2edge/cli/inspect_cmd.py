@@ -30,7 +30,7 @@ def _card(args, nm) -> dict:
     found = args.card or find_card(Path(args.model))
     shape = g.shape(g.inputs[0])
     if found:
-        from ..engine.engine import model_card
+        from ..config.resolve import model_card
 
         card = model_card(Path(args.model), nm, found)
         return {"card": str(found), "task": card.task, "suggested": None, "why": None,

@@ -8,7 +8,7 @@ ORDER = 20
 
 from pathlib import Path
 
-from .common import BOARD_CHOICES, add_json, add_model, board_of, input_shapes_of, print_json, table
+from .common import BOARD_CHOICES, add_json, add_model, board_of, print_json, table
 
 
 def register(p) -> None:
@@ -41,12 +41,12 @@ def run(args) -> int:
     else:
         raise K2EdgeError("give --profile P, or both --offload-ratio R and --partition G")
     from ..engine.cache import EngineCache
-    from ..engine.engine import card_file, load_normalised, model_card
+    from ..config.resolve import model_card
+    from ..engine.engine import load_model
 
     cache = EngineCache(args.cache)
-    the_card = card_file(Path(args.model), args.card)
-    nm = load_normalised(args.model, cache, profile.edge_runtime.batch_size,
-                         input_shapes_of(args, profile.edge_runtime.batch_size))
+    loaded = load_model(args.model, cache, profile.edge_runtime.batch_size, dict(args.input_shape) or None, args.card)
+    the_card, nm = loaded.card, loaded.normalised
     plan = plan_partition(nm, profile, board_of(args), args.precision)
     check = None
     if the_card is not None or any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
@@ -85,7 +85,7 @@ def run(args) -> int:
 
 def _with_int8(plan, nm, card, profile, cache, args):
     """The plan with the card's float layers and, when a build decided it, the INT8 check's fallback."""
-    from ..engine.engine import find_calibration, load_labels
+    from ..config.resolve import find_calibration, load_labels
     from ..engine.int8 import cached_decision, plan_with_card
     from ..model.datasets import open_calibration
     from ..tasks.preprocess import Preprocess

@@ -116,7 +116,7 @@ def run(args) -> int:
                      backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
                      settings=settings, goal=args.goal, max_latency_ms=args.max_latency_ms, min_accuracy=args.min_accuracy,
                      card=args.card)
-    progress = default_progress()
+    progress = default_progress(args.json)
     for note in notes:
         progress.note(f"note: {note}")
     outcome = run_sweep(spec, configs, resume=args.resume, progress=progress)

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import onnx
 
-from ..config.card import LABELS_METADATA_KEY, ModelCard, find_card, load_card, resolve_card
+from ..config.card import ModelCard
+from ..config.resolve import card_file, find_calibration, load_labels, model_card
+from ..config.resolve import input_shapes as resolve_input_shapes
 from ..dla.planner import PartitionPlan, plan_partition
 from ..errors import BuildError, InputError
-from ..model.datasets import Dataset, open_dataset
+from ..model.datasets import Dataset
 from ..model.ingest import NORMALISER_VERSION, NormalisedModel, load_onnx, normalise
 from ..profile import Profile, load_profile
 from ..tasks import Geometry, Preprocess, TaskDecoder
@@ -59,97 +61,12 @@ class StreamResult:
     extra: dict = field(default_factory=dict)
 
 
-def load_labels(model_path: Path | None, model: NormalisedModel, override: str | os.PathLike | None = None,
-                card: ModelCard | None = None) -> tuple[str, ...]:
-    """Labels from ``override``, else the card's ``labels``, else the file the model's metadata names,
-    else ``labels.txt`` beside the model."""
-    candidates = []
-    if override:
-        candidates.append(Path(override))
-    elif card is not None and card.labels:
-        candidates.append(Path(card.labels))
-    elif model_path is not None:
-        named = model.metadata().get(LABELS_METADATA_KEY)
-        if named:
-            candidates.append(model_path.parent / named)
-        candidates.append(model_path.parent / "labels.txt")
-    for c in candidates:
-        if c.is_file():
-            return tuple(line.strip() for line in c.read_text().splitlines() if line.strip())
-    if override:
-        raise BuildError(f"labels file {str(override)!r} does not exist")
-    if card is not None and card.labels:
-        raise BuildError(f"{card.source or 'card'}: labels: file {card.labels!r} does not exist")
-    from ..config.ultralytics import UltralyticsMetadataError, read_ultralytics
-
-    try:  # an Ultralytics export names its classes itself
-        return read_ultralytics(model.metadata()).names or ()
-    except UltralyticsMetadataError:
-        return ()
-
-
-def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | None = None) -> ModelCard | None:
-    """The card given (a file or a card), else the one beside the model (``<stem>.card.toml``, ``card.toml``), else None."""
-    if isinstance(card, ModelCard):
-        return card
-    if card is not None:
-        return load_card(card)
-    found = find_card(model_path)
-    if found is not None:
-        log.info("using the model card beside the model: %s", found)
-        return load_card(found)
-    return None
-
-
-def card_input_shapes(model: onnx.ModelProto, card: ModelCard | None, batch_size: int) -> dict[str, tuple[int, ...]] | None:
-    """Static input shape from the card's ``size`` (else the model metadata's: k2edge's, then
-    Ultralytics' ``imgsz``) for a model whose height/width are dynamic (an export with dynamic axes),
-    so it needs no ``--input-shape``; None when nothing is dynamic or no size is known."""
-    size = card.input.size if card is not None else None
-    layout = card.input.layout if card is not None else "NCHW"
-    if size is None:
-        from ..config.card import metadata_size
-
-        size = metadata_size({p.key: p.value for p in model.metadata_props})
-    if size is None:
-        return None
-    inits = {t.name for t in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
-    if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 4:
-        return None
-    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in inputs[0].type.tensor_type.shape.dim]
-    h_ax, w_ax, c_ax = (2, 3, 1) if layout == "NCHW" else (1, 2, 3)
-    if dims[h_ax] and dims[w_ax]:
-        return None
-    from ..config.card import BOX_TASKS, check_size
-    from ..config.ultralytics import read_ultralytics
-    from ..model.stride import graph_stride
-
-    # before the graph is fixed to this size: a size off the stride fails deep in shape inference.
-    # Only detectors' feature pyramids need it (a classifier's global pooling takes any size).
-    md = {p.key: p.value for p in model.metadata_props}
-    task = card.task if card is not None and "task" in card.model_fields_set else (read_ultralytics(md).task or "")
-    check_size(tuple(size), md, (card.source or "card") if card is not None and card.input.size is not None
-               else "model metadata", graph_stride(model) if task in BOX_TASKS else None)
-    shape = [batch_size] * 4
-    shape[h_ax], shape[w_ax] = size
-    shape[c_ax] = dims[c_ax] or (card.input.channels if card is not None else None) or 3
-    return {inputs[0].name: tuple(shape)}
-
-
-def model_card(model_path: Path | None, normalised: NormalisedModel, card: str | os.PathLike | ModelCard | None = None,
-               overrides: ModelCard | dict | None = None) -> ModelCard:
-    """The card a model runs with: ``overrides`` > ``card`` (a file or a card; default the one found
-    beside the model) > the model's metadata > defaults, checked against the model's input."""
-    card = card_file(model_path, card)
-    graph = normalised.graph
-    name = graph.inputs[0]
-    return resolve_card(name, graph.shape(name), normalised.metadata(), card, overrides, tuple(graph.inputs))
-
-
-def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: dict | None) -> NormalisedModel:
-    """Normalise ``source`` through the cache (keyed by the file's bytes and the shape settings)."""
-    model, where = load_onnx(source)
+def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: dict | None,
+                    where: str | None = None) -> NormalisedModel:
+    """Normalise ``source`` through the cache (keyed by the file's bytes and the shape settings);
+    ``where`` names it in messages (default: its path)."""
+    model, loaded_from = load_onnx(source)
+    where = where or loaded_from
     raw = model.SerializeToString(deterministic=True)
     shapes = sorted((k, tuple(v)) for k, v in (input_shapes or {}).items())
     key = digest("normalised", NORMALISER_VERSION, onnx.__version__, raw, str(batch_size), repr(shapes))
@@ -167,14 +84,30 @@ def load_normalised(source, cache: EngineCache, batch_size: int, input_shapes: d
     return NormalisedModel(model=loaded, source=where, original_opset=entry.meta["original_opset"], batch_free_key=batch_free)
 
 
-def find_calibration(model_path: Path | None) -> Path | None:
-    """A calibration set shipped beside the model (``calib/`` or ``calib.npz``), if any."""
-    if model_path is None:
-        return None
-    for name in ("calib", "calib.npz"):
-        if (model_path.parent / name).exists():
-            return model_path.parent / name
-    return None
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model normalised at the shapes its card resolves: what every command that takes a MODEL starts from."""
+
+    path: Path | None          # the ONNX file (None for a ModelProto)
+    card: ModelCard | None     # the card file's card (``--card``, else the one beside the model), before layering
+    normalised: NormalisedModel
+
+
+def load_model(model: str | os.PathLike | onnx.ModelProto, cache: EngineCache, batch_size: int,
+               input_shapes: dict[str, tuple[int, ...]] | None = None, card: str | os.PathLike | ModelCard | None = None,
+               card_overrides: ModelCard | dict | None = None) -> LoadedModel:
+    """Load ``model``, resolve its input shapes (``input_shapes``, else its card's size, else its metadata's:
+    :func:`k2edge.config.resolve.input_shapes`) and normalise it through the cache.
+
+    Raises:
+        ModelError: the file is not an ONNX model, or an input stays dynamic with no size known.
+        CardError: the card is malformed or contradicts the model.
+    """
+    path = None if isinstance(model, onnx.ModelProto) else Path(model)
+    the_card = card_file(path, card)
+    proto, where = load_onnx(model)
+    shapes = resolve_input_shapes(proto, the_card, batch_size, input_shapes, card_overrides)
+    return LoadedModel(path, the_card, load_normalised(proto, cache, batch_size, shapes, where=where))
 
 
 class Engine:
@@ -219,6 +152,11 @@ class Engine:
     ) -> "Engine":
         """Normalise, plan, calibrate and build ``model`` under ``profile``; every step is cached.
 
+        The steps, each its own function: :func:`load_model` (the input shapes its card resolves, then
+        normalisation), :func:`~k2edge.dla.planner.plan_partition`, the card, preprocessing and labels
+        (:func:`k2edge.config.resolve.model_card`), the INT8 decision (calibration, check, fallback),
+        then the backend's build.
+
         Args:
             model: an ONNX file or ModelProto.
             profile: a Profile, a profile path or name (``c3``), or a dict.
@@ -244,26 +182,27 @@ class Engine:
 
         started = time.perf_counter()
         backend = resolve_backend(backend)
-        if precision is not None and precision not in ("fp32", "fp16", "int8"):
-            raise BuildError(f"precision must be fp32, fp16 or int8, got {precision!r}")
-        profile = profile if isinstance(profile, Profile) else load_profile(profile)
-        er = profile.edge_runtime
+        profile = _checked_profile(profile, precision)
         cache = EngineCache(cache_dir)
-        model_path = None if isinstance(model, onnx.ModelProto) else Path(model)
-        the_card = card_file(model_path, card)
-        if input_shapes is None:
-            input_shapes = card_input_shapes(load_onnx(model)[0], the_card, er.batch_size)
-        normalised = load_normalised(model, cache, er.batch_size, input_shapes)
-        hits = {}
-        plan = plan_partition(normalised, profile, board, precision)
-        if len(normalised.graph.inputs) != 1:
-            raise BuildError(f"k2edge serves single-input models; this one has inputs {list(normalised.graph.inputs)}")
-        input_name = normalised.graph.inputs[0]
-        input_shape = normalised.graph.shape(input_name)
-        resolved = model_card(model_path, normalised, the_card, card_overrides)
-        preprocess = Preprocess.from_card(resolved)
-        label_names = load_labels(model_path, normalised, labels, resolved)
+        loaded = load_model(model, cache, profile.edge_runtime.batch_size, input_shapes, card, card_overrides)
+        plan = plan_partition(loaded.normalised, profile, board, precision)
+        task = _resolve_task(loaded, card_overrides, labels)
+        hits: dict[str, bool] = {}
+        quant, plan, int8_check, calib_source = cls._int8_step(
+            loaded.normalised, plan, calib, check, loaded.path, profile, task.labels, task.card, task.preprocess, cache,
+            profile.edge_runtime, progress, precision, hits)
+        runner = _backend_step(backend, loaded.normalised, plan, quant, cache, profile, threads_per_lane, spinning)
+        hits["engine"] = runner.build.cached
+        info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes), int8_check)
+        return cls(runner, plan, loaded.normalised, profile, task.card, task.labels, info)
 
+    @staticmethod
+    def _int8_step(normalised: NormalisedModel, plan: PartitionPlan, calib, check, model_path: Path | None,
+                   profile: Profile, label_names: tuple[str, ...], resolved: ModelCard, preprocess: Preprocess,
+                   cache: EngineCache, er, progress, precision: str | None, hits: dict):
+        """Calibrate and check the plan's INT8 layers (falling back where the chain allows); records the
+        cache hit in ``hits``. Returns ``(quant, plan, int8_check, calib_source)``, all None but the plan
+        when no layer runs INT8."""
         quant = None
         int8_check = None
         int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
@@ -293,22 +232,7 @@ class Engine:
             quant, plan, int8_check = decision.quant, decision.plan, decision.check
             hits["int8"] = decision.cached
             _report_check(int8_check, precision)
-
-        graph = normalised.graph
-        inputs = (TensorSpec(input_name, input_shape, graph.tensors[input_name].dtype),)
-        if backend == "tensorrt":
-            from .tensorrt_backend import create_backend
-
-            runner = create_backend(normalised, plan, quant, cache, profile, inputs, graph.outputs)
-        else:
-            from .onnxruntime_backend import OnnxRuntimeBackend, build_segments
-
-            built = build_segments(normalised, plan, quant, cache)
-            runner = OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane, prefetch=er.dma_prefetch,
-                                        spinning=spinning)
-        hits["engine"] = runner.build.cached
-        info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes), int8_check)
-        return cls(runner, plan, normalised, profile, resolved, label_names, info)
+        return quant, plan, int8_check, calib_source
 
     # lifecycle -------------------------------------------------------------------------------
     def activate(self) -> "Engine":
@@ -451,6 +375,49 @@ class Engine:
                   "calibration": self.info.calibration,
                   "int8_check": self.info.int8_check.to_dict() if self.info.int8_check is not None else None})
         return d
+
+
+def _checked_profile(profile: Profile | str | os.PathLike | dict, precision: str | None) -> Profile:
+    """The profile to build under (loaded when given by path, name or dict); ``precision`` checked."""
+    if precision is not None and precision not in ("fp32", "fp16", "int8"):
+        raise BuildError(f"precision must be fp32, fp16 or int8, got {precision!r}")
+    return profile if isinstance(profile, Profile) else load_profile(profile)
+
+
+@dataclass(frozen=True)
+class ModelTask:
+    """What a model is for and how to feed it: its resolved card, the preprocessing it gives, its labels."""
+
+    card: ModelCard
+    preprocess: Preprocess
+    labels: tuple[str, ...]
+
+
+def _resolve_task(loaded: LoadedModel, card_overrides: ModelCard | dict | None,
+                  labels: str | os.PathLike | None) -> ModelTask:
+    """The card layered over the model's metadata (and under the daemon's card table), its preprocessing, its labels."""
+    normalised = loaded.normalised
+    if len(normalised.graph.inputs) != 1:
+        raise BuildError(f"k2edge serves single-input models; this one has inputs {list(normalised.graph.inputs)}")
+    resolved = model_card(loaded.path, normalised, loaded.card, card_overrides)
+    return ModelTask(resolved, Preprocess.from_card(resolved), load_labels(loaded.path, normalised, labels, resolved))
+
+
+def _backend_step(backend: str, normalised: NormalisedModel, plan: PartitionPlan, quant, cache: EngineCache,
+                  profile: Profile, threads_per_lane: int | None, spinning: bool) -> Backend:
+    """The backend that runs ``plan`` (built through the cache): TensorRT engines, else ONNX Runtime lanes."""
+    graph = normalised.graph
+    name = graph.inputs[0]
+    inputs = (TensorSpec(name, graph.shape(name), graph.tensors[name].dtype),)
+    if backend == "tensorrt":
+        from .tensorrt_backend import create_backend
+
+        return create_backend(normalised, plan, quant, cache, profile, inputs, graph.outputs)
+    from .onnxruntime_backend import OnnxRuntimeBackend, build_segments
+
+    built = build_segments(normalised, plan, quant, cache)
+    return OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane,
+                              prefetch=profile.edge_runtime.dma_prefetch, spinning=spinning)
 
 
 def _report_check(check, precision: str | None) -> None:

@@ -1,13 +1,17 @@
-"""Progress while a sweep runs: a rich bar with ETA on a terminal, one line per configuration otherwise.
+"""Progress while a sweep runs: a rich bar with ETA on a terminal (stderr); where the output is not a
+terminal, one plain line per finished step with the elapsed and the estimated remaining time.
 
-Both write to stderr so stdout stays clean for the table or ``--json``. A step is one run of one
+The lines go to stderr when it is not a terminal, else to stdout when that is a file or a pipe and
+carries no ``--json`` document (see :func:`k2edge.eta.progress_outputs`). A step is one run of one
 configuration; the runner interleaves configurations round by round.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
+from ..eta import StepLines, progress_outputs
 from .results import accuracy_of
 
 
@@ -47,23 +51,80 @@ def summary_line(record: dict) -> str:
 
 
 class LineProgress(SweepProgress):
-    """One line per finished configuration on stderr (logs, CI, pipes)."""
+    """One plain line per finished step (logs, CI, pipes, a job's output file), each with the time elapsed
+    and the time estimated to remain: a run that leaves its configuration unfinished
+    (``[3/30] c3 run 1/5: p50 0.712 ms``), else the configuration it finishes (``[2/6] c3: p50 ...``).
 
-    def __init__(self, stream=None) -> None:
+    Args:
+        stream: where the lines go (default stderr).
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, stream=None, clock=time.monotonic) -> None:
         self.stream = stream or sys.stderr
+        self.lines = StepLines(self.stream, clock)
         self.done = self.configs = 0
+        self.total = 1.0
+        self.units = 0.0
+        self.label = ""
 
     def start(self, total_units: float, steps: int, configs: int = 0) -> None:
-        self.configs = configs
+        self.configs, self.total, self.units = configs, max(total_units, 1.0), 0.0
+        self.lines.restart()
 
-    def config_done(self, record: dict) -> None:
-        self.done += 1
-        self.stream.write(f"[{self.done}/{self.configs}] {summary_line(record)}\n")
-        self.stream.flush()
+    def begin_step(self, label: str) -> None:
+        self.label = label
+
+    def advance(self, units: float, phase: str | None = None) -> None:
+        self.units += units
+
+    def end_step(self, record: dict, units_left_over: float = 0.0) -> None:
+        self.units += units_left_over
+        if record.get("status") in ("ok", "failed"):
+            self.done += 1
+            text = f"[{self.done}/{self.configs}] {summary_line(record)}"
+        else:
+            text = f"{self.label}: p50 {record['runs'][-1]['latency_p50_ms']:.3f} ms"
+        self.lines.line(text, min(1.0, self.units / self.total))
 
     def note(self, text: str) -> None:
         self.stream.write(f"{text}\n")
         self.stream.flush()
+
+
+class FanOut(SweepProgress):
+    """Progress to several receivers: the bar on the terminal and the lines in the output file."""
+
+    def __init__(self, *receivers: SweepProgress) -> None:
+        self.receivers = receivers
+
+    def start(self, total_units: float, steps: int, configs: int = 0) -> None:
+        for r in self.receivers:
+            r.start(total_units, steps, configs)
+
+    def begin_step(self, label: str) -> None:
+        for r in self.receivers:
+            r.begin_step(label)
+
+    def advance(self, units: float, phase: str | None = None) -> None:
+        for r in self.receivers:
+            r.advance(units, phase)
+
+    def end_step(self, record: dict, units_left_over: float = 0.0) -> None:
+        for r in self.receivers:
+            r.end_step(record, units_left_over)
+
+    def config_done(self, record: dict) -> None:
+        for r in self.receivers:
+            r.config_done(record)
+
+    def note(self, text: str) -> None:
+        for r in self.receivers:
+            r.note(text)
+
+    def stop(self) -> None:
+        for r in self.receivers:
+            r.stop()
 
 
 class RichProgress(SweepProgress):
@@ -110,6 +171,9 @@ class RichProgress(SweepProgress):
         self._bar.stop()
 
 
-def default_progress() -> SweepProgress:
-    """The rich bar when stderr is a terminal, else one line per finished configuration."""
-    return RichProgress() if sys.stderr.isatty() else LineProgress()
+def default_progress(json_output: bool = False) -> SweepProgress:
+    """The rich bar when stderr is a terminal, and one line per finished step where the output is not
+    one (see :func:`k2edge.eta.progress_outputs`)."""
+    bar, lines = progress_outputs(json_output)
+    receivers = ([RichProgress()] if bar else []) + ([LineProgress(lines)] if lines is not None else [])
+    return receivers[0] if len(receivers) == 1 else FanOut(*receivers)

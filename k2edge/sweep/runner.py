@@ -78,12 +78,13 @@ class SweepOutcome:
 def _open_eval(spec: SweepSpec):
     """The evaluation set for the model's task: COCO annotations for a detector (the card says), else labelled."""
     from ..engine.cache import EngineCache
-    from ..engine.engine import load_labels, load_normalised, model_card
+    from ..config.resolve import load_labels, model_card
+    from ..engine.engine import load_model
     from ..model.datasets import open_coco, open_labelled
 
-    normalised = load_normalised(spec.model, EngineCache(spec.cache_dir), 1, spec.input_shapes)
-    card = model_card(Path(spec.model), normalised, spec.card)
-    labels = load_labels(Path(spec.model), normalised, None, card)
+    loaded = load_model(spec.model, EngineCache(spec.cache_dir), 1, spec.input_shapes, spec.card)
+    card = model_card(loaded.path, loaded.normalised, loaded.card)
+    labels = load_labels(loaded.path, loaded.normalised, None, card)
     if card.task in ("detection", "segmentation", "pose"):
         return open_coco(spec.dataset, labels, spec.settings.limit)
     return open_labelled(spec.dataset, labels, spec.settings.limit)

@@ -1,0 +1,140 @@
+"""What a model runs with, resolved one way for every command and the daemon: its card, its input
+shape, its labels and the calibration set beside it.
+
+``inspect``, ``plan``, ``build``, ``infer``, ``eval``, ``pareto-sweep``, ``cloud curve``, ``card show``,
+``watch`` and the daemon's ``[[models]]`` all go through these functions, so a dynamic export that one
+of them takes without ``--input-shape`` every one of them takes.
+
+The card layers, least specific first: defaults < Ultralytics metadata < k2edge's ``k2edge.preprocess``
+metadata < the card file (``--card``, else ``<stem>.card.toml`` or ``card.toml`` beside the model) < the
+daemon config's card table (see :func:`~k2edge.config.card.resolve_card`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import BuildError
+from .card import BOX_TASKS, LABELS_METADATA_KEY, ModelCard, card_sources, check_size, find_card, load_card, resolve_card
+
+if TYPE_CHECKING:
+    import onnx
+
+    from ..model.ingest import NormalisedModel
+
+__all__ = ["card_file", "find_calibration", "input_shapes", "load_labels", "model_card"]
+
+log = logging.getLogger(__name__)
+
+InputShapes = dict[str, tuple[int, ...]]
+
+
+def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | None = None) -> ModelCard | None:
+    """The card given (a file or a card), else the one beside the model (``<stem>.card.toml``, ``card.toml``), else None."""
+    if isinstance(card, ModelCard):
+        return card
+    if card is not None:
+        return load_card(card)
+    found = find_card(model_path)
+    if found is not None:
+        log.info("using the model card beside the model: %s", found)
+        return load_card(found)
+    return None
+
+
+def input_shapes(model: "onnx.ModelProto", card: ModelCard | None, batch_size: int, given: InputShapes | None = None,
+                 overrides: ModelCard | Mapping | None = None) -> InputShapes | None:
+    """The static input shapes a model is normalised with.
+
+    ``given`` (``--input-shape``) when there is one; else, for a single image input whose height or width
+    is dynamic (an export with dynamic axes), ``[batch_size, C, H, W]`` (or NHWC) with the size of the card
+    the model runs with: the card table, the card file, then the model's metadata (k2edge's, then
+    Ultralytics' ``imgsz``). None when nothing is dynamic or no size is known (normalising then says
+    which input needs ``--input-shape``).
+
+    Raises:
+        CardError: the size is off the model's stride (Ultralytics' ``stride``, else the largest
+            downsampling a detector's graph shows), or the card contradicts the model.
+    """
+    if given:
+        return {name: tuple(shape) for name, shape in dict(given).items()}
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 4:
+        return None
+    dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                 for d in inputs[0].type.tensor_type.shape.dim)
+    if all(dims[1:]):
+        return None  # only the batch can be dynamic: normalising gives it batch_size
+    name = inputs[0].name
+    metadata = {p.key: p.value for p in model.metadata_props}
+    resolved = resolve_card(name, dims, metadata, card, overrides, (name,))
+    size = resolved.input.size
+    if size is None:
+        return None
+    h_ax, w_ax, c_ax = (2, 3, 1) if resolved.input.layout == "NCHW" else (1, 2, 3)
+    if dims[h_ax] and dims[w_ax]:
+        return None
+    if resolved.task in BOX_TASKS:
+        # before the graph is fixed to this size: a size off the stride fails deep in shape inference.
+        # Only detectors' feature pyramids need it (a classifier's global pooling takes any size).
+        from ..model.stride import graph_stride
+
+        source = card_sources(dims, metadata, card, overrides).get("input.size", "model metadata")
+        check_size(tuple(size), metadata, source, graph_stride(model))
+    shape = [batch_size] * 4
+    shape[h_ax], shape[w_ax] = size
+    shape[c_ax] = dims[c_ax] or resolved.input.channels or 3
+    return {name: tuple(shape)}
+
+
+def model_card(model_path: Path | None, normalised: "NormalisedModel", card: str | os.PathLike | ModelCard | None = None,
+               overrides: ModelCard | dict | None = None) -> ModelCard:
+    """The card a model runs with: ``overrides`` > ``card`` (a file or a card; default the one found
+    beside the model) > the model's metadata > defaults, checked against the normalised model's input."""
+    card = card_file(model_path, card)
+    graph = normalised.graph
+    name = graph.inputs[0]
+    return resolve_card(name, graph.shape(name), normalised.metadata(), card, overrides, tuple(graph.inputs))
+
+
+def load_labels(model_path: Path | None, model: "NormalisedModel", override: str | os.PathLike | None = None,
+                card: ModelCard | None = None) -> tuple[str, ...]:
+    """Labels from ``override``, else the card's ``labels``, else the file the model's metadata names,
+    else ``labels.txt`` beside the model, else an Ultralytics export's own class names."""
+    candidates = []
+    if override:
+        candidates.append(Path(override))
+    elif card is not None and card.labels:
+        candidates.append(Path(card.labels))
+    elif model_path is not None:
+        named = model.metadata().get(LABELS_METADATA_KEY)
+        if named:
+            candidates.append(model_path.parent / named)
+        candidates.append(model_path.parent / "labels.txt")
+    for c in candidates:
+        if c.is_file():
+            return tuple(line.strip() for line in c.read_text().splitlines() if line.strip())
+    if override:
+        raise BuildError(f"labels file {str(override)!r} does not exist")
+    if card is not None and card.labels:
+        raise BuildError(f"{card.source or 'card'}: labels: file {card.labels!r} does not exist")
+    from .ultralytics import UltralyticsMetadataError, read_ultralytics
+
+    try:  # an Ultralytics export names its classes itself
+        return read_ultralytics(model.metadata()).names or ()
+    except UltralyticsMetadataError:
+        return ()
+
+
+def find_calibration(model_path: Path | None) -> Path | None:
+    """A calibration set shipped beside the model (``calib/`` or ``calib.npz``), if any."""
+    if model_path is None:
+        return None
+    for name in ("calib", "calib.npz"):
+        if (model_path.parent / name).exists():
+            return model_path.parent / name
+    return None
