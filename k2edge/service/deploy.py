@@ -10,7 +10,7 @@ version, made current once its engines are built), else the config's bare ``onnx
 connection*, client id ``{client_id}-control``): MQTT acknowledges QoS 1 messages in arrival order
 on a connection, so a deploy that waits minutes for its engines would otherwise hold back the
 acknowledgement of every request behind it, and the broker would stop delivering requests. One
-worker thread takes them in order, never the network thread nor a model's line:
+worker thread takes them in order, never the network thread nor a model's batcher:
 
     parse -> fetch (a URL, over HTTPS) -> ModelStore.install (verify + unpack) -> build the engines
     through the engine cache (progress in status) -> swap between two batches -> ModelStore.activate
