@@ -67,15 +67,15 @@ def test_escalated_requests_keep_their_deadline_with_every_core_busy(run_daemon,
                 sent[corr] = (kind, t)
                 time.sleep(0.05)  # one at a time, as requesters do: each its own cloud call
         client.wait_for(lambda c: len(c.answers) >= len(sent), 60)
-        late = []
+        missed = []  # (kind, ms at the requester, what came) of every answer not ok, degraded and in time
         for (a, corr), (_, arrived) in zip(client.answers, client.raw):
             kind, t = sent[corr]
-            elapsed_ms = (arrived - t) * 1e3
-            assert a["status"] == "ok" and a["degraded"] is True and a["source"] == "edge", (kind, a.get("error"), a)
-            if elapsed_ms > DEADLINE_MS + SLACK_MS:
-                late.append((kind, round(elapsed_ms)))
+            elapsed_ms = round((arrived - t) * 1e3)
+            good = a["status"] == "ok" and a.get("degraded") is True and a.get("source") == "edge"
+            if not good or elapsed_ms > DEADLINE_MS + SLACK_MS:
+                missed.append((kind, elapsed_ms, a["status"] if good else (a.get("error") or a.get("source"))))
         client.close()
     judged = len(client.answers)
     assert judged == 2 * PER_KIND, f"{judged} answers judged"
-    assert not late, f"{len(late)} of {judged} answers (cores busy: {busy_cores}) came later than " \
-                     f"{DEADLINE_MS + SLACK_MS} ms: {late}"
+    assert not missed, f"{len(missed)} of {judged} answers (cores busy: {busy_cores}) were not a degraded local " \
+                       f"answer within {DEADLINE_MS + SLACK_MS} ms: {missed}"

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
@@ -110,6 +111,9 @@ class Daemon:
         self.lifecycle = ModelLifecycle(cfg, versions, self.control, self.batchers, self)
         self._decoders = decoders
         self._built.set()
+        # what was built lives as long as the daemon: out of the collector's sight, a full collection (which
+        # stops every thread, a request's fallback timer included) stays short on a loaded CPU
+        gc.freeze()
         # start, readers of each stage before its writers
         for b in self.batchers.values():
             b.start()

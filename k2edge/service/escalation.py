@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..cloud_bridge import (BridgeRequest, CloudAnswer, CloudBridge, CloudError, CloudHealth, CloudRejected, Decision,
                             EscalationPolicy, EscalationRequest, LocalResult, Outcome)
@@ -118,7 +118,7 @@ class Escalation:
         self._cloud_slots = threading.BoundedSemaphore(cfg.service.queue_size)
         self._waiting: dict[str, object] = {}  # outbox id -> future, for the drain
         self._lock = threading.Lock()
-        self.fallbacks = FallbackTimer()
+        self.fallbacks = FallbackTimer(self._fall_back)
         if cfg.cloud is not None:
             self.bridge = CloudBridge(cfg.cloud, state_dir(cfg), policy=self.policy, thermal_state=lambda: thermal.state)
             self.pool = ThreadPoolExecutor(max(2, 2 * cfg.cloud.concurrency), thread_name_prefix="k2edge-cloud")
@@ -246,14 +246,13 @@ class Escalation:
             return False
         self.replies.handed_to_cloud(w)
         settled = Settled()
-        delivered = functools.partial(self.bridge.outbox.mark_delivered, oid)
         if self._falls_back(req, d, local, deadline):
-            # the local answer is ready when the cloud wait ends: due at the deadline less what it takes to
-            # compute it (when not computed yet) and the reserve for the publish
-            reserve = max(c.deadline_reserve_ms / 1e3, 0.1 * budget)
+            # the local answer is ready when the cloud wait ends: due at the deadline less the reserve for
+            # the publish (and for computing it, when a decision made before inference left it to do)
+            reserve = min(0.5 * budget, max(c.deadline_reserve_ms / 1e3, 0.1 * budget) + self.fallbacks.margin())
             cost = 0.0 if computed is not None or w.runtime is None else min(1.0, 2 * w.runtime.batch1_s)
-            self.fallbacks.arm(deadline.at - reserve - cost,
-                               functools.partial(self._fall_back, settled, d, local, w, clock(), delivered))
+            ready = self._local_answer(w, d, computed, clock()) if computed is not None else None
+            self.fallbacks.arm(deadline.at - reserve - cost, _Fallback(w, d, local, settled, oid, clock(), ready))
         with self._lock:
             self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w, settled)
         return True
@@ -264,20 +263,34 @@ class Escalation:
         fallback is the bridge's: it may go to the outbox instead)."""
         return deadline.set and local is not None and d.thermal_state != "critical" and not req.deferrable
 
-    def _fall_back(self, settled: Settled, d: Decision, local, w: RequestItem, sent: float, delivered) -> None:
-        """The deadline came before the cloud's outcome: the local answer, degraded (the timer's thread)."""
-        if not settled.claim():
-            return
-        try:
-            computed = local if isinstance(local, LocalResult) else local()
-            outcome = Outcome("edge", computed.summary, (clock() - sent) * 1e3,
-                              f"{d.reason}; cloud failed: no answer from the cloud within the {w.deadline.why}: "
-                              "answered locally", True, escalated=True, decision=d, local=computed)
-            body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
-        except Exception as exc:
-            log.exception("request %s: the local fallback failed", w.req.id)
-            body = self.replies.error(w, INTERNAL, f"internal error in the local fallback: {type(exc).__name__}")
-        self.replies.send_late(w, body, delivered)
+    def _local_answer(self, w: RequestItem, d: Decision, computed: LocalResult, sent: float) -> dict:
+        """``w``'s degraded local answer, as the fallback gives it."""
+        outcome = Outcome("edge", computed.summary, (clock() - sent) * 1e3,
+                          f"{d.reason}; cloud failed: no answer from the cloud within the {w.deadline.why}: "
+                          "answered locally", True, escalated=True, decision=d, local=computed)
+        return answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
+
+    def _fall_back(self, jobs: list["_Fallback"]) -> None:
+        """The deadline came before the cloud's outcome: the local answers, degraded (the timer's thread)."""
+        replies = []
+        for job in jobs:
+            if not job.settled.claim():
+                continue
+            w = job.w
+            try:
+                if job.body is None:  # decided before inference: computed now, in time for the deadline
+                    computed = job.local if isinstance(job.local, LocalResult) else job.local()
+                    body = self._local_answer(w, job.d, computed, job.sent)
+                else:
+                    body = job.body
+                    body["latency_ms"]["total"] = round((clock() - w.received) * 1e3, 3)
+                    body["thermal_state"] = self.thermal.state.state
+            except Exception as exc:
+                log.exception("request %s: the local fallback failed", w.req.id)
+                body = self.replies.error(w, INTERNAL, f"internal error in the local fallback: {type(exc).__name__}")
+            replies.append((w, body, functools.partial(self.bridge.outbox.mark_delivered, job.oid)))
+        if replies:
+            self.replies.send_late(replies)
 
     def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str,
               w: RequestItem, settled: Settled) -> None:
@@ -286,7 +299,8 @@ class Escalation:
         try:
             if not settled.taken:  # the fallback replied while this waited for a worker: no call to make
                 outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
-                body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
+                if not settled.taken:
+                    body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours
             log.exception("request %s: cloud offload failed", req.id)
             body = self.replies.error(w, INTERNAL, f"internal error in the cloud offload: {type(exc).__name__}")
@@ -295,7 +309,7 @@ class Escalation:
                 self._waiting.pop(oid, None)
             self._cloud_slots.release()
         if body is not None and settled.claim():
-            self.replies.send_late(w, body, functools.partial(self.bridge.outbox.mark_delivered, oid))
+            self.replies.send_late([(w, body, functools.partial(self.bridge.outbox.mark_delivered, oid))])
 
     # the outbox loop: deferred answers, and cloud work an earlier run did not finish ---------------
     def _outbox_loop(self) -> None:
@@ -360,6 +374,19 @@ class Escalation:
     def status(self) -> dict:
         return {"cloud": self.bridge.status() if self.bridge else {"state": "not configured"},
                 "cloud_waiting": self.cloud_waiting}
+
+
+@dataclass(slots=True)
+class _Fallback:
+    """A request in the cloud pool, armed for its local answer at its deadline."""
+
+    w: RequestItem
+    d: Decision
+    local: object  # its LocalResult, or a callable computing it
+    settled: Settled
+    oid: str
+    sent: float
+    body: dict | None  # the local answer, built when it was armed (None: computed when due)
 
 
 def degrade(d: Decision, why: str) -> Decision:

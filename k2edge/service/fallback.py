@@ -3,9 +3,13 @@
 A request sent to the cloud may have to be answered locally after all (the cloud hangs, answers
 late, or the pool is busy with other calls). Waiting for the cloud call to give up before
 answering puts the reply at the mercy of one thread's wake-up on a loaded machine; instead every
-cloud job is armed here, at its deadline less the reserve that covers the local answer and the
-publish, and whichever comes first — the cloud's outcome or this timer — replies
-(:class:`Settled`: once). One thread serves every armed job.
+cloud job is armed here, at its deadline less the reserve that covers its publish, with its local
+answer ready, and whichever comes first — the cloud's outcome or this timer — replies
+(:class:`Settled`: once).
+
+One thread serves every armed job and hands all that are due at once to one callback (one record
+transaction for them). It measures how late it runs on this machine (a loaded CPU wakes it late):
+:meth:`FallbackTimer.margin` is what a new job's reserve adds, so the next ones are armed earlier.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import heapq
 import itertools
 import logging
 import threading
+from collections import deque
 from typing import Callable
 
 from ..deadline import clock
@@ -39,30 +44,43 @@ class Settled:
 
 
 class FallbackTimer:
-    """Runs each armed callback at its time (``clock()`` seconds), on one thread, in time order."""
+    """Hands each armed job to ``fire`` at its time (``clock()`` seconds), on one thread; the jobs due
+    together go in one call.
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+    Args:
+        fire: called with the list of due jobs (the timer's thread).
+        window: how many recent firings :meth:`margin` looks at.
+    """
+
+    def __init__(self, fire: Callable[[list], None], window: int = 64) -> None:
+        self._fire = fire
+        self._heap: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._stopping = False
+        self._late: deque[float] = deque(maxlen=window)  # how late each firing ran (s), fire included
         self._thread = threading.Thread(target=self._run, name="k2edge-fallback", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Run nothing more (callbacks not yet due are dropped: their cloud calls reply)."""
+        """Fire nothing more (jobs not yet due are dropped: their cloud calls reply)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def arm(self, at: float, callback: Callable[[], None]) -> None:
+    def arm(self, at: float, job) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (at, next(self._seq), callback))
+            heapq.heappush(self._heap, (at, next(self._seq), job))
             self._cond.notify()
+
+    def margin(self) -> float:
+        """Seconds to arm a job earlier by: how late recent firings were done (twice the worst of them)."""
+        with self._cond:
+            return 2 * max(self._late, default=0.0)
 
     def _run(self) -> None:
         while True:
@@ -71,8 +89,14 @@ class FallbackTimer:
                     self._cond.wait(self._heap[0][0] - clock() if self._heap else None)
                 if self._stopping:
                     return
-                _, _, callback = heapq.heappop(self._heap)
+                now = clock()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap))
             try:
-                callback()
+                self._fire([job for _, _, job in due])
             except Exception:
-                log.exception("a request's local fallback failed")
+                log.exception("the local fallback of %d request(s) failed", len(due))
+            done = clock()
+            with self._cond:
+                self._late.append(max(0.0, done - due[0][0]))

@@ -98,18 +98,19 @@ class Replies:
     # sending ----------------------------------------------------------------------------------------
     def send(self, replies: list[tuple[RequestItem, dict]]) -> None:
         """Reply to open requests (one record transaction for them all)."""
-        self._send(replies)
+        self._send([(w, body, None) for w, body in replies])
         self._close(len(replies))
 
-    def send_late(self, w: RequestItem, body: dict, on_delivered: Callable[[], None]) -> None:
-        """The reply to a request handed to the cloud pool (a cloud worker's thread)."""
-        self._send([(w, body)], on_delivered)
+    def send_late(self, replies: list[tuple[RequestItem, dict, Callable[[], None]]]) -> None:
+        """Replies to requests handed to the cloud pool (a cloud worker's or the fallback timer's thread),
+        each with what to do once the broker has it (one record transaction for them all)."""
+        self._send(replies)
 
-    def _send(self, replies: list[tuple[RequestItem, dict]], on_delivered: Callable[[], None] | None = None) -> None:
+    def _send(self, replies: list[tuple[RequestItem, dict, Callable[[], None] | None]]) -> None:
         now = clock()
         answers = []
         limit = self.cfg.service.max_answer_bytes
-        for w, body in replies:
+        for w, body, on_delivered in replies:
             w.replied = True
             if body["status"] == "ok" and w.deadline.expired(now):
                 body = self.error(w, DEADLINE_EXCEEDED, f"the answer was ready after the {w.deadline.why}")
