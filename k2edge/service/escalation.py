@@ -252,7 +252,8 @@ class Escalation:
             reserve = min(0.5 * budget, max(c.deadline_reserve_ms / 1e3, 0.1 * budget) + self.fallbacks.margin())
             cost = 0.0 if computed is not None or w.runtime is None else min(1.0, 2 * w.runtime.batch1_s)
             ready = self._local_answer(w, d, computed, clock()) if computed is not None else None
-            self.fallbacks.arm(deadline.at - reserve - cost, _Fallback(w, d, local, settled, oid, clock(), ready))
+            due = deadline.at - reserve - cost
+            self.fallbacks.arm(due, _Fallback(w, d, local, settled, oid, clock(), due, ready))
         with self._lock:
             self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w, settled)
         return True
@@ -288,9 +289,14 @@ class Escalation:
             except Exception as exc:
                 log.exception("request %s: the local fallback failed", w.req.id)
                 body = self.replies.error(w, INTERNAL, f"internal error in the local fallback: {type(exc).__name__}")
-            replies.append((w, body, functools.partial(self.bridge.outbox.mark_delivered, job.oid)))
+            replies.append((w, body, functools.partial(self._fallback_delivered, job)))
         if replies:
             self.replies.send_late(replies)
+
+    def _fallback_delivered(self, job: "_Fallback") -> None:
+        """The broker has a fallback's reply: its outbox row is done, and the timer learns how late it was."""
+        self.fallbacks.observe(clock() - job.due)
+        self.bridge.outbox.mark_delivered(job.oid)
 
     def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str,
               w: RequestItem, settled: Settled) -> None:
@@ -386,6 +392,7 @@ class _Fallback:
     settled: Settled
     oid: str
     sent: float
+    due: float
     body: dict | None  # the local answer, built when it was armed (None: computed when due)
 
 

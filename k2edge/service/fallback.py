@@ -8,8 +8,9 @@ answer ready, and whichever comes first â€” the cloud's outcome or this timer â€
 (:class:`Settled`: once).
 
 One thread serves every armed job and hands all that are due at once to one callback (one record
-transaction for them). It measures how late it runs on this machine (a loaded CPU wakes it late):
-:meth:`FallbackTimer.margin` is what a new job's reserve adds, so the next ones are armed earlier.
+transaction for them). It learns how late its replies reach the broker on this machine (a loaded CPU
+wakes it late, and slows the publish): :meth:`FallbackTimer.margin` is what a new job's reserve adds,
+so the next ones are armed earlier.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class FallbackTimer:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._stopping = False
-        self._late: deque[float] = deque(maxlen=window)  # how late each firing ran (s), fire included
+        self._late: deque[float] = deque(maxlen=window)  # how late recent replies were done or delivered (s)
         self._thread = threading.Thread(target=self._run, name="k2edge-fallback", daemon=True)
 
     def start(self) -> None:
@@ -78,9 +79,14 @@ class FallbackTimer:
             self._cond.notify()
 
     def margin(self) -> float:
-        """Seconds to arm a job earlier by: how late recent firings were done (twice the worst of them)."""
+        """Seconds to arm a job earlier by: twice the worst of how late recent replies were done or delivered."""
         with self._cond:
             return 2 * max(self._late, default=0.0)
+
+    def observe(self, late_s: float) -> None:
+        """A reply this timer gave reached the broker ``late_s`` seconds after its job was due."""
+        with self._cond:
+            self._late.append(max(0.0, late_s))
 
     def _run(self) -> None:
         while True:
