@@ -74,6 +74,12 @@ class BatchClient:
         raise NotImplementedError
 
 
+def slots_for(runtime: ModelRuntime) -> int:
+    """Batches a batcher keeps in flight on ``runtime``: one when it has one lane (run inline), else one per
+    lane plus one (the lanes are fed while the next batch is staged)."""
+    return 1 if runtime.single_lane else len(runtime.lanes()) + 1
+
+
 class Slot:
     """The room one batch takes in its batcher's engine; freed once, however often ``free`` is called."""
 
@@ -149,7 +155,7 @@ class Batcher:
         self.inline = runtime.single_lane
         self.quick = runtime.batch1_s < self.QUICK_S
         self.max_batch = max(runtime.engines)
-        self.slots = self._free = 1 if self.inline else len(runtime.lanes()) + 1
+        self.slots = self._free = slots_for(runtime)
 
     def next_runtime(self) -> ModelRuntime:
         """The engines it runs, or will run once a pending change is taken."""

@@ -30,7 +30,7 @@ from ..config.schema import ConfigError, DaemonConfig, state_dir
 from ..telemetry import thermal_sampler
 from . import topics
 from .answer_book import AnswerBook
-from .batcher import Batcher
+from .batcher import Batcher, slots_for
 from .deploy import MAX_WAITING, AuditTrail, ModelLifecycle, Versions, control_subscriptions
 from .escalation import Escalation
 from .event_store import EventStore
@@ -241,11 +241,12 @@ class Daemon:
             "state": state,
             "device": self.cfg.device_id,
             "version": __version__,
+            # what the next batch runs on: a thermal switch just asked for is what the status tells
             "models": [{"name": name, "model_version": rt.version, "task": rt.task, "profile": rt.profile_name,
-                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": b.slots,
+                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": slots_for(rt),
                         "warm_profile": rt.warm_profile, "cache": rt.cache,
                         "int8_check": rt.int8_check.to_dict() if rt.int8_check is not None else None}
-                       for name, b in self.batchers.items() for rt in (b.runtime,)],
+                       for name, rt in self._running().items()],
             "topics": {"requests": topics.request_filter(self.cfg.prefix),
                        "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},
             "thermal": self.thermal.state.state,
@@ -274,7 +275,11 @@ class Daemon:
         """What the retained status says that can change while serving."""
         bridge = self.escalation.bridge
         cloud = (bridge.breaker.state, bridge.outbox.depth()) if bridge else None
-        return (self.thermal.state.state, tuple((b.runtime.profile_name, b.slots) for b in self.batchers.values()), cloud)
+        return (self.thermal.state.state, tuple((rt.profile_name, slots_for(rt)) for rt in self._running().values()), cloud)
+
+    def _running(self) -> dict[str, ModelRuntime]:
+        """Each model's engines, as its next batch runs them."""
+        return {name: b.next_runtime() for name, b in self.batchers.items()}
 
     def _observe(self) -> None:
         """The gauges of /metrics (serving loop, once a second)."""
