@@ -334,6 +334,8 @@ class Daemon:
                 last_dog = now
             if now - last_flush >= 1.0:
                 self.book.flush()
+                if self.escalation.bridge is not None:
+                    self.escalation.tick()
                 if self.streams is not None:
                     self.streams.tick()
                 if self.metrics is not None:

@@ -118,6 +118,7 @@ class Escalation:
         self._cloud_slots = threading.BoundedSemaphore(cfg.service.queue_size)
         self._waiting: dict[str, object] = {}  # outbox id -> future, for the drain
         self._lock = threading.Lock()
+        self._delivered: list[str] = []  # outbox ids whose live answer the broker has, written by tick()
         self.fallbacks = FallbackTimer(self._fall_back)
         if cfg.cloud is not None:
             self.bridge = CloudBridge(cfg.cloud, state_dir(cfg), policy=self.policy, thermal_state=lambda: thermal.state)
@@ -151,7 +152,25 @@ class Escalation:
         """Close the cloud client and the outbox (after every answer was acknowledged: a live answer's
         acknowledgement marks its outbox row delivered)."""
         if self.bridge is not None:
+            self.tick()
             self.bridge.close()
+
+    def tick(self) -> None:
+        """Once a second (the serving loop): mark the outbox rows whose live answers the broker has. A row
+        not marked yet when the daemon dies is taken up at the next start, where the answer book knows
+        its answer was delivered: nothing is answered twice."""
+        with self._lock:
+            ids, self._delivered = self._delivered, []
+        for oid in ids:
+            try:
+                self.bridge.outbox.mark_delivered(oid)
+            except Exception:
+                log.exception("the outbox could not record the delivery of %s", oid)
+
+    def _answer_delivered(self, oid: str) -> None:
+        """The broker has a live answer (the MQTT network thread: no disk here, the outbox syncs each write)."""
+        with self._lock:
+            self._delivered.append(oid)
 
     def use(self, model: str, settings) -> None:
         """Model ``model`` now runs engines whose card these escalation settings were checked against."""
@@ -296,7 +315,7 @@ class Escalation:
     def _fallback_delivered(self, job: "_Fallback") -> None:
         """The broker has a fallback's reply: its outbox row is done, and the timer learns how late it was."""
         self.fallbacks.observe(clock() - job.due)
-        self.bridge.outbox.mark_delivered(job.oid)
+        self._answer_delivered(job.oid)
 
     def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str,
               w: RequestItem, settled: Settled) -> None:
@@ -315,7 +334,7 @@ class Escalation:
                 self._waiting.pop(oid, None)
             self._cloud_slots.release()
         if body is not None and settled.claim():
-            self.replies.send_late([(w, body, functools.partial(self.bridge.outbox.mark_delivered, oid))])
+            self.replies.send_late([(w, body, functools.partial(self._answer_delivered, oid))])
 
     # the outbox loop: deferred answers, and cloud work an earlier run did not finish ---------------
     def _outbox_loop(self) -> None:
