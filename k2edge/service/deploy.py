@@ -51,7 +51,7 @@ from .deploy_protocol import (DEPLOYED, FAILED, REFUSED, ROLLED_BACK, ControlErr
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 4  # deploys held in memory (each up to max_bundle_bytes); beyond, the broker keeps them
-SWAP_TIMEOUT_S = 60.0  # a line whose batches do not finish within this is wedged: the deploy fails
+SWAP_TIMEOUT_S = 60.0  # a batcher whose batches do not finish within this is wedged: the deploy fails
 
 
 @dataclass(frozen=True)
