@@ -16,7 +16,10 @@ import uuid
 from collections import Counter, defaultdict
 
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from mqtt_support import ROOT, SAMPLES, TOPIC, Client, image_request, tensor_request
 
@@ -144,18 +147,70 @@ def test_a_backlog_of_three_queues_is_answered_ok_not_busy(run_daemon, broker):
     client.close()
 
 
+class _ExpiryProbe:
+    """A session of its own on ``topic``, subscribed before the messages are published, that never
+    acknowledges what it is sent: at each reconnect the broker offers it again every one of them it still
+    keeps. Once it offers none, the broker has dropped them for every session (the expiry is the
+    message's own, so the daemon's session keeps no more of them than this one)."""
+
+    def __init__(self, port: int, topic: str) -> None:
+        self.port, self.topic = port, topic
+        self.offered: set[str] = set()
+        self._suback = threading.Event()
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"probe-{uuid.uuid4().hex[:8]}",
+                             protocol=mqtt.MQTTv5, manual_ack=True)
+        self.c.on_message = lambda c, u, msg: self.offered.add(json.loads(msg.payload).get("id"))
+        self.c.on_subscribe = lambda *a: self._suback.set()
+
+    def _session(self, topic: str) -> None:
+        """Connect the session, subscribe to ``topic`` and wait for the SUBACK: whatever the broker offers
+        at the connect comes before it."""
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 600
+        self._suback.clear()
+        self.c.connect("127.0.0.1", self.port, clean_start=False, properties=props)
+        self.c.loop_start()
+        self.c.subscribe(topic, qos=1)
+        assert self._suback.wait(30), "no SUBACK from the broker"
+        self.c.disconnect()
+        self.c.loop_stop()
+
+    def start(self) -> "_ExpiryProbe":
+        self._session(self.topic)
+        return self
+
+    def wait_dropped(self, ids: set[str], timeout: float = 30.0) -> int:
+        """Reconnect until the broker, having offered every one of ``ids``, offers none of them any more;
+        how many reconnects it took."""
+        end = time.monotonic() + timeout
+        seen: set[str] = set()
+        tries = 0
+        while True:
+            tries += 1
+            self.offered.clear()
+            self._session(f"probe/{uuid.uuid4().hex[:8]}")  # a topic of no one's: its SUBACK is the barrier
+            offered = self.offered & ids
+            seen |= offered
+            if seen == ids and not offered:
+                return tries
+            assert time.monotonic() < end, f"after {timeout:g} s the broker offered {sorted(seen)} of {sorted(ids)}, " \
+                                           f"and still offers {sorted(offered)}"
+            time.sleep(0.2)
+
+
 def test_expired_at_the_broker_is_never_answered_and_expiry_bounds_the_deadline(run_daemon, broker, slow_model):
     """Expired at the broker: never answered. Expiry left on arrival caps the deadline (to the broker's second)."""
     slow = slow_model.model()
     d = run_daemon(models=[slow], service={"max_batch": 1})
     assert d.terminate() == 0
     client = Client(broker.port, client_id=f"exp-{uuid.uuid4().hex[:6]}", persistent=True).connect()
+    probe = _ExpiryProbe(broker.port, "k2edge/t1/infer/slow").start()
     jpeg = SAMPLES[0]  # small payloads: publishing is immediate, so the broker's expiry starts when we say
     for i in range(5):
         client.publish("k2edge/t1/infer/slow", image_request(jpeg, rid=f"gone-{i}", deadline_ms=1000), expiry_s=1)
     # mosquitto 2.0.11 counts whole seconds and, in a message's last second, hands it over without the
-    # property; 3 s on, it has dropped them
-    time.sleep(3.0)
+    # property: wait until it offers them to no session any more
+    probe.wait_dropped({f"gone-{i}" for i in range(5)})
     run_daemon(models=[slow], service={"max_batch": 1})
     # No request can be answered ok later than 2 s after it was sent (the broker keeps a 1 s expiry for
     # at most 2 s, deadline_ms caps the rest), so 4 s of measured work in one burst makes the later ones miss.

@@ -12,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from k2edge.engine.check import Int8Check
-from k2edge.service.metrics import STAGES, Metrics, MetricsError
+from k2edge.service.metrics import STAGES, MetricsError
+from k2edge.service.metrics import PrometheusMetrics as Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -120,13 +120,16 @@ def test_a_runtime_is_activated_once_and_its_profile_views_share_the_activation(
 
 
 def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch):
-    """WATCHDOG=1 is only sent while every serving thread loops: a wedged line stops it, a free one resumes it."""
+    """WATCHDOG=1 is only sent while every serving thread loops: a wedged batcher stops it, a free one resumes it."""
     from k2edge.config.schema import DaemonConfig, ModelConfig
     from k2edge.service.answer_book import AnswerBook
+    from k2edge.service.batcher import Batcher
     from k2edge.service.escalation import Escalation
-    from k2edge.service.request_path import RequestPath
+    from k2edge.service.metrics import AnswerStats
+    from k2edge.service.replies import Replies
+    from k2edge.service.request_path import Backlog, RequestPath, RequestQueue
     from k2edge.service.runtime import ModelRuntime
-    from k2edge.service.metrics import ServiceStats
+    from k2edge.telemetry import thermal_sampler
 
     cfg = DaemonConfig(models=(ModelConfig(name="m", onnx=demo_model),), service={"state_dir": tmp_path})
     rt = ModelRuntime(cfg.models[0], 1, None, None)
@@ -151,13 +154,17 @@ def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch)
         def wake(self): ...
         def input_pending(self): return True
 
-    class Listener:
-        def on_thermal(self, st): ...
-
     book = AnswerBook(tmp_path, Broker(), 60)
-    path = RequestPath(cfg, {"m": rt}, book, Escalation(cfg, Listener()), ServiceStats(), Broker())
-    path.start()
-    _until(lambda: path.alive(max_age=1.0))
+    thermal = thermal_sampler(cfg.thermal)
+    replies = Replies(cfg, book, AnswerStats(), thermal)
+    backlog = Backlog(8, 80, Broker())
+    cond = threading.Condition()
+    queue = RequestQueue(cond, backlog, replies, Escalation(cfg, thermal, replies, book), None,
+                         cfg.service.max_image_pixels)
+    batcher = Batcher("m", rt, thermal, [queue], cond, 0.0)
+    path = RequestPath(cfg, {"m": queue}, {"m": batcher}, book, replies, backlog, Broker(), threading.Event())
+    batcher.start()
+    _until(lambda: batcher.alive(max_age=1.0))
 
     class Msg:
         topic, payload, qos, mid, properties = "k2edge/x/infer/m", json.dumps({"id": "w", "tensor": {
@@ -165,12 +172,12 @@ def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch)
 
     path.on_message(Msg, token=None)
     assert entered.wait(10)
-    _until(lambda: not path.alive(max_age=1.0))
+    _until(lambda: not batcher.alive(max_age=1.0))
     release.set()
-    _until(lambda: path.alive(max_age=1.0))
+    _until(lambda: batcher.alive(max_age=1.0))
     _until(lambda: published)
     assert json.loads(published[0])["status"] == "ok"
-    path.stop()
+    batcher.stop()
     rt.deactivate()
 
 
@@ -227,7 +234,7 @@ def test_the_drain_order_is_data_naming_the_daemons_steps():
     assert all(callable(getattr(Daemon, s, None)) for s in steps) and len(set(steps)) == len(steps)
     assert steps.index("_stop_admitting") < steps.index("_finish_requests") < steps.index("_wait_answers_delivered") \
         < steps.index("_say_offline") < steps.index("_disconnect")
-    assert steps[-1] == "_release_engines"
+    assert steps[-1] == "_deactivate_engines"
 
 
 def test_a_request_is_told_from_an_acknowledgement_in_the_bytes_waiting():

@@ -6,6 +6,7 @@ beside the frames, a source that never opens harming nothing, events surviving a
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 import urllib.request
 from collections import Counter
@@ -57,6 +58,28 @@ def _events(client: Client, event: str, stream: str = "cam") -> list[dict]:
 
 def _wait_event(client: Client, event: str, stream: str = "cam", n: int = 1, timeout: float = 120) -> None:
     client.wait_for(lambda c: len(_events(c, event, stream)) >= n, timeout)
+
+
+def _stored_events(state_dir, event: str) -> list[dict]:
+    """The events of ``event`` kind the daemon has stored (read-only: the daemon writes the store)."""
+    path = state_dir / "events.sqlite"
+    if not path.exists():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+        rows = db.execute("SELECT payload FROM events").fetchall()
+    except sqlite3.OperationalError:  # the schema is not written yet
+        return []
+    finally:
+        db.close()
+    return [e for e in (json.loads(p) for (p,) in rows) if e["event"] == event]
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.05)
 
 
 def _crossings(events: list[dict]) -> Counter:
@@ -164,7 +187,13 @@ def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(ru
     run_daemon(models=[BOXES], streams=[_stream(crossing)])
     _wait_event(client, "line_cross")  # the first crossing (frame ~36 of 90); the next two come within ~2 s
     broker.stop()
-    time.sleep(2.5)  # the outage itself: events raised now can only be held by the daemon
+    # the outage itself: every crossing is raised while the broker is away, so the ones not yet delivered
+    # can only be held by the daemon (in its event store)
+    state = tmp_path / "state-t1"
+    _wait_until(lambda: len(_stored_events(state, "line_cross")) >= len(crossing.crossings), 120,
+                "every crossing in the daemon's event store")
+    held = {e["event_id"] for e in _stored_events(state, "line_cross")} - {e["event_id"] for e in _events(client, "line_cross")}
+    assert held, "every crossing was delivered before the broker went away: the outage was not exercised"
     broker.start()
     _wait_event(client, "stream_ended", timeout=120)
     client.wait_for(lambda c: sum(_crossings(_messages(c, "events")).values()) >= len(crossing.crossings), 30)

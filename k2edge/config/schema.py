@@ -138,7 +138,7 @@ class ServiceConfig(_Strict):
                                                                 "before decoding (default 4096 x 4096)")
     max_answer_bytes: int = Field(1024 * 1024, ge=1024,
                                   description="an answer larger than this (task = \"tensor\" outputs) is refused with payload_too_large")
-    staging_threads: int = Field(1, ge=1, le=64, description="threads decoding a batch's images; 1: the model's line decodes them")
+    staging_threads: int = Field(1, ge=1, le=64, description="threads decoding a batch's images; 1: the model's batcher decodes them")
     threads_per_lane: int = Field(
         1, ge=0, le=256,
         description="ONNX Runtime intra-op threads of each CPU lane's session; 0: the cores left after one, shared by the "

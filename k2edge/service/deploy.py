@@ -10,7 +10,7 @@ version, made current once its engines are built), else the config's bare ``onnx
 connection*, client id ``{client_id}-control``): MQTT acknowledges QoS 1 messages in arrival order
 on a connection, so a deploy that waits minutes for its engines would otherwise hold back the
 acknowledgement of every request behind it, and the broker would stop delivering requests. One
-worker thread takes them in order, never the network thread nor a model's line:
+worker thread takes them in order, never the network thread nor a model's batcher:
 
     parse -> fetch (a URL, over HTTPS) -> ModelStore.install (verify + unpack) -> build the engines
     through the engine cache (progress in status) -> swap between two batches -> ModelStore.activate
@@ -51,7 +51,7 @@ from .deploy_protocol import (DEPLOYED, FAILED, REFUSED, ROLLED_BACK, ControlErr
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 4  # deploys held in memory (each up to max_bundle_bytes); beyond, the broker keeps them
-SWAP_TIMEOUT_S = 60.0  # a line whose batches do not finish within this is wedged: the deploy fails
+SWAP_TIMEOUT_S = 60.0  # a batcher whose batches do not finish within this is wedged: the deploy fails
 
 
 @dataclass(frozen=True)
@@ -65,26 +65,16 @@ class Plan:
 
 
 class DeployHost(Protocol):
-    """What the lifecycle asks of the daemon."""
+    """What the lifecycle asks of the daemon (a Protocol: the daemon imports this module)."""
 
     def build_runtime(self, config: ModelConfig, version: str | None):
         """An activated ModelRuntime of one model version (raises on failure)."""
 
-    def deployed(self, name: str, runtime) -> None:
+    def deployed(self, name: str) -> None:
         """A swap was committed: policy, metrics, status."""
 
     def publish_status(self) -> None:
         """The worker's state changed: republish the retained status."""
-
-
-class EngineSwitch(Protocol):
-    """Where a model's engines run (the request path)."""
-
-    def swap(self, name: str, runtime, timeout: float | None):
-        """Between two batches, make ``runtime`` model ``name``'s engines; the one replaced, or None."""
-
-    def running(self, name: str):
-        """The ModelRuntime serving ``name``."""
 
 
 @dataclass(frozen=True)
@@ -127,58 +117,146 @@ class _Stopping(Exception):
     """The daemon drains: a deploy not committed yet is dropped unanswered (the broker redelivers it)."""
 
 
-class ModelLifecycle:
-    """Verified loading, deploys, rollbacks and the audit trail of one daemon.
+def control_subscriptions(cfg: DaemonConfig) -> list[str]:
+    """The control connection's topic filters: this device's and its fleet group's."""
+    p, group = cfg.prefix, cfg.fleet.group
+    subs = [topics.deploy_topic(p), topics.rollback_topic(p)]
+    if group:
+        subs += [topics.group_deploy_topic(group), topics.group_rollback_topic(group)]
+    return subs
+
+
+class AuditTrail:
+    """Every store result, as one line in ``STATE/audit.log`` and the same JSON on ``{prefix}/audit``
+    (kept until the control connection is up).
 
     Args:
         cfg: the daemon config.
-        state: the state directory (``models/``, ``audit.log``).
+        state: the state directory.
+        control: the control connection (``publish``, ``connected``).
+    """
+
+    def __init__(self, cfg: DaemonConfig, state: Path, control) -> None:
+        self.cfg, self.device, self.control = cfg, cfg.device_id, control
+        self.audit_log = AuditLog(Path(state) / AUDIT_NAME)
+        self._lock = threading.Lock()
+        self._unpublished: list[dict] = []
+
+    def audit(self, result: BundleResult, action: str, source: str, **extra) -> dict:
+        """Write one result to ``audit.log`` and publish it on ``{prefix}/audit``."""
+        try:
+            record = self.audit_log.write(result, action, source, device=self.device, **extra)
+        except OSError as exc:
+            log.error("audit log %s not writable (%s); the record goes to MQTT only", self.audit_log.path, exc.strerror)
+            record = audit_record(result, action, source, device=self.device, **extra)
+        (log.info if result.ok else log.warning)("audit: %s %s: %s", action, source, result.line)
+        self._publish(record)
+        return record
+
+    def flush(self) -> None:
+        """The control connection is up: publish the records made while it was not."""
+        with self._lock:
+            pending, self._unpublished = self._unpublished, []
+        for record in pending:
+            self._publish(record)
+
+    def _publish(self, record: dict) -> None:
+        with self._lock:
+            if not self.control.connected.is_set():
+                self._unpublished.append(record)
+                return
+        self.control.publish(topics.audit_topic(self.cfg.prefix), json.dumps(record, default=str).encode(), qos=1)
+
+
+class Versions:
+    """Which version of each model runs at start, from the trusted store (see the module docstring).
+
+    Args:
+        cfg: the daemon config.
+        state: the state directory (``models/``).
+        trail: the audit trail.
 
     Raises:
         BundleError: a ``[trust]`` key file is not a public key.
     """
 
-    def __init__(self, cfg: DaemonConfig, state: Path) -> None:
-        self.cfg = cfg
-        self.device = cfg.device_id
-        self.audit_log = AuditLog(Path(state) / AUDIT_NAME)
+    def __init__(self, cfg: DaemonConfig, state: Path, trail: AuditTrail) -> None:
+        self.cfg, self.trail = cfg, trail
         trust = cfg.trust
         self.store = ModelStore(state, load_trust(trust.keys), Limits.from_settings(cfg.deploy), trust.allow_unsigned) \
             if trust is not None else None
-        self.transport = None
-        self.engines: EngineSwitch | None = None
-        self.host: DeployHost | None = None
+
+    def initial(self, m: ModelConfig) -> Plan:
+        """Where ``m`` comes from at start (see the module docstring).
+
+        Raises:
+            ConfigError: the version to run is refused (audited), or a bare onnx is not allowed.
+        """
+        store, audit = self.store, self.trail.audit
+        if store is not None and (current := store.current(m.name)) is not None:
+            result = store.load(m.name)
+            audit(result, "load", f"state:{store.root / m.name / current}")
+            if not result.ok:
+                raise ConfigError(f"model {m.name}: the installed version {current} is refused: {result.line} "
+                                  "(deploy a version signed by a trusted key, or trust its key again)")
+            return Plan(version_config(m, result.paths), result.version, "state")
+        if m.bundle is not None:
+            result = store.install(m.bundle, expected_name=m.name)
+            audit(result, "install", f"config:{m.bundle}")
+            if not result.ok:
+                raise ConfigError(f"model {m.name}: bundle {m.bundle}: {result.line}")
+            return Plan(version_config(m, result.paths), result.version, f"config:{m.bundle}", activate=True)
+        if self.cfg.trust is not None and not self.cfg.trust.allow_unsigned:
+            audit(BundleResult("unsigned", f"{m.onnx} is a bare ONNX file and [trust] allow_unsigned is off", m.name),
+                  "load", f"config:{m.onnx}")
+            raise ConfigError(f"model {m.name}: a bare onnx path is refused when [trust] keys are set; give "
+                              'bundle = "FILE.k2b" signed by a trusted key, or set [trust] allow_unsigned = true')
+        return Plan(m, None, f"config:{m.onnx}")
+
+    def started(self, plan: Plan) -> None:
+        """The plan's engines run: make a first version from the config's bundle current.
+
+        Raises:
+            ConfigError: the pointer cannot be written.
+        """
+        if plan.activate:
+            result = self.store.activate(plan.config.name, plan.version)
+            self.trail.audit(result, "activate", plan.source)
+            if not result.ok:
+                raise ConfigError(f"model {plan.config.name}: {result.line}")
+
+
+class ModelLifecycle:
+    """Deploys and rollbacks: the control connection's handler and its worker thread.
+
+    Args:
+        cfg: the daemon config.
+        versions: the trusted store (None without ``[trust]``: deploys are refused).
+        control: the control connection (answers, acknowledgements).
+        batchers: each served model's batcher (a deploy swaps its engines).
+        host: builds runtimes and announces deploys (the daemon).
+    """
+
+    def __init__(self, cfg: DaemonConfig, versions: Versions, control, batchers: dict, host: DeployHost) -> None:
+        self.cfg = cfg
+        self.device = cfg.device_id
+        self.store = versions.store
+        self.trail = versions.trail
+        self.control, self.batchers, self.host = control, batchers, host
         self._jobs: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._audit_lock = threading.Lock()
-        self._unpublished: list[dict] = []
+        self._thread = threading.Thread(target=self._work, name="k2edge-deploy", daemon=True)
         self._progress: dict = {"state": "idle"}
         self._stopping = threading.Event()
         self.last: dict | None = None
 
-    # -- wiring -----------------------------------------------------------------------------------
-    def subscriptions(self) -> list[str]:
-        """The control connection's topic filters: this device's and its fleet group's."""
-        p, group = self.cfg.prefix, self.cfg.fleet.group
-        subs = [topics.deploy_topic(p), topics.rollback_topic(p)]
-        if group:
-            subs += [topics.group_deploy_topic(group), topics.group_rollback_topic(group)]
-        return subs
-
-    def attach(self, transport, engines: EngineSwitch, host: DeployHost) -> None:
-        """Serve the control connection ``transport``, swapping engines in ``engines`` (the request
-        path), built and announced by ``host`` (the daemon)."""
-        self.transport, self.engines, self.host = transport, engines, host
-
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="k2edge-deploy", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
         """Stop taking jobs; a deploy still building is dropped before its swap (waiting at most
         ``timeout`` for the worker). Messages not answered stay with the broker for the next start."""
         self._stopping.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             while True:  # jobs not started are dropped: unacknowledged, the broker redelivers them
                 try:
                     self._jobs.get_nowait()
@@ -192,17 +270,14 @@ class ModelLifecycle:
 
     def on_connected(self) -> None:
         """The control connection is up: publish audit records made while it was not."""
-        with self._audit_lock:
-            pending, self._unpublished = self._unpublished, []
-        for record in pending:
-            self._publish_audit(record)
+        self.trail.flush()
 
     def on_message(self, msg, token) -> None:
         """A deploy or rollback message (network thread: queue it, nothing more)."""
         props = getattr(msg, "properties", None)
         kind = topics.control_kind(msg.topic)
         if kind is None:
-            self.transport.done(token)
+            self.control.done(token)
             return
         user = {str(k): str(v) for k, v in (getattr(props, "UserProperty", None) or [])}
         self._jobs.put(_Job(kind, msg.topic, bytes(msg.payload), getattr(props, "ContentType", None), user,
@@ -212,64 +287,8 @@ class ModelLifecycle:
         """For the retained status: what the worker does now, and the last answer."""
         return {**self._progress, "last": self.last}
 
-    # -- start: which version of each model runs ---------------------------------------------------
-    def initial(self, m: ModelConfig) -> Plan:
-        """Where ``m`` comes from at start (see the module docstring).
-
-        Raises:
-            ConfigError: the version to run is refused (audited), or a bare onnx is not allowed.
-        """
-        store = self.store
-        if store is not None and (current := store.current(m.name)) is not None:
-            result = store.load(m.name)
-            self.audit(result, "load", f"state:{store.root / m.name / current}")
-            if not result.ok:
-                raise ConfigError(f"model {m.name}: the installed version {current} is refused: {result.line} "
-                                  "(deploy a version signed by a trusted key, or trust its key again)")
-            return Plan(version_config(m, result.paths), result.version, "state")
-        if m.bundle is not None:
-            result = store.install(m.bundle, expected_name=m.name)
-            self.audit(result, "install", f"config:{m.bundle}")
-            if not result.ok:
-                raise ConfigError(f"model {m.name}: bundle {m.bundle}: {result.line}")
-            return Plan(version_config(m, result.paths), result.version, f"config:{m.bundle}", activate=True)
-        if self.cfg.trust is not None and not self.cfg.trust.allow_unsigned:
-            self.audit(BundleResult("unsigned", f"{m.onnx} is a bare ONNX file and [trust] allow_unsigned is off", m.name),
-                       "load", f"config:{m.onnx}")
-            raise ConfigError(f"model {m.name}: a bare onnx path is refused when [trust] keys are set; give "
-                              'bundle = "FILE.k2b" signed by a trusted key, or set [trust] allow_unsigned = true')
-        return Plan(m, None, f"config:{m.onnx}")
-
-    def started(self, plan: Plan) -> None:
-        """The plan's engines run: make a first version from the config's bundle current.
-
-        Raises:
-            ConfigError: the pointer cannot be written.
-        """
-        if plan.activate:
-            result = self.store.activate(plan.config.name, plan.version)
-            self.audit(result, "activate", plan.source)
-            if not result.ok:
-                raise ConfigError(f"model {plan.config.name}: {result.line}")
-
-    # -- the audit trail ----------------------------------------------------------------------------
     def audit(self, result: BundleResult, action: str, source: str, **extra) -> dict:
-        """Write one result to ``audit.log`` and publish it on ``{prefix}/audit``."""
-        try:
-            record = self.audit_log.write(result, action, source, device=self.device, **extra)
-        except OSError as exc:
-            log.error("audit log %s not writable (%s); the record goes to MQTT only", self.audit_log.path, exc.strerror)
-            record = audit_record(result, action, source, device=self.device, **extra)
-        (log.info if result.ok else log.warning)("audit: %s %s: %s", action, source, result.line)
-        self._publish_audit(record)
-        return record
-
-    def _publish_audit(self, record: dict) -> None:
-        with self._audit_lock:
-            if self.transport is None or not self.transport.connected.is_set():
-                self._unpublished.append(record)
-                return
-        self.transport.publish(topics.audit_topic(self.cfg.prefix), json.dumps(record, default=str).encode(), qos=1)
+        return self.trail.audit(result, action, source, **extra)
 
     # -- the worker ---------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -296,7 +315,7 @@ class ModelLifecycle:
         self.host.publish_status()
 
     def _running_version(self, name: str | None) -> str | None:
-        rt = self.engines.running(name) if name in self._names() else None
+        rt = self.batchers[name].next_runtime() if name in self.batchers else None
         return rt.version if rt is not None else None
 
     def _names(self) -> set[str]:
@@ -312,8 +331,8 @@ class ModelLifecycle:
         topic = job.response_topic if job.response_topic and topics.publishable(job.response_topic) \
             else topics.control_result_topic(self.cfg.prefix)
         # acknowledged once the broker has the answer: a crash before leaves the message with the broker
-        self.transport.publish(topic, json.dumps(body).encode(), qos=1, correlation=job.correlation,
-                               on_delivered=lambda: self.transport.done(job.token))
+        self.control.publish(topic, json.dumps(body).encode(), qos=1, correlation=job.correlation,
+                             on_delivered=lambda: self.control.done(job.token))
         if body["model"] is not None:
             log.warning("%s: %s %s %s: %s", job.kind, body["status"], body["model"], body["version"], body["reason"])
         else:  # refused before a manifest could be trusted: name what was sent and who signed it
@@ -396,10 +415,11 @@ class ModelLifecycle:
         return self._switch(name, target, result.paths, source, "rollback", ROLLED_BACK,
                             lambda: self.store.rollback(name, request=job.digest))
 
-    def _switch(self, name: str, version: str, paths: dict, source: str, action: str, done: str,
+    def _switch(self, name: str, version: str, paths: dict, source: str, action: str, status: str,
                 commit: Callable[[], BundleResult]) -> dict:
-        """Build ``version``'s engines, swap them in between batches, then commit the pointer."""
-        running = self.engines.running(name)
+        """Build ``version``'s engines, swap them in between batches (once), then commit the pointer."""
+        batcher = self.batchers[name]
+        running = batcher.next_runtime()
         self._set_progress("building", kind=action, model=name, version=version)
         try:
             rt = self.host.build_runtime(version_config(self.cfg.model(name), paths), version)
@@ -421,7 +441,7 @@ class ModelLifecycle:
             self.audit(result, "build", source)
             return {**self._answer_body(FAILED, name, version, result.detail, "int8_check"), "int8_check": check.to_dict()}
         self._set_progress("swapping", kind=action, model=name, version=version)
-        old = self.engines.swap(name, rt, SWAP_TIMEOUT_S)
+        old = batcher.swap(rt, SWAP_TIMEOUT_S)
         if old is None:
             rt.deactivate()
             result = BundleResult(FAILED, f"model {name}'s batches did not finish within {SWAP_TIMEOUT_S:g} s; "
@@ -431,9 +451,9 @@ class ModelLifecycle:
         result = commit()
         self.audit(result, action, source)
         if not result.ok:  # the pointer still names the old version: run it again
-            if self.engines.swap(name, old, SWAP_TIMEOUT_S) is not None:
+            if batcher.swap(old, SWAP_TIMEOUT_S) is not None:
                 rt.deactivate()
             return self._answer_body(FAILED, name, version, result.detail, result.status)
         old.deactivate()
-        self.host.deployed(name, rt)
-        return self._answer_body(done, name, version, result.detail, result.status, previous=old.version)
+        self.host.deployed(name)
+        return self._answer_body(status, name, version, result.detail, result.status, previous=old.version)

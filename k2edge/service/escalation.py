@@ -1,13 +1,15 @@
-"""The cloud side of a request: the thermal governor, the escalation policy and, when ``[cloud]``
-is configured, the cloud bridge with its worker pool and durable outbox.
+"""The cloud side of a request: the escalation policy and, when ``[cloud]`` is configured, the
+cloud bridge with its worker pool and durable outbox.
 
-The request path asks :meth:`Escalation.decide` once per request — before local inference when
+The request client asks :meth:`Escalation.decide` once per request — before local inference when
 the thermal state is hot or critical (so no local work is spent), after it otherwise — and hands
 the decision to :meth:`Escalation.carry_out`, which returns the answer body, or None when the
 request went to the cloud pool. Going to the pool, a request is first put in the outbox (SQLite),
 so the MQTT request can be acknowledged at once: a slow cloud call must not hold back the in-order
 acknowledgements of every later request. A worker then asks the cloud within the request's
-deadline and hands the answer back to the request path (:meth:`RequestPath.answer_late`). Should
+deadline and replies through :meth:`Replies.send_late <k2edge.service.replies.Replies.send_late>`;
+a timer (:mod:`k2edge.service.fallback`) gives the local answer instead when the deadline, less the
+reserve for that answer and its publish, comes first. Should
 the daemon die first, the next start finds the row in the outbox and answers it
 (``deadline_exceeded`` once its deadline has passed); deferred requests are answered from the
 outbox once the cloud answers.
@@ -29,57 +31,23 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from typing import Callable, Protocol
+from dataclasses import dataclass, replace
 
 from ..cloud_bridge import (BridgeRequest, CloudAnswer, CloudBridge, CloudError, CloudHealth, CloudRejected, Decision,
                             EscalationPolicy, EscalationRequest, LocalResult, Outcome)
 from ..cloud_bridge.outbox import OutboxItem
 from ..cloud_bridge.retry import scrub
 from ..config.schema import DaemonConfig, state_dir
-from ..deadline import Deadline
-from ..telemetry import thermal_sampler
+from ..deadline import Deadline, clock
 from .answer_book import Answer, AnswerBook, AnswerKey
-from .protocol import BUSY, CLOUD_UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, Request, encode, error_body
+from .fallback import FallbackTimer, Settled
+from .protocol import BUSY, CLOUD_UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, encode, error_body
+from .replies import Replies, RequestItem
 
 log = logging.getLogger(__name__)
 
 EARLY_STATES = ("hot", "critical")  # states in which the policy is asked before any local work
 DELIVERY_WAIT_S = 10.0  # how long the outbox loop waits for the broker to acknowledge one answer
-
-
-class Work(Protocol):
-    """A request as the cloud side reads it (the request path's :class:`~k2edge.service.request_path.Work`)."""
-
-    req: Request
-    key: AnswerKey | None
-    reply_topic: str
-    correlation: bytes | None
-    content_type: str | None
-
-    @property
-    def deadline(self) -> Deadline: ...
-
-
-class Answerer(Protocol):
-    """What the cloud side needs of the request path: answers in its shape, and its answering."""
-
-    def template(self, w: Work, **fields) -> dict:
-        """``w``'s ``ok`` answer as the edge gives it."""
-
-    def error(self, w: Work, code: str, message: str) -> dict:
-        """``w``'s error answer."""
-
-    def handed_to_cloud(self, w: Work) -> None:
-        """``w``'s cloud work is in the outbox: acknowledge it now."""
-
-    def answer_late(self, w: Work, body: dict, on_delivered: Callable[[], None]) -> None:
-        """Answer ``w`` from a cloud worker."""
-
-
-class ThermalListener(Protocol):
-    def on_thermal(self, state) -> None:
-        """A thermal transition (the sampler's thread: must not block)."""
 
 
 def answer_from_outcome(template: dict, outcome: Outcome, thermal_state: str) -> dict:
@@ -129,93 +97,86 @@ def deferred_answer(item: OutboxItem, result: CloudAnswer | CloudError, thermal_
 
 
 class Escalation:
-    """Thermal sampler + escalation policy + (optional) cloud bridge, its pool and its outbox loop.
+    """Escalation policy + (optional) cloud bridge, its pool, its outbox loop and the local fallbacks' timer.
 
     Args:
         cfg: daemon config.
-        listener: told of every thermal transition (``on_thermal(GovernorState)``).
+        thermal: the thermal sampler (``state``: what the policy judges by).
+        replies: how a request is replied to (live cloud answers, and the templates they complete).
+        book: where answers from the outbox (resumed, deferred) are recorded and published.
     """
 
-    def __init__(self, cfg: DaemonConfig, listener: ThermalListener) -> None:
+    def __init__(self, cfg: DaemonConfig, thermal, replies: Replies, book: AnswerBook) -> None:
         self.cfg = cfg
-        self._listener = listener
+        self.thermal = thermal
+        self.replies = replies
+        self.book = book
         self.policy = EscalationPolicy({m.name: m.escalation for m in cfg.models})
-        self.sampler = thermal_sampler(cfg.thermal, on_transition=self._transition)
         self.bridge: CloudBridge | None = None
         self.pool: ThreadPoolExecutor | None = None
         # requests waiting for (or in) a cloud call are bounded like the local queue
         self._cloud_slots = threading.BoundedSemaphore(cfg.service.queue_size)
         self._waiting: dict[str, object] = {}  # outbox id -> future, for the drain
         self._lock = threading.Lock()
+        self._delivered: list[str] = []  # outbox ids whose live answer the broker has, written by tick()
+        self.fallbacks = FallbackTimer(self._fall_back)
         if cfg.cloud is not None:
-            self.bridge = CloudBridge(cfg.cloud, state_dir(cfg), policy=self.policy, thermal_state=self._thermal_state)
+            self.bridge = CloudBridge(cfg.cloud, state_dir(cfg), policy=self.policy, thermal_state=lambda: thermal.state)
             self.pool = ThreadPoolExecutor(max(2, 2 * cfg.cloud.concurrency), thread_name_prefix="k2edge-cloud")
         self._stop = threading.Event()
-        self._outbox_thread: threading.Thread | None = None
-        self.path: Answerer | None = None
-        self.book: AnswerBook | None = None
+        self._outbox_thread = threading.Thread(target=self._outbox_loop, name="k2edge-outbox", daemon=True)
 
     # lifecycle -----------------------------------------------------------------------------------
-    def attach(self, path: Answerer, book: AnswerBook) -> None:
-        """Serve ``path`` (the request path makes itself known when it is made).
-
-        Args:
-            path: where live cloud answers go (:meth:`RequestPath.answer_late`) and whose answer
-                templates the cloud's answers complete.
-            book: where answers from the outbox (resumed, deferred) are recorded and published.
-        """
-        self.path, self.book = path, book
-
     def start(self) -> None:
-        """Start sampling, and (with a cloud) the outbox loop."""
-        self.sampler.start()
+        """With a cloud: the outbox loop and the fallbacks' timer."""
         if self.bridge is not None:
-            self._outbox_thread = threading.Thread(target=self._outbox_loop, name="k2edge-outbox", daemon=True)
+            self.fallbacks.start()
             self._outbox_thread.start()
 
     def stop(self) -> None:
         """Finish the cloud calls already running (each bounded by its deadline) and publish their
-        answers; hand the queued ones back to the outbox for the next start; stop the outbox loop and
-        the sampler. The outbox stays open for the deliveries still to be acknowledged: :meth:`close`."""
+        answers; hand the queued ones back to the outbox for the next start; stop the outbox loop.
+        The outbox stays open for the deliveries still to be acknowledged: :meth:`close`."""
         if self.pool is not None:
             with self._lock:
                 queued = [oid for oid, fut in self._waiting.items() if fut.cancel()]
             for oid in queued:
                 self.bridge.outbox.unlease(oid, "the daemon stopped before the cloud call", 0.0)
             self.pool.shutdown(wait=True)
+            self.fallbacks.stop()
         self._stop.set()
-        if self._outbox_thread is not None:
+        if self._outbox_thread.is_alive():
             self._outbox_thread.join(timeout=10)
-        self.sampler.stop()
 
     def close(self) -> None:
         """Close the cloud client and the outbox (after every answer was acknowledged: a live answer's
         acknowledgement marks its outbox row delivered)."""
         if self.bridge is not None:
+            self.tick()
             self.bridge.close()
 
-    def _transition(self, st) -> None:
-        log.warning("thermal state %s: %s", st.state, st.reason)
-        self._listener.on_thermal(st)
+    def tick(self) -> None:
+        """Once a second (the serving loop): mark the outbox rows whose live answers the broker has. A row
+        not marked yet when the daemon dies is taken up at the next start, where the answer book knows
+        its answer was delivered: nothing is answered twice."""
+        with self._lock:
+            ids, self._delivered = self._delivered, []
+        for oid in ids:
+            try:
+                self.bridge.outbox.mark_delivered(oid)
+            except Exception:
+                log.exception("the outbox could not record the delivery of %s", oid)
+
+    def _answer_delivered(self, oid: str) -> None:
+        """The broker has a live answer (the MQTT network thread: no disk here, the outbox syncs each write)."""
+        with self._lock:
+            self._delivered.append(oid)
+
+    def use(self, model: str, settings) -> None:
+        """Model ``model`` now runs engines whose card these escalation settings were checked against."""
+        self.policy.models[model] = settings
 
     # state -----------------------------------------------------------------------------------------
-    @property
-    def thermal(self):
-        return self.sampler.state
-
-    def _thermal_state(self):
-        return self.sampler.state
-
-    @property
-    def thermal_name(self) -> str:
-        st = self.sampler.state
-        return getattr(st, "state", st) or "unknown"
-
-    @property
-    def prefer_dla(self) -> bool:
-        """The governor asks for the DLA-heavier warm profiles."""
-        return bool(getattr(self.sampler.state, "prefer_dla", False))
-
     @property
     def cloud_waiting(self) -> int:
         with self._lock:
@@ -236,24 +197,24 @@ class Escalation:
                local: LocalResult | None) -> Decision | None:
         """The policy's decision. With ``local`` None it is asked before inference, and answers only
         in the hot and critical states (None: run the model first, then ask with its result)."""
-        state = self.thermal
-        if local is None and getattr(state, "state", state) not in EARLY_STATES:
+        state = self.thermal.state
+        if local is None and state.state not in EARLY_STATES:
             return None
         d = self.policy.decide(EscalationRequest(model, prompt, allow_cloud, deferrable), local, state, self._health(),
                                self._budget())
         return None if d.provisional else d
 
     # carrying a decision out -----------------------------------------------------------------------
-    def carry_out(self, w: Work, d: Decision, local) -> dict | None:
-        """The answer body for ``w`` under decision ``d``, or None when the request went to the cloud
-        pool (safe in the outbox: acknowledged now, answered by :meth:`RequestPath.answer_late`).
+    def carry_out(self, w: RequestItem, d: Decision, local) -> dict | None:
+        """The reply body for ``w`` under decision ``d``, or None when the request went to the cloud
+        pool (safe in the outbox: acknowledged now, replied to by the pool or its fallback).
 
         ``local``: the edge's LocalResult, or a callable computing it (a decision made before inference).
         """
-        path = self.path
+        replies = self.replies
         computed = local if isinstance(local, LocalResult) else None
         if d.action == "refuse":
-            return path.error(w, d.error_code or BUSY, d.reason)
+            return replies.error(w, d.error_code or BUSY, d.reason)
         if self.bridge is not None and (d.action == "cloud" or d.defer):
             breq = self._bridge_request(w)
             if d.action == "cloud":
@@ -263,25 +224,26 @@ class Escalation:
             else:  # answer locally now and leave the cloud's later answer to the outbox
                 computed = computed or local()
                 outcome = self.bridge.carry_out(breq, d, computed, 0.0)
-                return answer_from_outcome(path.template(w), outcome, self.thermal_name)
+                return answer_from_outcome(replies.template(w), outcome, self.thermal.state.state)
         if computed is None:
             if d.action != "local":
-                return path.error(w, d.error_code or BUSY, d.reason)
+                return replies.error(w, d.error_code or BUSY, d.reason)
             computed = local()
         below = d.confidence is not None and d.threshold is not None and d.confidence < d.threshold
         wanted = d.escalate or d.degraded or below  # (below and forbidden: the reason says so)
-        return path.template(w, confidence=d.confidence, degraded=d.degraded, escalation_reason=d.reason if wanted else None)
+        return replies.template(w, confidence=d.confidence, degraded=d.degraded, escalation_reason=d.reason if wanted else None)
 
-    def _bridge_request(self, w: Work) -> BridgeRequest:
+    def _bridge_request(self, w: RequestItem) -> BridgeRequest:
         r = w.req
         mime = w.content_type if w.content_type and w.content_type.startswith("image/") else None
         return BridgeRequest(id=r.id or f"anon-{id(w):x}", model=r.model, prompt=r.prompt, image=r.image, mime=mime,
                              allow_cloud=r.allow_cloud, deferrable=r.deferrable, response_topic=w.reply_topic,
-                             correlation_data=w.correlation, response=self.path.template(w))
+                             correlation_data=w.correlation, response=self.replies.template(w))
 
-    def _send(self, req: BridgeRequest, d: Decision, local, w: Work) -> bool:
-        """Put a request the policy sends to the cloud in the outbox, acknowledge it, and queue its
-        cloud call. False when ``queue_size`` requests already wait for the cloud (answer locally)."""
+    def _send(self, req: BridgeRequest, d: Decision, local, w: RequestItem) -> bool:
+        """Put a request the policy sends to the cloud in the outbox, acknowledge it, queue its cloud
+        call and arm its local fallback. False when ``queue_size`` requests already wait for the cloud
+        (answer locally)."""
         if not self._cloud_slots.acquire(blocking=False):
             return False
         c = self.cfg.cloud
@@ -301,24 +263,78 @@ class Escalation:
             self._cloud_slots.release()
             log.exception("request %s: the outbox refused the cloud work; answering locally", req.id)
             return False
-        self.path.handed_to_cloud(w)
+        self.replies.handed_to_cloud(w)
+        settled = Settled()
+        if self._falls_back(req, d, local, deadline):
+            # the local answer is ready when the cloud wait ends: due at the deadline less the reserve for
+            # the publish (and for computing it, when a decision made before inference left it to do)
+            reserve = min(0.5 * budget, max(c.deadline_reserve_ms / 1e3, 0.1 * budget) + self.fallbacks.margin())
+            cost = 0.0 if computed is not None or w.runtime is None else min(1.0, 2 * w.runtime.batch1_s)
+            ready = self._local_answer(w, d, computed, clock()) if computed is not None else None
+            due = deadline.at - reserve - cost
+            self.fallbacks.arm(due, _Fallback(w, d, local, settled, oid, clock(), due, ready))
         with self._lock:
-            self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w)
+            self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w, settled)
         return True
 
-    def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str, w: Work) -> None:
-        """A cloud worker: the cloud's outcome, answered through the request path."""
+    @staticmethod
+    def _falls_back(req: BridgeRequest, d: Decision, local, deadline: Deadline) -> bool:
+        """A local answer can stand in for the cloud's at the deadline (a deferrable request's
+        fallback is the bridge's: it may go to the outbox instead)."""
+        return deadline.set and local is not None and d.thermal_state != "critical" and not req.deferrable
+
+    def _local_answer(self, w: RequestItem, d: Decision, computed: LocalResult, sent: float) -> dict:
+        """``w``'s degraded local answer, as the fallback gives it."""
+        outcome = Outcome("edge", computed.summary, (clock() - sent) * 1e3,
+                          f"{d.reason}; cloud failed: no answer from the cloud within the {w.deadline.why}: "
+                          "answered locally", True, escalated=True, decision=d, local=computed)
+        return answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
+
+    def _fall_back(self, jobs: list["_Fallback"]) -> None:
+        """The deadline came before the cloud's outcome: the local answers, degraded (the timer's thread)."""
+        replies = []
+        for job in jobs:
+            if not job.settled.claim():
+                continue
+            w = job.w
+            try:
+                if job.body is None:  # decided before inference: computed now, in time for the deadline
+                    computed = job.local if isinstance(job.local, LocalResult) else job.local()
+                    body = self._local_answer(w, job.d, computed, job.sent)
+                else:
+                    body = job.body
+                    body["latency_ms"]["total"] = round((clock() - w.received) * 1e3, 3)
+                    body["thermal_state"] = self.thermal.state.state
+            except Exception as exc:
+                log.exception("request %s: the local fallback failed", w.req.id)
+                body = self.replies.error(w, INTERNAL, f"internal error in the local fallback: {type(exc).__name__}")
+            replies.append((w, body, functools.partial(self._fallback_delivered, job)))
+        if replies:
+            self.replies.send_late(replies)
+
+    def _fallback_delivered(self, job: "_Fallback") -> None:
+        """The broker has a fallback's reply: its outbox row is done, and the timer learns how late it was."""
+        self.fallbacks.observe(clock() - job.due)
+        self._answer_delivered(job.oid)
+
+    def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str,
+              w: RequestItem, settled: Settled) -> None:
+        """A cloud worker: the cloud's outcome, replied unless the fallback replied first."""
+        body = None
         try:
-            outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
-            body = answer_from_outcome(self.path.template(w), outcome, self.thermal_name)
+            if not settled.taken:  # the fallback replied while this waited for a worker: no call to make
+                outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
+                if not settled.taken:
+                    body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours
             log.exception("request %s: cloud offload failed", req.id)
-            body = self.path.error(w, INTERNAL, f"internal error in the cloud offload: {type(exc).__name__}")
+            body = self.replies.error(w, INTERNAL, f"internal error in the cloud offload: {type(exc).__name__}")
         finally:
             with self._lock:
                 self._waiting.pop(oid, None)
             self._cloud_slots.release()
-        self.path.answer_late(w, body, functools.partial(self.bridge.outbox.mark_delivered, oid))
+        if body is not None and settled.claim():
+            self.replies.send_late([(w, body, functools.partial(self._answer_delivered, oid))])
 
     # the outbox loop: deferred answers, and cloud work an earlier run did not finish ---------------
     def _outbox_loop(self) -> None:
@@ -344,7 +360,7 @@ class Escalation:
                                          template.get("id"), template.get("attempt", 0), template.get("model"),
                                          self.cfg.device_id, template.get("model_version")))
             else:
-                body = encode(answer_from_outcome(template, outcome, self.thermal_name))
+                body = encode(answer_from_outcome(template, outcome, self.thermal.state.state))
         self._answer_and_wait(Answer(key, item.response_topic, body, item.correlation_data))
 
     def _resume_outcome(self, item: OutboxItem) -> Outcome | None:
@@ -365,7 +381,7 @@ class Escalation:
 
     def render(self, item: OutboxItem, result: CloudAnswer | CloudError) -> dict:
         """A deferred request's later answer (see :func:`deferred_answer`), in today's thermal state."""
-        return deferred_answer(item, result, self.thermal_name)
+        return deferred_answer(item, result, self.thermal.state.state)
 
     def _publish_followup(self, topic: str, correlation: bytes | None, payload: dict) -> None:
         """A deferred request's later cloud answer, once per request."""
@@ -381,8 +397,22 @@ class Escalation:
             raise RuntimeError(f"the broker did not acknowledge the answer on {answer.topic} within {DELIVERY_WAIT_S:g} s")
 
     def status(self) -> dict:
-        return {"thermal": self.sampler.snapshot(), "cloud": self.bridge.status() if self.bridge else {"state": "not configured"},
+        return {"cloud": self.bridge.status() if self.bridge else {"state": "not configured"},
                 "cloud_waiting": self.cloud_waiting}
+
+
+@dataclass(slots=True)
+class _Fallback:
+    """A request in the cloud pool, armed for its local answer at its deadline."""
+
+    w: RequestItem
+    d: Decision
+    local: object  # its LocalResult, or a callable computing it
+    settled: Settled
+    oid: str
+    sent: float
+    due: float
+    body: dict | None  # the local answer, built when it was armed (None: computed when due)
 
 
 def degrade(d: Decision, why: str) -> Decision:

@@ -1,22 +1,22 @@
 """The daemon's numbers: what it answered, how fast, and the state around it.
 
-:class:`ServiceStats` is the one place an answer is counted: it keeps the counters and recent
-latencies that status and telemetry report, and hands each observation on to the Prometheus
-:class:`Metrics` when the config has a ``[metrics]`` table.
+:class:`AnswerStats` is the one place an answer is counted: it keeps the counters and recent
+latencies that the daemon's telemetry reports, and hands each observation on to the
+:class:`PrometheusMetrics` exporter (``/metrics``) when the config has a ``[metrics]`` table.
 
-One :class:`Metrics` per daemon, with its own ``CollectorRegistry`` (never the process-global
+One :class:`PrometheusMetrics` per daemon, with its own ``CollectorRegistry`` (never the process-global
 one, so two daemons in one test process, or a library user's own metrics, do not collide). The
 daemon calls the ``observe_*`` / ``set_*`` methods from its request path and its status loop,
-and :meth:`Metrics.start` serves ``/metrics`` when the config has a ``[metrics]`` table::
+and :meth:`PrometheusMetrics.start` serves ``/metrics`` when the config has a ``[metrics]`` table::
 
-    metrics = Metrics()
+    metrics = PrometheusMetrics()
     metrics.set_model("digits", version="1.2.0", profile="c2")
     metrics.observe_answer("digits", "ok", "edge", {"queue": 0.2, "infer": 0.4, "total": 0.9})
     metrics.start("127.0.0.1", 9108)       # GET http://127.0.0.1:9108/metrics
     metrics.stop()
 
 Every label takes values from a closed set, so a flood of requests for made-up model names cannot
-grow the series without bound: a model that was never :meth:`~Metrics.set_model`-registered is
+grow the series without bound: a model that was never :meth:`~PrometheusMetrics.set_model`-registered is
 counted as ``(unknown)``, an unknown status or reason as ``other``.
 """
 
@@ -35,8 +35,8 @@ from ..cloud_bridge.policy import reason_kind
 from ..errors import K2EdgeError
 from .protocol import ERROR_CODES
 
-__all__ = ["BREAKER_STATES", "ESCALATION_REASONS", "STAGES", "STATUSES", "THERMAL_STATES", "Metrics", "MetricsError",
-           "ServiceStats"]
+__all__ = ["BREAKER_STATES", "ESCALATION_REASONS", "STAGES", "STATUSES", "THERMAL_STATES", "AnswerStats", "MetricsError",
+           "PrometheusMetrics"]
 
 STAGES = ("queue", "stage", "batch_wait", "infer", "cloud", "total")
 """The stages of an answer's ``latency_ms`` that get a histogram; other keys are ignored."""
@@ -61,8 +61,8 @@ class MetricsError(K2EdgeError):
 INT8_MEASURES = ("agreement", "recall", "precision", "score_ratio", "cosine")  # exported of an INT8 check's measures
 
 
-class Metrics:
-    """The daemon's metrics, in a registry of their own.
+class PrometheusMetrics:
+    """The daemon's Prometheus exporter: its metrics, in a registry of their own, served on ``/metrics``.
 
     Metric names (all prefixed ``k2edge_``): ``requests_total{model,status,source}``,
     ``latency_seconds{model,stage}`` (histogram), ``queue_depth``, ``batch_size{model}`` (histogram),
@@ -246,16 +246,16 @@ class Metrics:
         return self._server.server_port if self._server is not None else None
 
 
-class ServiceStats:
-    """Counters and recent latencies for status and telemetry (thread-safe); each observation also
-    goes to ``metrics`` (the Prometheus metrics) when given.
+class AnswerStats:
+    """What the daemon answered: counters and recent latencies for its telemetry (thread-safe); each
+    observation also goes to ``metrics`` (the Prometheus exporter) when given.
 
     Args:
-        metrics: the Prometheus metrics, or None without ``[metrics]``.
+        metrics: the Prometheus exporter, or None without ``[metrics]``.
         window: how many recent latencies and batch sizes the percentiles are taken over.
     """
 
-    def __init__(self, metrics: Metrics | None = None, window: int = 2048) -> None:
+    def __init__(self, metrics: PrometheusMetrics | None = None, window: int = 2048) -> None:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._latency = deque(maxlen=window)

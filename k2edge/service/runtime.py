@@ -45,7 +45,7 @@ class ModelRuntime:
     Lifecycle: ``activate()`` once, then ``infer``/``submit``, then ``deactivate()`` once (or use
     it as a context manager); out of order raises :class:`RuntimeStateError`. A model with a warm
     profile has two engine sets: :meth:`with_profile` gives the same model version running the
-    other set (the thermal switch hands it to :meth:`RequestPath.swap`); both views share one
+    other set (the thermal switch hands it to :meth:`Batcher.follow_thermal`); both views share one
     activation.
     """
 
@@ -167,7 +167,7 @@ class ModelRuntime:
             return self
         view = copy.copy(self)
         view.engines, view.profile_name = (self.warm, self.warm_profile) if warm else (self.normal, self.normal_profile)
-        view.batch1_s = self.batch1_s  # a view is not re-measured; the line judges quickness by it
+        view.batch1_s = self.batch1_s  # a view is not re-measured; the batcher judges quickness by it
         return view
 
     @property

@@ -1,14 +1,16 @@
 """The frames' path: from a stream's reader to published detections and events, in the order it happens.
 
+Source -> model -> sinks: a reader is the source, the model's batcher runs the frames, and the
+detections and events are what a processed frame is handed on to.
+
 1. **read** (:class:`~k2edge.streams.reader.StreamReader`, one thread per stream): decode
-   continuously, keep only the newest frame, wake the model's line.
-2. **take** (the model's :class:`~k2edge.service.request_path.Line`): when the engine has room, a
-   batch takes the waiting requests first, then the newest frame of each stream of that model with
-   none in flight (frames of several streams batch together, as DeepStream's nvstreammux does).
-   Requests keep their deadlines; frames that find no room are replaced by newer ones (dropped).
-3. **stage** (:meth:`StreamPath.stage`, on the line): the frame's pixels into a sample by the card.
-4. **infer**: in the same batch as the requests (:meth:`RequestPath.run_batch
-   <k2edge.service.request_path.RequestPath.run_batch>`).
+   continuously, keep only the newest frame, wake the model's batcher.
+2. **take** (:class:`StreamFrames`, the batcher's frame client): when the engine has room, after the
+   waiting requests, the newest frame of each stream of that model with none in flight (frames of
+   several streams batch together, as DeepStream's nvstreammux does). Frames that find no room are
+   replaced by newer ones (dropped); a frame never waits for companions.
+3. **stage** (:meth:`StreamPath.stage`, on the batcher): the frame's pixels into a sample by the card.
+4. **infer**: in the same batch as the requests (:class:`~k2edge.service.batcher.Batcher`).
 5. **finish** (:meth:`StreamPath.finish`): decode detections, track, zones and lines
    (:meth:`Stream.track <k2edge.streams.stream.Stream.track>`), then publish: the detections at
    QoS 0; the events stored in the :class:`~k2edge.service.event_store.EventStore` first, then
@@ -34,6 +36,7 @@ from ..streams.reader import StreamReader, state_event
 from ..streams.source import backend_for, parse_source
 from ..streams.stream import Stream, StreamFrame
 from . import topics
+from .batcher import BatchClient
 from .event_store import EventStore
 
 log = logging.getLogger(__name__)
@@ -47,16 +50,17 @@ class StreamPath:
         prefix: the topic prefix.
         publisher: the request connection (``publish(topic, payload, qos, on_delivered=...)``).
         events: the event store.
-        metrics: the Prometheus metrics, or None.
+        wakeups: each model's batcher condition, notified when one of its streams has a new frame.
+        metrics: the Prometheus exporter, or None.
         on_change: called (no arguments) when a stream's state changed: republish the status.
     """
 
-    def __init__(self, configs: list[StreamConfig], prefix: str, publisher, events: EventStore, metrics=None,
-                 on_change=None) -> None:
+    def __init__(self, configs: list[StreamConfig], prefix: str, publisher, events: EventStore,
+                 wakeups: dict[str, threading.Condition], metrics=None, on_change=None) -> None:
         self.prefix, self.publisher, self.events, self.metrics = prefix, publisher, events, metrics
         self.on_change = on_change
+        self.wakeups = wakeups
         self.streams: dict[str, Stream] = {}
-        self.lines: dict[str, object] = {}  # model -> its line (woken by new frames)
         self._lock = threading.Lock()
         self._delivered: list[str] = []  # event ids the broker acknowledged, written to the store by tick()
         for c in configs:
@@ -69,13 +73,12 @@ class StreamPath:
                                           [(ln.name, ln.start, ln.end) for ln in c.lines])
 
     # lifecycle ------------------------------------------------------------------------------------
-    def feeds(self, model: str) -> list[Stream]:
-        """The streams model ``model``'s line takes frames from."""
-        return [s for s in self.streams.values() if s.model == model]
+    def frames(self, model: str) -> "StreamFrames":
+        """Model ``model``'s frame client (for its batcher)."""
+        return StreamFrames(self, [s for s in self.streams.values() if s.model == model])
 
-    def start(self, lines: dict) -> None:
+    def start(self) -> None:
         """Republish events a previous run stored and never saw delivered, then start reading."""
-        self.lines = lines
         for event_id, topic, payload in self.events.pending():
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
         for s in self.streams.values():
@@ -100,9 +103,10 @@ class StreamPath:
 
     # the reader's listener ------------------------------------------------------------------------
     def on_frame(self, reader: StreamReader) -> None:
-        line = self.lines.get(self.streams[reader.name].model)
-        if line is not None:
-            line.wake()
+        cond = self.wakeups.get(self.streams[reader.name].model)
+        if cond is not None:
+            with cond:
+                cond.notify()
 
     def on_state(self, reader: StreamReader, old: str, new: str, reason: str | None) -> None:
         event = state_event(old, new, reason)
@@ -113,7 +117,7 @@ class StreamPath:
         if self.on_change is not None:
             self.on_change()
 
-    # 3. stage (on the line) -------------------------------------------------------------------------
+    # 3. stage (on the batcher) -------------------------------------------------------------------------
     def stage(self, rt, frames: list[StreamFrame]) -> list[StreamFrame]:
         """The frames' samples, by the card; a frame that cannot be staged is dropped (logged once per stream)."""
         staged = []
@@ -210,3 +214,37 @@ class StreamPath:
     def status(self) -> dict:
         """The ``streams`` object of the daemon's status, keyed by stream name."""
         return {name: s.status() for name, s in self.streams.items()}
+
+
+class StreamFrames(BatchClient):
+    """One model's streams, as its batcher's frame client: the newest frame of each stream, at most one
+    of a stream in flight; a full batch leaves out a different stream's frame each time (round robin)."""
+
+    def __init__(self, path: StreamPath, streams: list[Stream]) -> None:
+        self.path = path
+        self.streams = streams
+        self._next = 0  # which stream is served first
+
+    def ready(self) -> bool:
+        return any(s.ready() for s in self.streams)
+
+    def take(self, room: int) -> list[StreamFrame]:
+        n, frames = len(self.streams), []
+        for i in range(n):
+            if len(frames) >= room:
+                break
+            frame = self.streams[(self._next + i) % n].take()
+            if frame is not None:
+                frames.append(frame)
+        self._next = (self._next + 1) % n if n else 0
+        return frames
+
+    def stage(self, rt, frames: list[StreamFrame]) -> list[StreamFrame]:
+        return self.path.stage(rt, frames)
+
+    def finish(self, rt, frames: list[StreamFrame], rows, started: float) -> None:
+        self.path.finish(rt, frames, rows, started)
+
+    def fail(self, frames: list[StreamFrame], exc: Exception) -> None:
+        for f in frames:  # once: each frame knows whether it was released
+            f.stream.release(f, failed=True)

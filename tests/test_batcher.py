@@ -1,0 +1,96 @@
+"""The batcher over its clients, on a real ONNX model: requests first, then one frame per stream, each
+client finished with its own rows; the batcher itself never looks at what an item is."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from k2edge.config.schema import ModelConfig
+from k2edge.service.batcher import BatchClient, Batcher
+from k2edge.service.runtime import ModelRuntime
+from k2edge.telemetry import thermal_sampler
+
+
+class Item:
+    def __init__(self, tag: str, received: float = 0.0) -> None:
+        self.tag, self.received, self.sample = tag, received, None
+
+
+class Recorder(BatchClient):
+    """A client that keeps what it was asked to do; ``holds`` and ``drains`` as given."""
+
+    def __init__(self, cond, items=(), holds=False, drains=False, bad_stage=False) -> None:
+        self.cond, self.items, self.holds, self.drains, self.bad_stage = cond, list(items), holds, drains, bad_stage
+        self.finished: list[tuple[list[str], int]] = []  # (tags, rows) per batch
+        self.failed: list[str] = []
+        self.done = threading.Event()
+
+    def ready(self):
+        return bool(self.items)
+
+    def oldest(self):
+        return self.items[0].received
+
+    def take(self, room):
+        taken, self.items = self.items[:room], self.items[room:]
+        return taken
+
+    def stage(self, rt, items):
+        if self.bad_stage:
+            raise RuntimeError("cannot stage")
+        for it in items:
+            it.sample = np.zeros(rt.sample_shape, dtype=rt.input_dtype)
+        return items
+
+    def finish(self, rt, items, rows, started):
+        assert not isinstance(rows, Exception), rows
+        self.finished.append(([it.tag for it in items], {len(v) for v in rows.values()}.pop()))
+        self.done.set()
+
+    def fail(self, items, exc):
+        self.failed += [it.tag for it in items]
+        self.done.set()
+
+
+@pytest.fixture(scope="module")
+def runtime(demo_model):
+    rt = ModelRuntime(ModelConfig(name="m", onnx=demo_model), 8, None, None)
+    rt.activate()
+    yield rt
+    rt.deactivate()
+
+
+def test_one_batch_takes_the_requests_first_then_the_frames_each_client_with_its_own_rows(runtime):
+    """Three requests and two frames waiting, room for four: the batch is the three requests and one frame,
+    each client gets exactly its rows; the left-over frame goes in the next batch."""
+    cond = threading.Condition()
+    requests = Recorder(cond, [Item(f"r{i}") for i in range(3)], holds=True, drains=True)
+    frames = Recorder(cond, [Item("f0"), Item("f1")])
+    b = Batcher("m", runtime, thermal_sampler(), [requests, frames], cond, 0.0)
+    b.max_batch = 4  # the demo runtime's largest engine is 8; a smaller room shows the priority
+    b.start()
+    assert requests.done.wait(20) and frames.done.wait(20)
+    b.stop()
+    assert requests.finished == [(["r0", "r1", "r2"], 3)]
+    assert frames.finished[0] == (["f0"], 1) and [t for tags, _ in frames.finished for t in tags] == ["f0", "f1"]
+    assert not requests.failed and not frames.failed
+
+
+def test_a_client_that_cannot_stage_fails_its_items_and_the_batcher_keeps_running(runtime):
+    """A client's stage raising fails the items of that batch (each client told of its own) and the next batch runs."""
+    cond = threading.Condition()
+    bad = Recorder(cond, [Item("x")], holds=True, drains=True, bad_stage=True)
+    b = Batcher("m", runtime, thermal_sampler(), [bad], cond, 0.0)
+    b.start()
+    assert bad.done.wait(20)
+    assert bad.failed == ["x"] and not bad.finished
+    bad.bad_stage, bad.done = False, threading.Event()
+    with cond:
+        bad.items.append(Item("y"))
+        cond.notify()
+    assert bad.done.wait(20)
+    b.stop()
+    assert bad.finished == [(["y"], 1)] and b.alive(max_age=5.0) is False  # stopped
