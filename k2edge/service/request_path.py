@@ -588,7 +588,10 @@ class Line:
         with self._cond:
             self._free += 1
             self._progress = time.monotonic()
-            self._cond.notify_all()
+            # only what waits for the room is woken (items, a frame, a swap): waking the line's thread for
+            # nothing after each lone request the network thread ran costs that request's answer the GIL
+            if self.items or self._next is not None or self._frames_ready():
+                self._cond.notify_all()
 
     def alive(self, max_age: float) -> bool:
         return self.thread.is_alive() and time.monotonic() - self._heartbeat <= max_age
