@@ -92,3 +92,39 @@ def test_reading_stops_at_the_bound_while_the_broker_holds_more(tmp_path, broker
     finally:
         requester.close()
         transport.stop()
+
+
+def test_answers_awaiting_acknowledgement_widen_the_read_by_as_many_at_most(tmp_path, broker):
+    """8 answers published while reading is paused wait for the broker's acknowledgement: the next read
+    may take up to that many requests (paho reads as many packets per call as messages in flight), never
+    the whole backlog waiting in the socket."""
+    from k2edge.config.schema import load_config
+    from k2edge.service.transport import MqttTransport
+
+    cfg = load_config(write_config(tmp_path / "t.toml", broker.port, [DIGITS], service={"queue_size": 64}))
+    holder = Holder(hold=4)
+    transport = MqttTransport(cfg, "requests", [TOPIC])
+    transport.start(holder)
+    requester = Client(broker.port).connect()
+    try:
+        assert transport.subscribed.wait(30), "the transport's subscription was not acknowledged"
+        n, answers = 40, 8
+        for i in range(n):
+            requester.publish(TOPIC, {"id": f"q{i}"})
+        holder.wait_for(lambda: len(holder.held) >= holder.hold)
+        delivered = threading.Semaphore(0)
+        for i in range(answers):  # their acknowledgements queue up behind the requests the socket holds
+            transport.publish("k2edge/t1/answers", b"{}", on_delivered=delivered.release)
+        _turns(transport, 3)
+        while True:
+            holder.release(transport)
+            holder.wait_for(lambda: len(holder.held) >= holder.hold or holder.received == n)
+            if holder.received == n:
+                break
+        holder.release(transport)  # reading resumes: the broker's acknowledgements are read
+        for _ in range(answers):
+            assert delivered.acquire(timeout=30), "an answer was never acknowledged"
+        assert holder.most <= holder.hold - 1 + answers, f"read {holder.most} requests at once with room for {holder.hold}"
+    finally:
+        requester.close()
+        transport.stop()
