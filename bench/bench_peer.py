@@ -16,9 +16,9 @@ true``) and get the same requests (a new id each) from one load generator (``ben
 its own process so that its CPU is counted too). Over several rounds, A/B interleaved (the first
 target alternates):
 
-1. throughput with 16 requests in flight (goal: k2edge >= 1.3x the peer's);
-2. round-trip latency with one request in flight, p50 and p90 (goal: k2edge's p50 <= the peer's +
-   0.3 ms);
+1. throughput with 16 requests in flight (its bound: k2edge at least 1.3x the peer's);
+2. round-trip latency with one request in flight, p50 and p90 (its bound: k2edge's p50 at most the
+   peer's + 0.3 ms);
 
 each after a warm-up that is not counted. It prints medians over rounds with their spread
 [min-max], the CPU milliseconds per request of every process (k2edge, peer, broker, load
@@ -62,8 +62,8 @@ SCENARIOS = {  # model -> what k2edge serves, what the peer runs, what the load 
                  "peer": ["peer_detector.py"], "loadgen": ["--images", str(DETECTOR / "eval" / "images")]},
 }
 TOPICS = {"k2edge": "k2edge/bench/infer/{model}", "peer": "bench-peer/infer/{model}"}
-GOAL_THROUGHPUT_RATIO = 1.3  # k2edge's answers/s at 16 in flight over the peer's
-GOAL_P50_ADDED_MS = 0.3  # k2edge's p50 at one in flight minus the peer's
+THROUGHPUT_RATIO_BOUND = 1.3  # k2edge's answers/s at 16 in flight over the peer's: at least
+P50_ADDED_BOUND_MS = 0.3  # k2edge's p50 at one in flight minus the peer's: at most
 PHASES = (("throughput", 16), ("latency", 1))
 READY_TIMEOUT_S = 120.0
 # --nonblocking: sampling does not pause the daemon (pausing it 250 times a second cut its rate by
@@ -170,12 +170,10 @@ def summarise(rounds: list[dict]) -> dict:
     added = [r["k2edge"]["latency"]["p50_ms"] - r["peer"]["latency"]["p50_ms"] for r in rounds]
     med_ratio = out["k2edge"]["throughput"]["throughput_per_s"]["median"] / out["peer"]["throughput"]["throughput_per_s"]["median"]
     med_added = out["k2edge"]["latency"]["p50_ms"]["median"] - out["peer"]["latency"]["p50_ms"]["median"]
-    clean = out["k2edge"]["failures"] == 0  # a goal is not met by answering fast with errors
-    out["goals"] = {
-        "throughput_ratio": {"value": med_ratio, "per_round": _spread(ratio), "goal": f">= {GOAL_THROUGHPUT_RATIO}x",
-                             "met": med_ratio >= GOAL_THROUGHPUT_RATIO and clean},
-        "p50_added_ms": {"value": med_added, "per_round": _spread(added), "goal": f"<= +{GOAL_P50_ADDED_MS} ms",
-                         "met": med_added <= GOAL_P50_ADDED_MS and clean},
+    # the figures count only with every answer ok ("answers not ok" in the report)
+    out["versus_peer"] = {
+        "throughput_ratio": {"value": med_ratio, "per_round": _spread(ratio), "bound": f"at least {THROUGHPUT_RATIO_BOUND}x"},
+        "p50_added_ms": {"value": med_added, "per_round": _spread(added), "bound": f"at most +{P50_ADDED_BOUND_MS} ms"},
     }
     return out
 
@@ -258,7 +256,7 @@ def _row(*cells: str, widths: tuple[int, ...] = (30, 28, 28, 28)) -> str:
 
 def report(args, model: str, summary: dict, startup: dict) -> str:
     """The comparison table and the CPU table."""
-    k, p, g = summary["k2edge"], summary["peer"], summary["goals"]
+    k, p, g = summary["k2edge"], summary["peer"], summary["versus_peer"]
     tr, pa = g["throughput_ratio"], g["p50_added_ms"]
     batch = k["throughput"]["mean_batch"]
 
@@ -274,13 +272,13 @@ def report(args, model: str, summary: dict, startup: dict) -> str:
         f"answering {startup['k2edge']:.1f} s (k2edge) and {startup['peer']:.1f} s (peer) after their start; "
         "figures: median over rounds [min..max]",
         "",
-        _row("measurement", "peer", "k2edge", "k2edge vs peer", "goal"),
+        _row("measurement", "peer", "k2edge", "k2edge vs peer", "bound"),
         _row("throughput, 16 in flight", *both("throughput", "throughput_per_s", "{:,.0f}", "/s"),
              f"{tr['value']:.2f}x [{tr['per_round']['min']:.2f}..{tr['per_round']['max']:.2f}]",
-             f"{tr['goal']}: {'met' if tr['met'] else 'NOT met'}"),
+             tr["bound"]),
         _row("p50 round trip, 1 in flight", *both("latency", "p50_ms", "{:.3f}", " ms"),
              f"{pa['value']:+.3f} ms [{pa['per_round']['min']:+.3f}..{pa['per_round']['max']:+.3f}]",
-             f"{pa['goal']}: {'met' if pa['met'] else 'NOT met'}"),
+             pa["bound"]),
         _row("p90 round trip, 1 in flight", *both("latency", "p90_ms", "{:.3f}", " ms")),
         _row("p50 round trip, 16 in flight", *both("throughput", "p50_ms", "{:.3f}", " ms"),
              f"k2edge mean batch {batch:.1f}" if batch is not None else ""),

@@ -33,7 +33,14 @@ def test_bench_peer_runs_and_prints_the_comparison(tmp_path):
         assert set(summary[target]["throughput"]["cpu_ms_per_request"]) == {"k2edge", "peer", "broker", "loadgen"}
     for summary in (m["summary"] for m in models.values()):
         assert summary["k2edge"]["throughput"]["mean_batch"] >= 1  # k2edge's answers say their batch size
-        assert isinstance(summary["goals"]["throughput_ratio"]["met"], bool)
+        k, p, versus = summary["k2edge"], summary["peer"], summary["versus_peer"]
+        ratio = k["throughput"]["throughput_per_s"]["median"] / p["throughput"]["throughput_per_s"]["median"]
+        added = k["latency"]["p50_ms"]["median"] - p["latency"]["p50_ms"]["median"]
+        assert versus["throughput_ratio"]["value"] == pytest.approx(ratio)  # one round: its ratio is the median's
+        assert versus["throughput_ratio"]["per_round"]["median"] == pytest.approx(ratio)
+        assert versus["p50_added_ms"]["value"] == pytest.approx(added)
+        assert versus["p50_added_ms"]["per_round"]["median"] == pytest.approx(added)
+        assert f"{ratio:.2f}x" in proc.stdout and f"{added:+.3f} ms" in proc.stdout, proc.stdout
 
 
 def test_bench_peer_refuses_bad_arguments_in_one_line():

@@ -246,3 +246,25 @@ def test_a_request_is_told_from_an_acknowledgement_in_the_bytes_waiting():
     assert publish_ahead(publish, False) and publish_ahead(puback + publish, False)
     assert publish_ahead(puback + bytes([0x40]), True)  # cut off: more may wait, count it as a request
     assert not publish_ahead(bytes([0x40, 200, 1]), False) and publish_ahead(bytes([0x40, 200, 1]), True)
+
+
+@pytest.mark.parametrize("content_type, correlation", [("application/json", None), ("application/json", b"\x00" * 16),
+                                                       ("image/jpeg", b"c" * 300), ("text/plain; charset=é", b"")])
+def test_publish_properties_pack_as_paho_packs_them(content_type, correlation):
+    """The answers' properties, packed once by hand, are byte for byte what paho's Properties packs, and read the same."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    from k2edge.service.transport import PublishProperties
+
+    ref = Properties(PacketTypes.PUBLISH)
+    ref.ContentType = content_type
+    if correlation is not None:
+        ref.CorrelationData = correlation
+    ours = PublishProperties.make(content_type, correlation)
+    assert isinstance(ours, Properties)
+    assert ours.pack() == ref.pack()
+    assert str(ours) == str(ref) and ours.json() == ref.json()
+    unpacked = Properties(PacketTypes.PUBLISH)
+    unpacked.unpack(ours.pack())
+    assert unpacked.ContentType == content_type and getattr(unpacked, "CorrelationData", None) == correlation

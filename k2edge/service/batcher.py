@@ -216,7 +216,10 @@ class Batcher:
         with self._cond:
             self._free += 1
             self._progress = time.monotonic()
-            self._cond.notify_all()
+            # only what waits for the room is woken (an item, a swap, the stop): waking the thread for nothing
+            # after each lone request its caller ran costs that request's answer the GIL
+            if self._next is not None or self._stopping or any(c.ready() for c in self.clients):
+                self._cond.notify_all()
 
     def _holding(self, now: float) -> float | None:
         """Seconds the batch may still wait for companions, or None when it goes now (under the lock)."""

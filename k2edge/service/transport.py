@@ -8,21 +8,28 @@
   out in the order the requests arrived (MQTT 5, 4.6), and never across a reconnect (packet ids
   restart).
 * Backpressure: CONNECT asks for a Receive Maximum of the daemon's queue size, and while the
-  request path says it is saturated the network thread stops reading the socket, so a backlog
-  waits at the broker (mosquitto 2.0.11 honours Receive Maximum only for its first burst). Writes
-  (answers, acks) go on; reading resumes within half the keepalive at the latest.
+  request path says it is saturated the network thread does not call ``loop_read``, so a backlog
+  waits at the broker (mosquitto 2.0.11 honours Receive Maximum only for its first burst). One
+  ``loop_read`` reads at most as many packets as the client has QoS 1 messages awaiting the
+  broker's acknowledgement (one when there are none), so the pause holds to within that many
+  requests of the bound. Writes (answers, acks) go on; reading resumes within half the keepalive
+  at the latest.
 * Every publish may carry an ``on_delivered`` callback, called when the broker acknowledges it
   (``on_publish``, keyed by packet id) — including answers queued while disconnected and sent on
   reconnect, which paho's ``MessageInfo.is_published()`` never reports.
 * A network thread of our own reconnects with jittered exponential backoff, reset only after the
   connection has been stable for a while (avoids reconnect storms, mosquitto#1035).
 * TCP_NODELAY on the client socket: without it (and ``set_tcp_nodelay true`` on the broker), each
-  MQTT round trip waits for Nagle's algorithm — 40-90 ms instead of under 1 ms on loopback.
+  MQTT round trip waits for Nagle's algorithm — 40-90 ms instead of under 1 ms on loopback. Where
+  the system has TCP_CORK (Linux), the socket is corked while ``loop_write`` sends what is queued,
+  so a batch's answers and acks reach the broker in full segments, not one segment per packet.
+
+Only paho's public API is used (``loop_read`` / ``loop_write`` / ``loop_misc`` on a socket this
+module selects on, ``manual_ack`` with ``ack``, the ``on_socket_*`` callbacks).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import select
 import socket
@@ -34,7 +41,7 @@ from typing import Callable, Protocol
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.properties import Properties, VariableByteIntegers
 
 from ..backoff import backoff
 from ..config.schema import DaemonConfig, read_secret
@@ -42,11 +49,38 @@ from ..config.schema import DaemonConfig, read_secret
 log = logging.getLogger(__name__)
 
 STABLE_AFTER_S = 10.0
-_JSON_PROPERTIES = Properties(PacketTypes.PUBLISH)  # copied per answer: building one from names is slow in paho
-_JSON_PROPERTIES.ContentType = "application/json"
+
+
+class PublishProperties(Properties):
+    """A PUBLISH's Content Type and Correlation Data, packed once, here.
+
+    paho's ``Properties`` walks every property name on each attribute set and again in ``pack()``
+    (tens of microseconds an answer); this one is a plain ``Properties`` to paho (it reads and
+    prints the same) whose ``pack()`` returns the bytes computed at construction.
+    """
+
+    _template = Properties(PacketTypes.PUBLISH).__dict__  # packetType and the name tables, shared and never changed
+
+    @classmethod
+    def make(cls, content_type: str, correlation: bytes | None = None) -> "PublishProperties":
+        p = cls.__new__(cls)
+        d = p.__dict__
+        d.update(cls._template)
+        d["ContentType"] = content_type
+        ct = content_type.encode()
+        body = b"\x03" + len(ct).to_bytes(2, "big") + ct  # 3: Content Type, a UTF-8 string
+        if correlation is not None:
+            d["CorrelationData"] = correlation
+            body += b"\x09" + len(correlation).to_bytes(2, "big") + correlation  # 9: Correlation Data, binary
+        d["_packed"] = VariableByteIntegers.encode(len(body)) + body
+        return p
+
+    def pack(self) -> bytes:
+        return self._packed
 
 
 _PEEK_BYTES = 256
+_TCP_CORK = getattr(socket, "TCP_CORK", None)  # Linux
 
 
 def publish_ahead(data: bytes, truncated: bool) -> bool:
@@ -103,52 +137,6 @@ class AckSequencer:
             self._send(m)
 
 
-class _Client(mqtt.Client):
-    """paho's client, reading no further packet once ``more()`` says the daemon holds enough.
-
-    paho's ``loop_read`` reads as many packets as it has messages in flight; stopping between
-    packets keeps the read pause exact (the mirror of paho 2.x's ``loop_read`` plus one check).
-    """
-
-    def __init__(self, *args, more: Callable[[], bool], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._more = more
-
-    def loop_read(self, max_packets: int = 1) -> mqtt.MQTTErrorCode:
-        if self._sock is None:
-            return mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
-        for _ in range(max(1, len(self._out_messages) + len(self._in_messages))):
-            if self._sock is None:
-                return mqtt.MQTTErrorCode.MQTT_ERR_NO_CONN
-            rc = self._packet_read()
-            if rc > 0:
-                return self._loop_rc_handle(rc)
-            if rc == mqtt.MQTTErrorCode.MQTT_ERR_AGAIN or not self._more():
-                return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
-        return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
-
-    def _packet_write(self) -> mqtt.MQTTErrorCode:
-        # Send what is queued in one write, not one send() — and, with TCP_NODELAY, one segment the
-        # broker must read — per packet. Packets paho acts on once written (QoS 0 publishes: their
-        # on_publish; DISCONNECT) and a packet already half sent are left to paho's own loop.
-        q = self._out_packet
-        if len(q) > 1 and q[0]["pos"] == 0:
-            batch = []
-            while q and len(batch) < 256:
-                p = q[0]
-                kind = p["command"] & 0xF0
-                if p["pos"] or kind == mqtt.DISCONNECT or (kind == mqtt.PUBLISH and p["qos"] == 0):
-                    break
-                batch.append(q.popleft())
-            if len(batch) == 1:
-                q.appendleft(batch[0])
-            elif batch:
-                data = b"".join(p["packet"] for p in batch)
-                q.appendleft({"command": 0, "mid": 0, "qos": 1, "pos": 0, "to_process": len(data), "packet": data,
-                              "info": None})
-        return super()._packet_write()
-
-
 class Handler(Protocol):
     """What a connection's messages go to (the request path; the deploy lifecycle)."""
 
@@ -193,8 +181,7 @@ class MqttTransport:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         m = cfg.mqtt
-        c = _Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True,
-                    more=self._room)
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True)
         c.max_queued_messages_set(0)
         c.max_inflight_messages_set(20)  # mosquitto's default, until a broker's CONNACK says how many it takes
         self._broker_receive_max: int | None = None
@@ -335,7 +322,8 @@ class MqttTransport:
         return now - self._paused_since < self.cfg.mqtt.keepalive_s / 2
 
     def _loop_once(self, timeout: float) -> int:
-        """One turn of the network loop (paho's ``loop()``, with reading paused under backpressure)."""
+        """One turn of the network loop (paho's ``loop()``, with reading paused under backpressure:
+        ``loop_read`` is not called while the handler is saturated)."""
         c = self.client
         sock = c.socket()
         if sock is None:
@@ -359,10 +347,28 @@ class MqttTransport:
             if rc or c.socket() is None:
                 return rc or mqtt.MQTT_ERR_CONN_LOST
         if c.want_write():
-            rc = c.loop_write()
+            rc = self._write(c, sock)
             if rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_AGAIN):
                 return rc
         return c.loop_misc()
+
+    @staticmethod
+    def _write(c: mqtt.Client, sock) -> int:
+        """``loop_write`` with the socket corked: paho sends each queued packet on its own, and with
+        TCP_NODELAY each would be a segment the broker reads on its own; uncorking sends the rest."""
+        if _TCP_CORK is None:
+            return c.loop_write()
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 1)
+        except (OSError, AttributeError, ValueError):  # a wrapper that is not a TCP socket
+            return c.loop_write()
+        try:
+            return c.loop_write()
+        finally:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)
+            except (OSError, ValueError):  # closed while writing: nothing left to send
+                pass
 
     def input_pending(self) -> bool:
         """True when another request (a PUBLISH) waits to be read: let requests batch.
@@ -468,11 +474,7 @@ class MqttTransport:
                 on_delivered: Callable[[], None] | None = None):
         """Queue a publish; ``on_delivered()`` runs once the broker acknowledged it (QoS 1/2), or
         once it was written (QoS 0). Queued while disconnected, it goes out on reconnect."""
-        props = copy.copy(_JSON_PROPERTIES) if content_type == "application/json" else Properties(PacketTypes.PUBLISH)
-        if content_type != "application/json":
-            props.ContentType = content_type
-        if correlation is not None:
-            props.CorrelationData = correlation
+        props = PublishProperties.make(content_type, correlation)
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if qos == 0 and info.rc != mqtt.MQTT_ERR_SUCCESS:
             return info  # not sent (disconnected): paho calls back nothing for it, so nothing waits on its packet id
