@@ -18,12 +18,13 @@ GPU_CHAIN = {"edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8
 
 @pytest.fixture(scope="module")
 def silu(tmp_path_factory):
-    """The small SiLU net (tensor task) with a strict cosine tolerance that INT8 alone misses."""
+    """The small SiLU net (tensor task) with a strict cosine tolerance that INT8 alone misses; 100 samples hold out
+    the 20 maps a verdict needs."""
     from graphs import silu_net, smooth_images
 
     d = tmp_path_factory.mktemp("silu-check")
     onnx.save(silu_net(), str(d / "silu.onnx"))
-    np.savez(d / "calib.npz", x=smooth_images(40))
+    np.savez(d / "calib.npz", x=smooth_images(100))
     (d / "silu.card.toml").write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n'
                                       '[quantization]\ntolerance = { cosine = 0.99985 }\n')
     return d
@@ -80,22 +81,62 @@ def test_classification_and_tensor_measures():
     assert t["cosine"] == pytest.approx(1.0) and t["max_rel_error"] == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize("n", [9, 12, 48, 200])
+def test_one_miss_allowed_holds_exactly(n):
+    """With too few items for the default tolerance, (n - 1) / n is the bound, compared in integers: n - 1 hits of n
+    hold, n - 2 do not (round(1 - 1/n, 6) was above (n - 1)/n at 9, 12, 48: one miss failed)."""
+    from fractions import Fraction
+
+    from k2edge.engine.check import holds, meets, one_miss, relaxed, resolvable
+
+    default = {"agreement": 0.999}  # resolved by 1000 items only
+    miss1 = {"agreement": (n - 1) / n, "agreed": n - 1, "samples": n}
+    miss2 = {"agreement": (n - 2) / n, "agreed": n - 2, "samples": n}
+    short = resolvable(miss1, default)
+    assert short == {"agreement": 1000}
+    tol = relaxed(default, miss1, short)
+    assert tol["agreement"] == one_miss(n) == Fraction(n - 1, n)
+    assert meets(miss1, tol) and not meets(miss2, tol)
+    assert not meets(miss1, {"agreement": round(1 - 1 / n, 6)}) or n == 200  # the old rounding: one miss failed
+    assert holds(180, 200, 0.9) and not holds(179, 200, 0.9)  # 0.9 is 9/10, not the float just above it
+    assert resolvable({"agreement": 1.0, "agreed": 200, "samples": 200}, {"agreement": 0.99}) == {}
+
+
+def test_a_check_on_too_few_items_is_inconclusive():
+    """A tolerance met on fewer items than the minimum (200 samples, 50 FP32 boxes, 20 maps) is no verdict."""
+    from k2edge.engine.check import verdict
+
+    few = {"recall": 1.0, "found": 2, "reference_boxes": 2, "precision": 1.0, "kept": 2, "int8_boxes": 2}
+    enough = {**few, "found": 50, "reference_boxes": 50, "kept": 50, "int8_boxes": 50}
+    assert verdict("detection", few, True, False) == "inconclusive"
+    assert verdict("detection", enough, True, False) == "passed" and verdict("detection", enough, True, True) == "fallback"
+    assert verdict("detection", few, False, False) == "failed"
+    assert verdict("tensor", {"samples": 19}, True, False) == "inconclusive" == verdict("classification", {"samples": 199}, True, False)
+    check = Int8Check("detection", "inconclusive", "held-out", 8, {**few, "score_ratio": 1.0}, {"recall": 0.5})
+    assert "INCONCLUSIVE" in check.line() and "at least 50 FP32 boxes" in check.line() and not check.passed
+    assert Int8Check.from_dict(json.loads(json.dumps(check.to_dict()))) == check
+
+
 # --- the check at every build: stderr, --json, cache --------------------------------------------------------
 
 @pytest.mark.slow
 def test_check_line_on_stderr_and_int8_check_in_json(tmp_path):
-    """build/eval --json carry int8_check in their one document, infer --json in each line; the line is on stderr."""
+    """build/eval --json carry int8_check in their one document, infer --json in each line; the line is on stderr.
+    40 held-out samples agree 40/40, fewer than the 200 a verdict needs: inconclusive, with what data to give."""
     cache = str(tmp_path / "cache")
     proc = k2edge("build", MODEL, "-p", "c2", "--json", "--cache", cache)
     d = json.loads(proc.stdout)
     check = d["int8_check"]
-    assert check["status"] == "passed" and check["source"] == "held-out" and check["samples"] == 40
-    assert check["measures"]["agreement"] == 1.0 and d["plan"]["int8_fallback"] == []
-    assert "int8 check (held-out, 40 sample(s)): 40/40 top-1 agree" in proc.stderr
+    assert check["status"] == "inconclusive" and check["source"] == "held-out" and check["samples"] == 40
+    assert check["minimum"] == {"count": "samples", "judged": 40, "needed": 200} and "--check DATA" in check["advice"]
+    assert check["measures"]["agreement"] == 1.0 and check["measures"]["agreed"] == 40 and d["plan"]["int8_fallback"] == []
+    low, high = check["measures"]["bounds"]["agreement"]
+    assert 0.9 < low < 0.95 and high == 1.0  # Wilson 95 % of 40/40: 0.912-1
+    assert "int8 check (held-out, 40 sample(s)): 40/40 top-1 agree" in proc.stderr and "INCONCLUSIVE" in proc.stderr
     samples = sorted((ROOT / "models/digits/samples").glob("*.jpg"))[:2]
     proc = k2edge("infer", MODEL, "-p", "c2", *map(str, samples), "--json", "--cache", cache)
     lines = proc.stdout.splitlines()
-    assert len(lines) == 2 and all(json.loads(line)["int8_check"]["status"] == "passed" for line in lines)
+    assert len(lines) == 2 and all(json.loads(line)["int8_check"]["status"] == "inconclusive" for line in lines)
     assert proc.stderr.count("int8 check") == 1
     proc = k2edge("eval", MODEL, "-p", "c4", "--dataset", str(ROOT / "models/digits/eval.npz"), "--json", "--cache", cache)
     doc = json.loads(proc.stdout)
@@ -105,10 +146,11 @@ def test_check_line_on_stderr_and_int8_check_in_json(tmp_path):
 
 
 def test_check_on_a_given_set(tmp_path):
-    """--check DATA measures on that set instead of the held-out samples."""
+    """--check DATA measures on that set instead of the held-out samples: 512 samples give a verdict."""
     engine = Engine.build(MODEL, "c2", check=ROOT / "models/digits/eval.npz", cache_dir=tmp_path)
     check = engine.info.int8_check
     assert check.source.endswith("eval.npz") and check.samples == 512 and check.status == "passed"
+    assert check.power == ("samples", 512, 200) and check.advice() == ""
 
 
 def test_second_build_is_a_cache_hit_without_calibration(tmp_path, caplog):
@@ -258,3 +300,20 @@ def test_plan_shows_the_detector_head_in_float_and_inspect_counts_nodes():
     assert "kept out of INT8" in text
     shown = k2edge("inspect", det).stdout
     assert "> 99.9 % of FLOPs DLA-capable (42 of 59 nodes; 17 are not)" in shown
+
+
+def test_trust_require_int8_check_refuses_an_inconclusive_engine(tmp_path):
+    """``[trust] require_int8_check = true``: the daemon refuses to serve digits on c2, whose check (40 held-out
+    samples) is inconclusive, in one line that says why; without the key it would serve it."""
+    import subprocess
+    import sys
+
+    from mqtt_support import free_port, write_config
+
+    cfg = write_config(tmp_path / "d.toml", free_port(), [{"name": "digits", "onnx": MODEL, "profile": "c2", "top_k": 1}],
+                       service={"cache_dir": str(tmp_path / "cache"), "max_batch": 1},
+                       tables={"trust": {"allow_unsigned": True, "require_int8_check": True}})
+    proc = subprocess.run([sys.executable, "-m", "k2edge", "serve", "--config", str(cfg)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "require_int8_check: the INT8 check is inconclusive" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -36,7 +36,7 @@ from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 from .calibration import activation_tensors, observed_model, session
-from .check import Int8Check, compare_outputs, meets, resolvable, tolerance_for
+from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
 from .quantize import (MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
                        calibration_statistics, float_nodes, quant_settings, quant_variant, stage_batches,
                        variant_files)
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 _LOWER_IS_BETTER = ("mean_abs_dp", "max_rel_error", "keypoint_error")
-_COUNTS = ("samples", "reference_boxes", "int8_boxes")
 
 
 @dataclass(frozen=True)
@@ -146,14 +145,7 @@ class _CheckRunner:
                 detections=(lambda o: d.detections(o, [None] * len(next(iter(o.values()))))) if d is not None else None,
                 relaxed=(lambda o: low.detections(o, [None] * len(next(iter(o.values()))))) if low is not None else None,
                 masks=self._masks if self.task == "segmentation" and d is not None else None))
-        worst = dict(per_model[0])
-        for measures in per_model[1:]:
-            for k, v in measures.items():
-                if k in _LOWER_IS_BETTER:
-                    worst[k] = max(worst[k], v)
-                elif k not in _COUNTS:
-                    worst[k] = min(worst[k], v)
-        return worst
+        return _worst(per_model)
 
     def sqnr(self, ranges: dict[str, float], tensors: list[str]) -> dict[str, float]:
         """Per tensor: SQNR (dB) of its own INT8 rounding at ``ranges``, over the check samples, in one streaming pass."""
@@ -172,6 +164,22 @@ class _CheckRunner:
                 noise[t] += float(((x - q) ** 2).sum())
         eps = np.finfo(np.float32).eps
         return {t: 20 * math.log10(max(math.sqrt(signal[t]), eps) / max(math.sqrt(noise[t]), eps)) for t in tensors}
+
+
+def _worst(per_model: list[dict]) -> dict:
+    """The worst of several artefacts' measures, measure by measure (a share with its counts and bound)."""
+    worst = {k: v for k, v in per_model[0].items()}
+    worst["bounds"] = dict(per_model[0].get("bounds", {}))
+    for measures in per_model[1:]:
+        for k, v in measures.items():
+            if not isinstance(v, float) or k not in worst:
+                continue
+            if (v > worst[k]) if k in _LOWER_IS_BETTER else (v < worst[k]):
+                worst[k] = v
+                worst["bounds"][k] = measures.get("bounds", {}).get(k)
+                if k in COUNTED:
+                    worst.update({c: measures[c] for c in COUNTED[k] if c in measures})
+    return worst
 
 
 def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, preprocess: Preprocess, card: ModelCard,
@@ -219,15 +227,14 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
         first = evaluate(())
         short = resolvable(first, tol)
         if short:
-            counts = {k: int(first.get({"agreement": "samples", "recall": "reference_boxes", "precision": "int8_boxes"}[k], 0)) for k in short}
+            counts = {k: int(first.get(COUNTED[k][1], 0)) for k in short}
             if explicit:
                 need = ", ".join(f"{k} >= {tol[k]:g} needs at least {short[k]} (has {counts[k]})" for k in short)
                 raise BuildError(f"int8 tolerance cannot be resolved on {n_check} check sample(s): {need}; "
                                  f"give more calibration samples, a --check set, or a looser tolerance")
-            for k in short:  # a default tolerance: as strict as the count resolves (one miss allowed)
-                tol[k] = round(1.0 - 1.0 / max(counts[k], 1), 6) if counts[k] > 1 else 0.0
+            tol = relaxed(tol, first, short)  # a default tolerance: as strict as the count resolves (one miss allowed)
             notes.append("with " + ", ".join(f"{counts[k]} {'samples' if k == 'agreement' else 'boxes'}" for k in short)
-                         + " the default tolerance is relaxed to " + ", ".join(f"{k} >= {tol[k]:g}" for k in short))
+                         + " the default tolerance is relaxed to " + ", ".join(f"{k} >= {tol[k]}" for k in short))
         fallback: list[dict] = []
         before = None
         measures = first
@@ -286,6 +293,7 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
                 fallback.append({"node": n, "device": devices[n], "precision": next_precision(plan.precision_chain, devices[n]),
                                  "reason": "INT8 check below tolerance: among the layers with the lowest output SQNR",
                                  "sqnr_db": round(db[n], 2)})
+        status = status if status == "failed" else verdict(task, measures, True, bool(fallback))
         check = Int8Check(task, status, source, n_check, measures, tol, tuple(fallback), before, tuple(notes))
         (tmp / "decision.json").write_text(json.dumps(check.to_dict(), indent=1, sort_keys=True))
         return {"status": status, "fallback": len(fallback)}
@@ -356,7 +364,7 @@ def cached_decision(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
 
 def _score(measures: dict, tol: dict) -> float:
     """How far a candidate is from the tolerance (0 when it holds): the smallest margin, for 'keep the best'."""
-    return min(measures.get(k, 0.0) - v for k, v in tol.items())
+    return min(float(measures.get(k, 0.0)) - float(v) for k, v in tol.items())
 
 
 def _variant_scopes(plan: PartitionPlan) -> list[frozenset]:

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 # 2: ranges tied by DLA pooling and elementwise layers are equalised; 3: + card preprocessing, heads kept float;
 # 4: ties only for DLA layers, fused Sigmoid/HardSigmoid->Mul gates, streaming statistics, held-out check samples;
 # 5: a decoupled detection head's branches (YOLOv8's Detect cv2/cv3) kept in float with the decoding
-QUANT_VERSION = "5"
+# 6: exact tolerance arithmetic, counted measures with bounds, inconclusive checks
+QUANT_VERSION = "6"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 MIN_HELD_OUT_SPLIT = 16  # fewer samples than this: the check runs on the calibration samples themselves
