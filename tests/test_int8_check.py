@@ -174,30 +174,39 @@ def test_one_calibration_and_decision_shared_by_every_batch_size(silu, tmp_path)
 
 # --- fallback -----------------------------------------------------------------------------------------------
 
-def test_fallback_moves_the_worst_layers_to_fp16_until_the_tolerance_holds(silu, tmp_path):
+def test_fallback_moves_the_most_sensitive_layers_to_fp16_until_the_tolerance_holds(silu, tmp_path):
+    """The fallback moves learned layers (each with its SiLU epilogue) ranked by their measured effect on the output,
+    most sensitive first; every learned layer not moved stays INT8 in the Q/DQ model (none de-quantised by
+    accident), and the plan's FLOP shares are those of the Q/DQ model."""
+    from k2edge.engine.quantize import learned_layers, qdq_int8_layers
+
     engine = Engine.build(silu / "silu.onnx", GPU_CHAIN, cache_dir=tmp_path)
     check = engine.info.int8_check
     assert check.status == "fallback" and check.before["cosine"] < 0.99985 <= check.measures["cosine"]
     moved = engine.plan.int8_fallback
-    assert moved and all(f["precision"] == "fp16" and f["device"] == "gpu" and f["sqnr_db"] > 0 for f in moved)
-    assert [f["sqnr_db"] for f in moved] == sorted(f["sqnr_db"] for f in moved)  # worst first
+    assert moved and all(f["precision"] == "fp16" and f["device"] == "gpu" and f["sensitivity"] > 0 for f in moved)
+    units = list(dict.fromkeys(f["unit"] for f in moved))
+    by_unit = {f["unit"]: f["sensitivity"] for f in moved}
+    assert [by_unit[u] for u in units] == sorted(by_unit.values(), reverse=True)  # most sensitive first
     names = {f["node"] for f in moved}
+    learned = set(learned_layers(engine.model.graph))
+    assert set(units) & learned and names - set(units)  # a learned layer moves with its epilogue (Sigmoid, Mul)
+    assert all(f["unit"] in learned or f["node"] == f["unit"] for f in moved)  # anything else moves alone
     seg = engine.plan.segments[0]
     assert all(seg.layer_precision[n] == "fp16" for n in names)
     assert any("kept out of INT8" in n for n in engine.plan.notes)
-    outputs = {o for n in engine.model.graph.nodes if n.name in names for o in n.outputs}
     quant_dir = next(p for p in (tmp_path / "int8").iterdir()
                      if json.loads((p / "manifest.json").read_text())["meta"].get("fallback"))
-    assert not outputs & _qdq_tensors(quant_dir / "qdq.onnx")
-    casts = {n.input[0] for n in onnx.load(str(quant_dir / "qdq.onnx")).graph.node if n.op_type == "Cast"}
-    assert outputs & casts  # rounded to FP16 instead
+    int8 = qdq_int8_layers(onnx.load(str(quant_dir / "qdq.onnx")), learned)
+    assert int8 == learned - names and int8  # nothing else left INT8's Q/DQ
+    shares = engine.plan.precision_flops
+    assert shares["measured"] and 0 < shares["model"]["fp16"] < 1 and shares["model"]["int8"] + shares["model"]["fp16"] == pytest.approx(1, abs=1e-3)
     profile = tmp_path / "gpu.json"
     profile.write_text(json.dumps(GPU_CHAIN))
     shown = json.loads(k2edge("plan", str(silu / "silu.onnx"), "-p", str(profile), "--calib", str(silu / "calib.npz"),
                               "--cache", str(tmp_path), "--json").stdout)  # `plan` after the build
     assert [f["node"] for f in shown["int8_fallback"]] == [f["node"] for f in moved]
-    assert shown["int8_check"]["status"] == "fallback"
-    assert not outputs & set(read_trt_calibration_cache(quant_dir / "calib.cache"))
+    assert shown["int8_check"]["status"] == "fallback" and shown["precision_flops"] == shares
 
 
 def test_precision_int8_never_falls_back_but_warns(silu, tmp_path, caplog):
@@ -226,9 +235,9 @@ def test_an_explicit_tolerance_the_check_cannot_resolve_is_refused(tmp_path):
         Engine.build(MODEL, "c2", card=card, cache_dir=tmp_path / "cache")
 
 
-def test_tensorrt_route_gives_fallback_layers_no_range_and_fp16(silu, tmp_path, monkeypatch):
-    """On the DLA route (test double of TensorRT 10) the fallback layers' outputs are missing from the calibration
-    cache and the layers are constrained to FP16."""
+def test_tensorrt_route_gives_fallback_layers_fp16_and_keeps_the_ranges_int8_readers_need(silu, tmp_path, monkeypatch):
+    """On the DLA route (test double of TensorRT 10) the fallback layers are constrained to FP16; a moved layer's
+    output has a range only where an INT8 layer reads it (so that reader stays INT8), none inside a moved unit."""
     from trt_double import TrtDouble
 
     double = TrtDouble().install(monkeypatch)
@@ -236,14 +245,23 @@ def test_tensorrt_route_gives_fallback_layers_no_range_and_fp16(silu, tmp_path, 
         engine = Engine.build(silu / "silu.onnx", "c4", backend="tensorrt", cache_dir=tmp_path)
         moved = {f["node"] for f in engine.plan.int8_fallback}
         assert moved
-        outputs = {o for n in engine.model.graph.nodes if n.name in moved for o in n.outputs}
+        graph = engine.model.graph
+        outputs = {o for n in graph.nodes if n.name in moved for o in n.outputs}
+        inside = {o for o in outputs if all(graph.nodes[i].name in moved for i in graph.consumers.get(o, []))}
+        precision = {n: p for s in engine.plan.segments for n, p in s.layer_precision.items()}
+        int8_read = {o for o in outputs if any(precision.get(graph.nodes[i].name) == "int8" for i in graph.consumers.get(o, []))}
         dla = [b for b in double.builds if b["default_device"] == "DLA"]
-        assert dla
+        assert dla and inside
+        ranged = set()
         for b in dla:
             tensors = {line.rpartition(": ")[0] for line in b["calibration_cache"].splitlines()[1:]}
-            assert not outputs & tensors
+            ranged |= tensors
+            assert not inside & tensors
             assert all(b["layer_precision"].get(n) in (None, "HALF") for n in moved)
         assert any(b["layer_precision"].get(n) == "HALF" for b in dla for n in moved)
+        caches = [b["calibration_cache"] for b in double.builds if b.get("calibration_cache")]
+        ranged |= {line.rpartition(": ")[0] for c in caches for line in c.splitlines()[1:]}
+        assert int8_read <= ranged
     finally:
         from k2edge.engine.trt_cuda import release_primary_contexts
 
