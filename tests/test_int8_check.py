@@ -318,6 +318,14 @@ def test_plan_shows_the_detector_head_in_float_and_inspect_counts_nodes():
     assert "kept out of INT8" in text
     shown = k2edge("inspect", det).stdout
     assert "> 99.9 % of FLOPs DLA-capable (42 of 59 nodes; 17 are not)" in shown
+    # inspect: each node's precision under an INT8 profile, and the learned layers' INT8 share before the check
+    assert "int8   19 learned layers; a profile that asks for INT8 runs 100.0" in shown and "17 node(s) the card keeps in float" in shown
+    nodes = json.loads(k2edge("inspect", det, "--json").stdout)["nodes"]
+    floats = {n["name"] for n in nodes if n["int8"] == "float (card)"}
+    assert head <= floats and all(n.startswith("head/") for n in floats)
+    assert all(n["int8"] == "int8" for n in nodes if n["op"] == "Conv" and n["name"] not in head)
+    planned = data["precision_flops"]
+    assert planned["measured"] is False and planned["model"]["int8"] > 0.99  # the head's learned FLOPs: none
 
 
 def test_trust_require_int8_check_refuses_an_inconclusive_engine(tmp_path):
