@@ -366,7 +366,8 @@ class Int8Check:
 
     def _bound(self, k: str) -> str:
         b = (self.measures.get("bounds") or {}).get(k)
-        return f", 95 % CI {b[0]:.3f}-{b[1]:.3f}" if b is not None else ""
+        digits = 5 if k == "cosine" else 3
+        return f", 95 % CI {b[0]:.{digits}f}-{b[1]:.{digits}f}" if b is not None else ""
 
     def summary(self) -> str:
         """The measures in words, e.g. ``38/40 top-1 agree (0.950, 95 % CI 0.835-0.986), mean |Δp| 0.004``."""
@@ -400,7 +401,8 @@ class Int8Check:
         if self.status == "fallback":
             return f"{head} — within tolerance ({tol}){moved}"
         if self.status == "inconclusive":
-            return f"{head} — INCONCLUSIVE: within tolerance ({tol}){moved}, but {self.advice()}"
+            held = "within tolerance" if meets(self.measures, self.tolerance) else "misses its tolerance"
+            return f"{head} — INCONCLUSIVE: {held} ({tol}){moved}, but {self.advice()}"
         extra = f"; {len(self.fallback)} layer(s) out of INT8 did not suffice" if self.fallback else ""
         return f"{head} — FAILED tolerance ({tol}){extra}" + (f" ({self.notes[-1]})" if self.notes else "")
 

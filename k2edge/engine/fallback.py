@@ -27,7 +27,7 @@ import onnx
 from .calibration import session
 from .quantize import unquantise_layers
 
-SENSITIVITY_SAMPLES = 24  # calibration samples each candidate runs on (one ORT session per learned layer)
+SENSITIVITY_SAMPLES = 6  # calibration samples each candidate runs on (one ORT session per unit)
 
 
 def output_error(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
@@ -84,12 +84,12 @@ def rank(sensitivities: dict[str, float], order: list[str]) -> list[str]:
 
 
 def smallest_prefix(holds: Callable[[int], bool], n: int) -> int | None:
-    """The smallest k in 1..n for which ``holds(k)`` (the k most sensitive layers in float meet the tolerance),
-    or None when even all n do not.
+    """The smallest k in 1..n for which ``holds(k)`` (the k most sensitive units in float meet the tolerance), or
+    None when even all n do not.
 
-    The measures are not monotonic in k on a check set of a few hundred items, so one search can settle on a
-    large k where a smaller one holds: bisect from above (between none and all), then probe doubling k from
-    below the answer, and keep the smallest k that held.
+    Doubling from below (1, 2, 4, ... then n), then a bisection between the last miss and the first hit: about
+    2 log2(k) checks when k units suffice, so a fallback of a few layers costs a few checks. The measures are not
+    monotonic in k on a check set of a few hundred items; the smallest k that held wins.
     """
     tried: dict[int, bool] = {}
 
@@ -98,31 +98,19 @@ def smallest_prefix(holds: Callable[[int], bool], n: int) -> int | None:
             tried[k] = holds(k)
         return tried[k]
 
-    if n == 0 or not check(n):
+    lo, k = 0, 1
+    while k < n and not check(k):
+        lo, k = k, k * 2
+    k = min(k, n)
+    if n == 0 or not check(k):
         return None
-    _search(check, n)
-    return min(k for k, ok in tried.items() if ok)
-
-
-def _search(holds: Callable[[int], bool], n: int) -> None:
-    lo, hi = 0, n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            hi = mid
+    while k - lo > 1:
+        mid = (lo + k) // 2
+        if check(mid):
+            k = mid
         else:
             lo = mid
-    lo, k = 0, 1
-    while k < hi:
-        if holds(k):
-            while k - lo > 1:
-                mid = (lo + k) // 2
-                if holds(mid):
-                    k = mid
-                else:
-                    lo = mid
-            return
-        lo, k = k, k * 2
+    return min(j for j, ok in tried.items() if ok)
 
 
 def search_budget(n: int) -> int:

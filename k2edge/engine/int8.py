@@ -6,7 +6,7 @@ daemon builds shares it: the same layers fall back at every batch size.
 
 1. statistics: one streaming pass over the calibration samples (:func:`~.quantize.calibration_statistics`);
 2. ranges: per tensor from the statistics by the calibration method, with the DLA's ties on DLA layers only;
-3. Q/DQ artefacts: one variant per set of devices (:func:`_variants`);
+3. Q/DQ artefacts: one all-INT8 model per set of devices (:func:`_bases`), each fallback a graph edit of it;
 4. check: FP32 and the INT8 Q/DQ emulation (every artefact of the plan: a model-wise plan's GPU and DLA ones) run
    on the check samples (every fifth calibration sample, or a ``--check`` set) and are compared by the card's
    task (:mod:`.check`), exactly and with the check's power;
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -36,11 +35,11 @@ from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 from .calibration import TensorStatistics, session
-from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
+from .check import COUNTED, Int8Check, compare_outputs, meets, min_check, relaxed, resolvable, tolerance_for, verdict
 from .fallback import SENSITIVITY_SAMPLES, OutputProbe, rank, search_budget, sensitivity, smallest_prefix
 from .quantize import (MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
-                       calibration_statistics, dla_ties, fallback_units, float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers,
-                       quant_settings, quant_variant, stage_batches, statistics_key, variant_files)
+                       base_qdq, calibration_statistics, dla_ties, fallback_units, finish_qdq, float_nodes, learned_layers,
+                       plan_dla_nodes, qdq_int8_layers, quant_settings, quant_variant, stage_batches, statistics_key)
 from .shares import with_shares
 
 log = logging.getLogger(__name__)
@@ -263,18 +262,23 @@ def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess) -> Ca
 def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: CheckRunner, probe, tmp: Path,
                          progress) -> Int8Check:
     """Steps 4 and 5: the check of all-INT8 and, if it misses and the chain allows, the smallest fallback."""
-    first = runner.measure(_variants(model, stats, plan, inputs, (), tmp))
+    bases = _bases(model, stats, plan, inputs, tmp)
+    first = runner.measure([finish_qdq(b, model) for b in bases])
     tol, notes = _tolerance(first, inputs, len(inputs.check_idx))
-    task = runner.task
+    task, n_check = runner.task, len(inputs.check_idx)
     if meets(first, tol):
-        return Int8Check(task, verdict(task, first, True, False), inputs.source, len(inputs.check_idx), first, tol,
-                         notes=tuple(notes))
+        return Int8Check(task, verdict(task, first, True, False), inputs.source, n_check, first, tol, notes=tuple(notes))
     if not inputs.allow:
         notes.append("the precision chain ends at int8: no layer falls back")
-        return Int8Check(task, "failed", inputs.source, len(inputs.check_idx), first, tol, notes=tuple(notes))
+        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes))
+    count, need = min_check(task)
+    if int(first.get(count, 0)) < need:  # too few items to tell which layers matter: move none on noise
+        notes.append(f"INT8 misses the tolerance on {int(first.get(count, 0))} {count.replace('_', ' ')}, fewer than the "
+                     f"{need} a verdict needs: no layer moved on so little evidence")
+        return Int8Check(task, "inconclusive", inputs.source, n_check, first, tol, notes=tuple(notes))
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes
                                          if n.name in inputs.devices and n.name not in inputs.keep_float])
-    scores = _sensitivities(model, stats, plan, inputs, probe(), units, tmp, progress)
+    scores = sensitivity(probe(), finish_qdq(bases[-1], model), model.model, units, progress)
     names = rank(scores, list(units))
 
     def moved(k: int) -> tuple[str, ...]:
@@ -284,7 +288,7 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
 
     def holds(k: int) -> bool:
         if k not in tried:
-            tried[k] = runner.measure(_variants(model, stats, plan, inputs, moved(k), tmp))
+            tried[k] = runner.measure([finish_qdq(b, model, moved(k)) for b in bases])
             if progress:
                 progress("int8 fallback", len(tried) - 1, max(len(tried) - 1, search_budget(len(names))))
         return meets(tried[k], tol)
@@ -298,8 +302,8 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
                       "reason": SENSITIVITY_REASON, "sensitivity": round(scores[u], 6), "unit": u}
                      for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
-    return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, len(inputs.check_idx), tried[best],
-                     tol, fallback, first, tuple(notes))
+    return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
+                     first, tuple(notes))
 
 
 def _tolerance(first: dict, inputs: DecisionInputs, n_check: int) -> tuple[dict, list[str]]:
@@ -319,26 +323,14 @@ def _tolerance(first: dict, inputs: DecisionInputs, n_check: int) -> tuple[dict,
                  + " the default tolerance is relaxed to " + ", ".join(f"{k} >= {tol[k]}" for k in short)]
 
 
-def _sensitivities(model, stats, plan, inputs: DecisionInputs, probe: OutputProbe, units, tmp: Path,
-                   progress) -> dict[str, float]:
-    """Each unit's sensitivity, on the variant where the fallback must hold (the DLA's, if any)."""
-    with tempfile.TemporaryDirectory(dir=tmp) as d:
-        variant_files(model, stats, Path(d), inputs.settings, inputs.exclude, inputs.keep_float,
-                      dla_ties(model.graph, _variant_scopes(plan)[-1]))
-        qdq = onnx.load(str(Path(d) / "qdq.onnx"))
-    return sensitivity(probe, qdq, model.model, units, progress)
-
-
-def _variants(model, stats, plan, inputs: DecisionInputs, fallback: tuple[str, ...], tmp: Path) -> list:
-    """Step 3 in memory: the Q/DQ model of every variant of the plan with ``fallback`` out of INT8."""
+def _bases(model, stats, plan, inputs: DecisionInputs, tmp: Path) -> list[onnx.ModelProto]:
+    """Step 3, once per decision: the all-INT8 Q/DQ model of every variant of the plan (a model-wise plan's GPU and
+    DLA ones; the last is where the fallback must hold). Each candidate fallback is a graph edit of these."""
     out = []
-    with tempfile.TemporaryDirectory(dir=tmp) as d:
-        for i, dla in enumerate(_variant_scopes(plan)):
-            sub = Path(d) / str(i)
-            sub.mkdir()
-            variant_files(model, stats, sub, inputs.settings, inputs.exclude, inputs.keep_float,
-                          dla_ties(model.graph, dla), fallback)
-            out.append(onnx.load(str(sub / "qdq.onnx")))
+    for i, dla in enumerate(_variant_scopes(plan)):
+        out.append(base_qdq(model, stats, inputs.settings, inputs.exclude, inputs.keep_float, dla_ties(model.graph, dla),
+                            tmp / f"base-{i}.onnx"))
+        (tmp / f"base-{i}.onnx").unlink()
     return out
 
 

@@ -371,20 +371,18 @@ def quantize_qdq(model: NormalisedModel, ranges: dict[str, float], exclude_nodes
         ranges_file.unlink(missing_ok=True)
 
 
-def qdq_to_fp16(path: Path, tensors: set[str], fp16: bool = True) -> int:
-    """Round ``tensors`` to FP16 instead of INT8 in the Q/DQ model at ``path``, as a layer running FP16 stores its
-    output: their QuantizeLinear -> DequantizeLinear pairs go, and a Cast(float16) -> Cast(float) pair feeds their
-    readers (the arithmetic stays FP32 on a CPU). With ``fp16`` False the pairs just go (a tensor TensorRT never
-    materialises). Returns how many tensors changed."""
-    model = onnx.load(str(path))
-    nodes = list(model.graph.node)
+def drop_qdq(model: onnx.ModelProto, tensors) -> onnx.ModelProto:
+    """``model`` without the QuantizeLinear -> DequantizeLinear pairs on ``tensors`` (a tensor TensorRT never
+    materialises): their readers read the tensor itself again."""
+    tensors = set(tensors)
     graph_outputs = {o.name for o in model.graph.output}
+    nodes = list(model.graph.node)
     readers: dict[str, list] = {}
     for n in nodes:
         for i in n.input:
             readers.setdefault(i, []).append(n)
     drop = set()
-    for q in nodes:  # the readers of a Q/DQ pair on one of the tensors read the tensor itself again
+    for q in nodes:
         if q.op_type != "QuantizeLinear" or q.input[0] not in tensors:
             continue
         dqs = readers.get(q.output[0], [])
@@ -398,25 +396,9 @@ def qdq_to_fp16(path: Path, tensors: set[str], fp16: bool = True) -> int:
             drop.add(id(dq))
         drop.add(id(q))
     kept = [n for n in nodes if id(n) not in drop]
-    changed = 0
-    out: list = []
-    for n in kept:
-        out.append(n)
-        for t in n.output:
-            if not fp16 or t not in tensors or t in graph_outputs:
-                continue
-            half, back = f"{t}/fp16", f"{t}/fp16_rounded"
-            for r in kept:
-                for k, name in enumerate(r.input):
-                    if name == t:
-                        r.input[k] = back
-            out.append(onnx.helper.make_node("Cast", [t], [half], to=onnx.TensorProto.FLOAT16, name=f"{t}/to_fp16"))
-            out.append(onnx.helper.make_node("Cast", [half], [back], to=onnx.TensorProto.FLOAT, name=f"{t}/from_fp16"))
-            changed += 1
     del model.graph.node[:]
-    model.graph.node.extend(out)
-    onnx.save(model, str(path))
-    return changed
+    model.graph.node.extend(kept)
+    return model
 
 
 LEARNED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -615,6 +597,27 @@ def ort_settings():
     )
 
 
+def base_qdq(model: NormalisedModel, stats: TensorStatistics, settings: QuantSettings, exclude_nodes, keep_float,
+             ties: "DlaTies", dest: Path) -> onnx.ModelProto:
+    """The all-INT8 Q/DQ model of one variant (no fallback yet): tied ranges, each fused gate pair left in float
+    (the DLA does not round inside it), the planned non-INT8 and the card's float nodes excluded."""
+    emulated = {t: a for t, a in tie_ranges(stats.ranges(settings.method, settings.percentile), ties).items()
+                if t not in ties.gates}
+    quantize_qdq(model, emulated, set(exclude_nodes) | set(keep_float) | set(ties.fused), dest)
+    return onnx.load(str(dest))
+
+
+def finish_qdq(base: onnx.ModelProto, model: NormalisedModel, fallback_nodes=()) -> onnx.ModelProto:
+    """``base`` (:func:`base_qdq`, left intact) with ``fallback_nodes`` moved out of INT8 with their quantisers
+    (:func:`unquantise_layers`), their outputs rounded to FP16, and no Q/DQ between a Conv and the BatchNorm
+    TensorRT fuses into it (:func:`conv_bn_outputs`)."""
+    graph = model.graph
+    qdq = unquantise_layers(base, model.model, fallback_nodes)  # a copy, even with nothing to move
+    if fallback_nodes:
+        qdq = round_fp16(qdq, {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs})
+    return drop_qdq(qdq, conv_bn_outputs(graph))
+
+
 def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, settings: QuantSettings,
                   exclude_nodes, keep_float, ties: "DlaTies", fallback_nodes=()) -> dict:
     """Write one variant's ``qdq.onnx``, ``dynamic_ranges.json`` and ``calib.cache`` into ``dest``.
@@ -623,33 +626,24 @@ def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, s
         ties: the DLA's constraints on this variant's DLA layers (:func:`dla_ties`; none for a GPU/CPU variant).
         keep_float: nodes the card keeps out of INT8 (a detector's decoding): excluded, and their outputs get no
             range (TensorRT runs them in FP16, and so does the DLA).
-        fallback_nodes: learned layers the INT8 check moved out of INT8, each with its quantisers
-            (:func:`unquantise_layers`): float weight, float input; its output keeps its range and its Q/DQ
-            wherever an INT8 reader needs them, so the next Conv stays INT8.
+        fallback_nodes: layers the INT8 check moved out of INT8, each with its quantisers (:func:`finish_qdq`):
+            float weight, float input; an output keeps its range and its Q/DQ wherever an INT8 reader needs them,
+            so the next Conv stays INT8.
 
     Returns:
         what the variant holds, for the cache's metadata.
     """
     graph = model.graph
-    excluded = set(exclude_nodes) | set(keep_float) | set(fallback_nodes)
-    cache_ranges = tie_ranges(stats.ranges(settings.method, settings.percentile), ties)
-    float_nodes_ = set(keep_float) | set(fallback_nodes)
+    base = base_qdq(model, stats, settings, exclude_nodes, keep_float, ties, dest / "qdq.onnx")
+    onnx.save(finish_qdq(base, model, fallback_nodes), str(dest / "qdq.onnx"))
+    moved = set(keep_float) | set(fallback_nodes)
     # no range where no INT8 layer reads: the card's float layers' outputs, and a moved layer's unless an INT8
     # layer reads it (then the range keeps that reader INT8)
     float_tensors = {o for node in graph.nodes if node.name in set(keep_float) for o in node.outputs}
     float_tensors |= {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs
-                      if all(graph.nodes[i].name in float_nodes_ for i in graph.consumers.get(o, []))}
-    # the emulation: tied ranges, each fused gate pair left in float (the DLA does not round inside it)
-    emulated = {t: a for t, a in cache_ranges.items() if t not in ties.gates}
-    quantize_qdq(model, emulated, excluded | set(ties.fused), dest / "qdq.onnx")
-    if fallback_nodes:
-        qdq = unquantise_layers(onnx.load(str(dest / "qdq.onnx")), model.model, fallback_nodes)
-        moved = {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs}
-        onnx.save(round_fp16(qdq, moved), str(dest / "qdq.onnx"))
-    fused = conv_bn_outputs(graph)
-    if fused:
-        qdq_to_fp16(dest / "qdq.onnx", fused, fp16=False)
-    trt = {k: v for k, v in cache_ranges.items() if k not in float_tensors}
+                      if all(graph.nodes[i].name in moved for i in graph.consumers.get(o, []))}
+    trt = {k: v for k, v in tie_ranges(stats.ranges(settings.method, settings.percentile), ties).items()
+           if k not in float_tensors}
     (dest / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
     write_trt_calibration_cache(dest / "calib.cache", trt)
     return {"tied_groups": len(ties.groups), "fused_gates": len(ties.gates), "fallback": sorted(fallback_nodes)}
