@@ -264,6 +264,17 @@ def test_tensorrt_route_gives_fallback_layers_fp16_and_keeps_the_ranges_int8_rea
             assert not inside & tensors
             assert all(b["layer_precision"].get(n) in (None, "HALF") for n in moved)
         assert any(b["layer_precision"].get(n) == "HALF" for b in dla for n in moved)
+        # what TensorRT built, read from the engine inspector (each layer's input data type): a DLA loadable does not
+        # report its layers' precisions (unobserved); on a GPU-only chain it matches the plan's shares
+        from k2edge.engine.shares import observed_flop_shares
+
+        observed = {s["index"]: s["placement"]["precision"] for s in engine.describe()["segments"]}
+        assert observed_flop_shares(engine.plan, graph, observed)["unobserved"] == 1.0
+        gpu = Engine.build(silu / "silu.onnx", GPU_CHAIN, backend="tensorrt", card=card, cache_dir=tmp_path)
+        observed = {s["index"]: s["placement"]["precision"] for s in gpu.describe()["segments"]}
+        built, planned = observed_flop_shares(gpu.plan, graph, observed), gpu.plan.precision_flops["model"]
+        assert 0 < built["int8"] < 1 and built["fp16"] > 0 and built["unobserved"] == 0
+        assert built["int8"] == pytest.approx(planned["int8"], abs=0.01)
         caches = [b["calibration_cache"] for b in double.builds if b.get("calibration_cache")]
         ranged |= {line.rpartition(": ")[0] for c in caches for line in c.splitlines()[1:]}
         assert int8_read <= ranged

@@ -81,3 +81,21 @@ def mostly_not_int8(plan: PartitionPlan) -> str:
     other = max(("fp16", "fp32"), key=lambda p: m[p])
     return (f"the profile asks for INT8, but only {100 * m['int8']:.1f} % of the learned-layer FLOPs run in INT8 "
             f"({100 * m[other]:.1f} % in {other}): see the layers kept out of INT8 below")
+
+
+def observed_flop_shares(plan: PartitionPlan, graph: Graph, observed: dict[int, dict[str, str]]) -> dict:
+    """The shares TensorRT really built: per segment index, node -> precision read from the engine inspector
+    (:func:`~.trt_placement.observed_precision`). Learned layers the inspector does not name count as
+    ``unobserved`` (fused away, or an inspector without formats)."""
+    learned = set(learned_layers(graph))
+    nodes = {n.name: n for n in graph.nodes}
+    kinds = PRECISIONS + ("unobserved",)
+    model = dict.fromkeys(kinds, 0.0)
+    for seg in plan.segments:
+        seen = observed.get(seg.index, {})
+        weight = seg.request_share if seg.request_share is not None else 1.0
+        for n in seg.nodes:
+            if n in learned:
+                model[seen.get(n, "unobserved")] += weight * node_flops(graph, nodes[n])
+    total = sum(model.values())
+    return {p: round(model[p] / total, 4) if total else 0.0 for p in kinds}
