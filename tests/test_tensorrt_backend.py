@@ -567,10 +567,11 @@ def test_selftest_against_the_double(trt, cache_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 1 and "MISMATCH" in out
     # per INT8 profile: the INT8 share TensorRT built (the double's inspector reports each layer's input data type)
-    # beside the plan's; the double builds what it is asked, so the two agree (a real engine is checked on a Jetson)
+    # beside the plan's: the GPU segment's layers are INT8 as planned; the DLA loadables do not report their layers'
+    # precisions (unobserved). A real engine is checked on a Jetson only.
     assert "INT8 share, k2edge plan" in out and "INT8 share, TensorRT built" in out
     row = next(line for line in out.splitlines() if line.startswith("c2 ") and "top-1 agree (" in line)
-    assert row.count("int8 100.0 %") == 2, row
+    assert "int8 100.0 %" in row and "unobserved" in row and "fp16" not in row.split("top-1")[0], row
 
 
 # ------------------------------------------------------------------------------------------------
