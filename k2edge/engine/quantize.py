@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 QUANT_VERSION = "6"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
+MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
 MIN_HELD_OUT_SPLIT = 16  # fewer samples than this: the check runs on the calibration samples themselves
 
 POOLING_OPS = ("MaxPool", "AveragePool")
@@ -158,14 +159,16 @@ def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
 def calibration_split(n_available: int) -> tuple[list[int], list[int], bool]:
     """Which samples calibrate and which check: (calibration indices, check indices, in_sample).
 
-    At most :data:`MAX_CALIBRATION_SAMPLES` are used; of those every fifth (indices 4, 9, 14, ...) is held
-    out for the accuracy check. With fewer than :data:`MIN_HELD_OUT_SPLIT` the check runs in-sample.
+    Of the first :data:`MAX_SPLIT_SAMPLES`, every fifth (indices 4, 9, 14, ...) is held out for the accuracy
+    check (at most 256: enough for a classifier's verdict, which needs 200) and at most
+    :data:`MAX_CALIBRATION_SAMPLES` of the others calibrate. With fewer than :data:`MIN_HELD_OUT_SPLIT` the check
+    runs in-sample.
     """
-    n = min(n_available, MAX_CALIBRATION_SAMPLES)
+    n = min(n_available, MAX_SPLIT_SAMPLES)
     if n < MIN_HELD_OUT_SPLIT:
         every = list(range(n))
         return every, every, True
-    return [i for i in range(n) if i % 5 != 4], [i for i in range(n) if i % 5 == 4], False
+    return [i for i in range(n) if i % 5 != 4][:MAX_CALIBRATION_SAMPLES], [i for i in range(n) if i % 5 == 4], False
 
 
 def stage_batches(dataset: Dataset, preprocess: Preprocess, input_shape: tuple[int, ...],
