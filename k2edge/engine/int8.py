@@ -112,6 +112,13 @@ class CheckRunner:
         self.task, self.decoder, self.progress = task, decoder, progress
         self.shape = model.graph.shape(model.graph.inputs[0])
         self.outputs = list(model.graph.outputs)
+        self.relaxed = None
+        if task in BOX_TASKS and decoder is not None:
+            from ..tasks import TaskDecoder
+
+            spec = decoder.card.detection
+            low = decoder.card.model_copy(update={"detection": spec.model_copy(update={"score_threshold": spec.score_threshold / 2})})
+            self.relaxed = TaskDecoder(low, decoder.labels, {o: model.graph.shape(o) for o in model.graph.outputs})
         self.staged = list(stage_batches(dataset, preprocess, self.shape, indices))  # staged once, run per candidate
         ref = session(model.model, optimise=True)
         self.reference = [self._named(ref.run(self.outputs, {self.model.graph.inputs[0]: b}), n) for b, n in self.staged]
@@ -127,7 +134,7 @@ class CheckRunner:
 
     def measure(self, qdq_models: list) -> dict[str, float]:
         """The check's measures for INT8 emulated by ``qdq_models`` (the worst of them, measure by measure)."""
-        d = self.decoder
+        d, low = self.decoder, self.relaxed
         per_model = []
         for m in qdq_models:
             s = session(m, optimise=True)
@@ -136,6 +143,7 @@ class CheckRunner:
                 self.task, self.reference, got,
                 probabilities=(lambda o: d.probabilities(o)) if d is not None else None,
                 detections=(lambda o: d.detections(o, [None] * len(next(iter(o.values()))))) if d is not None else None,
+                relaxed=(lambda o: low.detections(o, [None] * len(next(iter(o.values()))))) if low is not None else None,
                 masks=self._masks if self.task == "segmentation" and d is not None else None))
         return _worst(per_model)
 
