@@ -17,12 +17,12 @@ GPU_CHAIN = {"name": "gpu-int8-fp16", "edge_runtime": {"offload_ratio": 1.0, "pr
 
 @pytest.mark.slow
 def test_a_held_out_part_with_too_few_boxes_is_inconclusive(tmp_path):
-    """The fixture's 48 scene crops hold out 9 images with about one face: the check is inconclusive, moves nothing,
-    and says what data to give; plan and build show INT8 share and check alike."""
+    """The fixture's 48 scene crops hold out 9 images with about one face: whatever the fallback moved on so few
+    items, the check is inconclusive, never passed, and says what data to give."""
     engine = Engine.build(packaged_model("nudenet-320n"), GPU_CHAIN, calib=INT8 / "calib",
                           card=INT8 / "nudenet-320n" / "card.toml", cache_dir=tmp_path)
     check = engine.info.int8_check
-    assert check.status == "inconclusive" and check.power[1] < 50 and check.fallback == (), check.line()
+    assert check.status == "inconclusive" and check.power[1] < 50, check.line()
     assert "at least 50 FP32 boxes" in check.line() and not check.passed
-    shares = engine.plan.precision_flops
-    assert shares["measured"] and shares["model"]["int8"] > 0.95  # only the decoding (the DFL's Conv) is float
+    shares = engine.plan.precision_flops  # the automatic float head is the Detect module: at most about 63 % INT8
+    assert shares["measured"] and shares["model"]["int8"] < 0.70 and shares["model"]["fp32"] == 0, shares

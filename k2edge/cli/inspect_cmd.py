@@ -109,7 +109,7 @@ def run(args) -> int:
         kept = sum(1 for v in precision.values() if v.startswith("float"))
         print(f"  int8   {len(learned)} learned layers; a profile that asks for INT8 runs "
               f"{_share(int8_flops, sum(learned.values()))} of their FLOPs in INT8 before its check "
-              f"({kept} node(s) the card keeps in float: {'the decoding' if kept else 'none'})")
+              f"({kept} node(s) the card keeps in float: {'a detector head or keep_float' if kept else 'none'})")
     print()
     rows = [[n["index"], n["name"], n["op"], "x".join(map(str, n["output_shape"])), f"{n['flops'] / 1e6:.3f}",
              "yes" if n["dla"] else f"no: {n['dla_reason']}", n["int8"] or ""] for n in nodes]
@@ -119,7 +119,7 @@ def run(args) -> int:
 
 def _int8_roles(nm, args, card: dict) -> dict[str, str]:
     """Per node, its precision when a profile asks for INT8: ``int8`` (a learned layer), ``float (card)`` (what the
-    card keeps out of INT8: a detector's decoding, ``keep_float``); nothing for other nodes (they follow their
+    card keeps out of INT8: a detector's head, ``keep_float``); nothing for other nodes (they follow their
     neighbours). The INT8 check may move more at build: ``k2edge build`` and ``plan`` then say so."""
     from pathlib import Path
 

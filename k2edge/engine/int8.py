@@ -35,7 +35,7 @@ from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 from .calibration import TensorStatistics, session
-from .check import COUNTED, Int8Check, compare_outputs, meets, min_check, relaxed, resolvable, tolerance_for, verdict
+from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
 from .fallback import SENSITIVITY_SAMPLES, OutputProbe, rank, search_budget, sensitivity, smallest_prefix
 from .quantize import (MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
                        base_qdq, calibration_statistics, dla_ties, fallback_units, finish_qdq, float_nodes, learned_layers,
@@ -213,7 +213,8 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
 
     Args:
         plan: the partition plan (its ``int8`` layers are calibrated).
-        calib: the calibration set; every fifth of its first 512 samples is held out for the check.
+        calib: the calibration set; every fifth of its first 1280 samples is held out for the check (at most 512 of
+            the others calibrate).
         decoder: the card's :class:`~k2edge.tasks.TaskDecoder` (classification and detection measures).
         check_set: a set to check on instead of the held-out samples (``--check``).
 
@@ -268,11 +269,6 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     if not inputs.allow:
         notes.append("the precision chain ends at int8: no layer falls back")
         return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes))
-    count, need = min_check(task)
-    if int(first.get(count, 0)) < need:  # too few items to tell which layers matter: move none on noise
-        notes.append(f"INT8 misses the tolerance on {int(first.get(count, 0))} {count.replace('_', ' ')}, fewer than the "
-                     f"{need} a verdict needs: no layer moved on so little evidence")
-        return Int8Check(task, "inconclusive", inputs.source, n_check, first, tol, notes=tuple(notes))
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes
                                          if n.name in inputs.devices and n.name not in inputs.keep_float])
     scores = sensitivity(probe(), finish_qdq(bases[-1], model), model.model, units, progress)
@@ -331,7 +327,7 @@ def _bases(model, stats, plan, inputs: DecisionInputs, tmp: Path) -> list[onnx.M
     return out
 
 
-CARD_REASON = "the card keeps it out of INT8 (a detector's decoding, or [quantization] keep_float)"
+CARD_REASON = "the card keeps it out of INT8 (a detector's head, or [quantization] keep_float)"
 
 
 def card_fallback(plan: PartitionPlan, nodes) -> list[dict]:
