@@ -3,11 +3,12 @@
 The model is tests/fixtures/yolov8n-320 (the real YOLOv8n graph: 8.7 GFLOPs at 640, SiLU everywhere, DFL head;
 its weights are refilled deterministically, so it detects nothing: the check uses the tensor task's cosine
 measure). Calibration: the demo detector's 64 photos (51 calibrate, 13 check). A strict cosine tolerance makes
-INT8 miss it, so the build ranks layers by SQNR and bisects how many move to FP16: the whole path a real model
+INT8 miss it, so the build ranks learned layers by their measured effect on the output and bisects how many move
+to FP16: the whole path a real model
 takes when INT8 hurts it. Each profile builds into an empty cache (calibration, check, fallback, Q/DQ models,
 segment models); a second build of the same profile is timed too (everything from the cache).
 
-Goal (issue 16): the whole build with fallback at most 3 minutes on the 2-core development machine. Not in CI.
+Bound: the whole build with fallback at most 3 minutes on the 2-core development machine. Not in CI.
 
     python bench/bench_int8_build.py [--profiles gpu-int8,c4] [--json out.json]
 """

@@ -139,7 +139,8 @@ def test_int8_keeps_the_head_in_float_and_the_boxes(det_dir, coco_set, cache_dir
     """INT8 through the card: the head (decode, concat) gets no Q/DQ and no TensorRT range; mAP holds."""
     from k2edge.engine.cache import EngineCache
     from k2edge.config.resolve import model_card
-    from k2edge.engine.quantize import calibrate_int8, detection_head, float_nodes
+    from k2edge.engine.quantize import detection_head
+    from int8_support import int8_decision
     from k2edge.model import normalise
     from k2edge.model.datasets import open_dataset
     from k2edge.tasks import Preprocess
@@ -150,8 +151,7 @@ def test_int8_keeps_the_head_in_float_and_the_boxes(det_dir, coco_set, cache_dir
                     "wh_scale_mul", "cls_sigmoid", "head_concat", "head_reshape"}
     card = model_card(det_dir / "det.onnx", nm, det_dir / "stretch.toml")
     calib = coco_set.parent / "images"
-    q = calibrate_int8(nm, open_dataset(calib), Preprocess.from_card(card), EngineCache(cache_dir), (),
-                       tuple(sorted(float_nodes(nm.graph, card))))
+    q = int8_decision(nm, open_dataset(calib), Preprocess.from_card(card), EngineCache(cache_dir), card=card).quant
     qdq = onnx.load(str(q.qdq_model))
     producers = {o: n.name for n in qdq.graph.node for o in n.output}
     assert len([n for n in qdq.graph.node if n.name in head]) == len(head)

@@ -138,10 +138,14 @@ def test_int8_check_gauges_follow_the_engines_a_model_runs():
     m.set_model("boxes", None, "cpu-dev", None)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(m.render().decode()) for s in f.samples if s.name == "k2edge_int8_check"}
-    assert samples == {("k2edge_int8_check", (("measure", "agreement"), ("model", "digits"), ("profile", "c2"))): 0.975}
+    series = lambda measure: ("k2edge_int8_check", (("measure", measure), ("model", "digits"), ("profile", "c2")))  # noqa: E731
+    assert samples == {series("agreement"): 0.975, series("verdict"): 1.0, series("judged"): 40.0}
     m.set_model("digits", "1.0.0", "c4", Int8Check("classification", "failed", "held-out", 40, {"agreement": 0.9}, {"agreement": 0.975}))
     text = m.render().decode()
     assert 'k2edge_int8_check{measure="agreement",model="digits",profile="c4"} 0.9' in text and 'profile="c2"' not in text
+    assert 'k2edge_int8_check{measure="verdict",model="digits",profile="c4"} -1.0' in text
+    m.set_model("digits", "1.0.0", "c2", Int8Check("classification", "inconclusive", "held-out", 40, {"agreement": 1.0}, {"agreement": 0.99}))
+    assert 'k2edge_int8_check{measure="verdict",model="digits",profile="c2"} 0.0' in m.render().decode()
     m.set_model("digits", "1.1.0", "cpu-dev", None)
     assert "k2edge_int8_check{" not in m.render().decode()
 

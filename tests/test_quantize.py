@@ -6,10 +6,11 @@ import pytest
 
 from k2edge import Engine, load_profile
 from k2edge.engine.cache import EngineCache
-from k2edge.engine.quantize import calibrate_int8, read_trt_calibration_cache, write_trt_calibration_cache
+from k2edge.engine.quantize import read_trt_calibration_cache, write_trt_calibration_cache
 from k2edge.model.datasets import open_dataset
 from k2edge.model.ingest import normalise
 from k2edge.tasks.preprocess import Preprocess
+from int8_support import forced_ties_qdq, int8_decision
 
 
 def _accuracy(engine, dataset) -> float:
@@ -41,7 +42,7 @@ def test_qdq_model_and_trt_cache(demo_model, cache_dir):
     pre = Preprocess.for_model(nm.metadata(), nm.graph.shape("input"))
     ds = open_dataset(demo_model.parent / "calib.npz")
     cache = EngineCache(cache_dir)
-    q = calibrate_int8(nm, ds, pre, cache)
+    q = int8_decision(nm, ds, pre, cache, model_path=demo_model).quant
     assert not q.cached and q.samples == 160  # every fifth of 200 is held out for the check
     qdq = onnx.load(str(q.qdq_model))
     ops = [n.op_type for n in qdq.graph.node]
@@ -54,7 +55,7 @@ def test_qdq_model_and_trt_cache(demo_model, cache_dir):
     assert "input" in back and set(back) == set(q.dynamic_ranges)
     for name, amax in q.dynamic_ranges.items():
         assert back[name] == pytest.approx(amax, rel=1e-6)
-    again = calibrate_int8(nm, ds, pre, cache)
+    again = int8_decision(nm, ds, pre, cache, model_path=demo_model).quant
     assert again.cached and again.key == q.key
 
 
@@ -70,8 +71,8 @@ def test_imagefolder_and_npz_calibration_agree(demo_model, cache_dir):
     nm = normalise(demo_model)
     pre = Preprocess.for_model(nm.metadata(), nm.graph.shape("input"))
     cache = EngineCache(cache_dir)
-    a = calibrate_int8(nm, open_dataset(demo_model.parent / "calib"), pre, cache)
-    b = calibrate_int8(nm, open_dataset(demo_model.parent / "calib.npz"), pre, cache)
+    a = int8_decision(nm, open_dataset(demo_model.parent / "calib"), pre, cache, model_path=demo_model).quant
+    b = int8_decision(nm, open_dataset(demo_model.parent / "calib.npz"), pre, cache, model_path=demo_model).quant
     for name in a.dynamic_ranges:
         assert a.dynamic_ranges[name] == pytest.approx(b.dynamic_ranges[name], rel=1e-5)
 
@@ -94,7 +95,7 @@ def test_ranges_the_dla_ties_are_equal_for_dla_layers_only(demo_model, tmp_path)
     ds = open_dataset(demo_model.parent / "calib.npz")
     dla_plan = plan_partition(nm, load_profile("c4"))
     dla_nodes, _ = plan_dla_nodes(dla_plan)
-    quant = calibrate_int8(nm, ds, pre, EngineCache(tmp_path), plan=dla_plan)
+    quant = int8_decision(nm, ds, pre, EngineCache(tmp_path), plan=dla_plan, profile="c4", model_path=demo_model).quant
     ties = dla_ties(nm.graph, dla_nodes)
     adds = [n for n in nm.graph.nodes if n.op_type == "Add" and n.name in dla_nodes]
     assert adds and all(any(set(n.inputs) <= g for g in ties.groups) for n in adds)
@@ -103,13 +104,14 @@ def test_ranges_the_dla_ties_are_equal_for_dla_layers_only(demo_model, tmp_path)
     for group in ties.groups:
         assert len({round(cache[t], 4) for t in group}) == 1, group
         assert len({round(scale[t], 7) for t in group if t in scale}) == 1, group
-    gpu = calibrate_int8(nm, ds, pre, EngineCache(tmp_path), plan=plan_partition(nm, load_profile("cpu-dev"), precision="int8"))
+    gpu = int8_decision(nm, ds, pre, EngineCache(tmp_path), plan=plan_partition(nm, load_profile("cpu-dev"), precision="int8"),
+                        model_path=demo_model).quant
     assert gpu.dla_nodes == frozenset() and dla_ties(nm.graph, gpu.dla_nodes).groups == ()
     untied = read_trt_calibration_cache(gpu.trt_calibration_cache)
     assert any(len({round(untied[t], 4) for t in g}) > 1 for g in ties.groups)  # the GPU keeps its own ranges
 
 
-# --- a SiLU model: issue 16's failure and its fix ------------------------------------------------------------
+# --- a SiLU model: the DLA's ties on the GPU break it ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def silu(tmp_path_factory):
@@ -158,7 +160,7 @@ def test_silu_gpu_plan_matches_plain_onnxruntime_and_keeps_its_answers(silu, tmp
     ds = open_dataset(silu / "calib.npz")
     plan = plan_partition(nm, load_profile({"edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}}))
     cache = EngineCache(tmp_path / "cache")
-    q = calibrate_int8(nm, ds, pre, cache, plan=plan, settings=QuantSettings("max"))
+    q = int8_decision(nm, ds, pre, cache, plan=plan, card=card).quant
     assert q.dla_nodes == frozenset()
     calib_idx, _, _ = calibration_split(len(ds))
     plain = _plain_ort_qdq(nm, ds, pre, calib_idx, tmp_path / "plain.onnx")
@@ -174,14 +176,13 @@ def test_silu_gpu_plan_matches_plain_onnxruntime_and_keeps_its_answers(silu, tmp
     batches = [b for b, _ in stage_batches(check, pre, nm.graph.shape("images"))]
     ref = session(nm.model)
 
-    def measures(path):
-        s = session(onnx.load(str(path)))
+    def measures(qdq):
+        s = session(qdq)
         return compare_outputs("tensor", [ref.run(None, {"images": b}) for b in batches],
                                [s.run(None, {"images": b}) for b in batches])
 
-    good = measures(q.qdq_model)
-    forced = calibrate_int8(nm, ds, pre, cache, plan=plan, settings=QuantSettings("max"), force_ties=True)
-    bad = measures(forced.qdq_model)
+    good = measures(onnx.load(str(q.qdq_model)))
+    bad = measures(forced_ties_qdq(nm, ds, pre, cache, tmp_path / "forced", settings=QuantSettings("max")))
     assert good["cosine"] >= 0.999 > bad["cosine"], (good, bad)
 
 
@@ -194,8 +195,9 @@ def test_silu_on_the_dla_fuses_the_gate(silu, tmp_path):
     from k2edge.config.resolve import model_card
 
     pre = Preprocess.from_card(model_card(silu / "silu.onnx", nm))
-    plan = plan_partition(nm, load_profile("c4"))
-    q = calibrate_int8(nm, open_dataset(silu / "calib.npz"), pre, EngineCache(tmp_path), plan=plan)
+    plan = plan_partition(nm, load_profile("c4"), precision="int8")  # the artefacts, no fallback
+    q = int8_decision(nm, open_dataset(silu / "calib.npz"), pre, EngineCache(tmp_path), plan=plan, profile="c4",
+                      model_path=silu / "silu.onnx").quant
     assert "m1/act/Mul" in q.dla_nodes
     cache = read_trt_calibration_cache(q.trt_calibration_cache)
     assert cache["m1/sig"] == pytest.approx(1.0, rel=1e-6) and cache["m1/conv"] > 2.0
@@ -213,14 +215,14 @@ def test_model_wise_plan_gets_gpu_and_dla_artefacts(silu, tmp_path):
     nm = normalise(str(silu / "silu.onnx"))
     pre = Preprocess.from_card(model_card(silu / "silu.onnx", nm))
     plan = plan_partition(nm, load_profile({"edge_runtime": {"tensorrt_partition": "model-wise", "offload_ratio": 0.5,
-                                                             "precision_fallback": ["int8", "fp16"]}}))
+                                                             "precision_fallback": ["int8"]}}))
     cache = EngineCache(tmp_path)
-    q = calibrate_int8(nm, open_dataset(silu / "calib.npz"), pre, cache, plan=plan)
+    q = int8_decision(nm, open_dataset(silu / "calib.npz"), pre, cache, plan=plan, model_path=silu / "silu.onnx").quant
     assert q.dla is not None and q.dla_nodes == frozenset() and q.dla.dla_nodes
     assert q.for_device("gpu") is q and q.for_device("dla1") is q.dla
     gpu, dla = read_trt_calibration_cache(q.trt_calibration_cache), read_trt_calibration_cache(q.dla.trt_calibration_cache)
     assert gpu["m1/sig"] < 1.0 and dla["m1/sig"] == pytest.approx(1.0)
-    again = calibrate_int8(nm, open_dataset(silu / "calib.npz"), pre, cache, plan=plan)
+    again = int8_decision(nm, open_dataset(silu / "calib.npz"), pre, cache, plan=plan, model_path=silu / "silu.onnx").quant
     assert again.cached and again.dla.cached
 
 
@@ -271,7 +273,7 @@ def test_conv_then_batchnorm_is_one_layer_in_the_emulation(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
     from k2edge.engine.calibration import TensorStatistics
-    from k2edge.engine.quantize import QuantSettings, conv_bn_outputs, variant_files
+    from k2edge.engine.quantize import QuantSettings, conv_bn_outputs, dla_ties, variant_files
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")]
@@ -290,6 +292,6 @@ def test_conv_then_batchnorm_is_one_layer_in_the_emulation(tmp_path):
     from k2edge.engine.calibration import collect_statistics
 
     stats = collect_statistics(nm.model, [(rng.standard_normal((1, 3, 8, 8)).astype(np.float32), 1)])
-    variant_files(nm, stats, tmp_path, QuantSettings(), (), (), frozenset())
+    variant_files(nm, stats, tmp_path, QuantSettings(), (), (), dla_ties(nm.graph, set()))
     quantised = {n.input[0] for n in onnx.load(str(tmp_path / "qdq.onnx")).graph.node if n.op_type == "QuantizeLinear"}
     assert "c" not in quantised and "x" in quantised

@@ -769,6 +769,7 @@ def _make_tensorrt(d: "TrtDouble"):
                     self.logger.log(ILogger.Severity.ERROR, "Calibration failure occurred with no scaling factors detected")
                     return None
             build = {
+                "runs_in": _runs_in(network, config, cache),
                 "network": network.name, "default_device": config.default_device_type.name,
                 "dla_core": config.DLA_core if dla else None, "flags": sorted(config.flags), "pools": dict(config.pools),
                 "gpu_layers": sorted(n for n, dt in config.device_types.items() if dt.name == "GPU"),
@@ -784,6 +785,22 @@ def _make_tensorrt(d: "TrtDouble"):
             d.builds.append(build)
             header = json.dumps(build, sort_keys=True).encode()
             return MAGIC + struct.pack("<I", len(header)) + header + network.model.SerializeToString()
+
+    def _runs_in(network, config, cache):
+        """The precision each layer runs in, as TensorRT decides it: its constraint, else INT8 where INT8 is on and
+        its input has a range (a calibration cache line) or comes out of a DequantizeLinear, else FP16 if on."""
+        ranged = {line.rpartition(": ")[0] for line in (cache.decode() if cache else "").splitlines()[1:]}
+        dq = {o for n in network.model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+        out = {}
+        for layer in network.layers:
+            first = next(iter(layer.view.inputs), "")
+            if layer.precision is not None:
+                out[layer.name] = layer.precision.name
+            elif "INT8" in config.flags and (first in ranged or first in dq):
+                out[layer.name] = "INT8"
+            else:
+                out[layer.name] = "HALF" if "FP16" in config.flags else "FLOAT"
+        return out
 
     def _native_for(layer, config):
         """The (dtype, formats) a DLA layer reads and writes without a reformat."""
@@ -943,10 +960,16 @@ def _make_tensorrt(d: "TrtDouble"):
         def get_engine_information(self, fmt):
             rec("inspector.get_engine_information", self.engine.header["network"], trt.LayerInformationFormat(fmt).name)
             layers, run = [], []
+            runs_in = self.engine.header.get("runs_in", {})
+            formats = {"INT8": "Int8 NC/32HW32", "HALF": "Half", "FLOAT": "Row major linear FP32"}
+
+            def inputs(layer):  # the data type the layer reads, as the DETAILED inspector reports it
+                return [{"Name": f"{layer}:0", "Format/Datatype": formats[runs_in[layer]]}] if layer in runs_in else []
 
             def flush():
                 if run:
-                    layers.append({"Name": "{ForeignNode[%s...%s]}" % (run[0], run[-1]), "LayerType": "ForeignNode"})
+                    layers.append({"Name": "{ForeignNode[%s...%s]}" % (run[0], run[-1]), "LayerType": "ForeignNode",
+                                   "Inputs": inputs(run[0])})
                     run.clear()
 
             for name, kind, device in self.engine.header["placement"]:
@@ -954,7 +977,7 @@ def _make_tensorrt(d: "TrtDouble"):
                     run.append(name)
                     continue
                 flush()
-                layers.append({"Name": name, "LayerType": kind, "Metadata": f"[ONNX Layer: {name}]"})
+                layers.append({"Name": name, "LayerType": kind, "Metadata": f"[ONNX Layer: {name}]", "Inputs": inputs(name)})
             flush()
             if self.engine.header["default_device"] == "DLA":
                 io = self.engine.io

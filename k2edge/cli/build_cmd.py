@@ -9,6 +9,15 @@ ORDER = 30
 from .common import add_build, add_json, add_model, build_engine, print_json
 
 
+def _mix(segments: list[dict]) -> str:
+    """`` (learned FLOPs: int8 82 %, fp16 18 %)`` of a lane's segments."""
+    total = sum(s["learned_flops"] for s in segments)
+    if not total:
+        return ""
+    parts = [(p, sum(s[p] * s["learned_flops"] for s in segments) / total) for p in ("int8", "fp16", "fp32")]
+    return " (learned FLOPs: " + ", ".join(f"{p} {100 * v:.0f} %" for p, v in parts if v > 0) + ")"
+
+
 def register(p) -> None:
     add_model(p)
     add_build(p)
@@ -16,20 +25,32 @@ def register(p) -> None:
 
 
 def run(args) -> int:
+    from ..engine.shares import mostly_not_int8, share_text
+
     engine = build_engine(args)
     d = engine.describe()
     d["plan"] = {"granularity": engine.plan.granularity, "requested_gpu_share": engine.plan.requested_gpu_share,
                  "gpu_flop_share": engine.plan.gpu_flop_share, "segments": len(engine.plan.segments),
-                 "notes": list(engine.plan.notes), "int8_fallback": [dict(f) for f in engine.plan.int8_fallback]}
+                 "notes": list(engine.plan.notes), "int8_fallback": [dict(f) for f in engine.plan.int8_fallback],
+                 "precision_flops": engine.plan.precision_flops}
     if args.json:
         print_json(d)
         return 0
     hits = ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in d["cache_hits"].items())
     print(f"{d['model']} with profile {d['profile']}: {hits} in {d['build_seconds']:.2f} s")
     print(f"  engine {d['engine_key'][:16]} ({d['backend']} {d['version']}), input {d['input']['name']} {tuple(d['input']['shape'])}")
+    shares = engine.plan.precision_flops
+    by_segment = {s["segment"]: s for s in (shares or {}).get("segments", [])}
     for lane in d["lanes"]:
         share = f", {lane['request_share']:.0%} of requests" if lane["request_share"] is not None else ""
-        print(f"  lane {lane['label']}: segment(s) {list(lane['segments'])}, {lane['precision']}{share}")
+        flops = [by_segment[i] for i in lane["segments"] if i in by_segment]
+        mix = _mix(flops)
+        print(f"  lane {lane['label']}: segment(s) {list(lane['segments'])}, {lane['precision']}{share}{mix}")
+    if shares:
+        print(f"  {share_text(shares)}")
+        line = mostly_not_int8(engine.plan)
+        if line:
+            print(f"  note: {line}")
     for note in list(engine.plan.notes) + d["notes"]:
         print(f"  note: {note}")
     _print_fallback(engine)
@@ -44,7 +65,7 @@ def _print_fallback(engine) -> None:
     check = engine.info.int8_check
     print(f"  layers kept out of INT8 ({len(fallback)}):")
     for f in fallback:
-        figure = f", output SQNR {f['sqnr_db']:.1f} dB" if f.get("sqnr_db") is not None else ""
+        figure = f", sensitivity {f['sensitivity']:.3f} of the output error" if f.get("sensitivity") is not None else ""
         print(f"    {f['node']} on {f['device']}: {f['precision']} ({f['reason']}{figure})")
     if check is not None and check.before:
         keys = [k for k in check.tolerance]

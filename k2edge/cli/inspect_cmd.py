@@ -57,10 +57,13 @@ def run(args) -> int:
     costs = model_costs(g)
     support = support_table(g)
     total = sum(c.flops for c in costs)
+    card = _card(args, nm)
+    precision = _int8_roles(nm, args, card)
     nodes = [
         {"index": n.index, "name": n.name, "op": n.op_type, "output_shape": list(g.shape(n.outputs[0])),
          "flops": c.flops, "param_bytes": c.param_bytes, "activation_bytes": c.activation_bytes,
-         "dla": s.ok, "dla_reason": s.reason, "dla_source": s.source if not s.ok else None}
+         "dla": s.ok, "dla_reason": s.reason, "dla_source": s.source if not s.ok else None,
+         "int8": precision.get(n.name)}
         for n, c, s in zip(g.nodes, costs, support)
     ]
     dla_flops = sum(c.flops for c, s in zip(costs, support) if s.ok)
@@ -74,9 +77,15 @@ def run(args) -> int:
         "param_bytes": sum(t.nbytes for name, t in g.tensors.items() if name in g.initializers),
         "dla_capable_flop_share": dla_flops / total if total else 0.0,
         "dla_capable_nodes": sum(1 for s in support if s.ok),
-        "card": _card(args, nm),
+        "card": card,
         "nodes": nodes,
     }
+    from ..engine.quantize import learned_layers
+
+    learned_names = set(learned_layers(g)) if precision else set()
+    learned = {n["name"]: n["flops"] for n in nodes if n["name"] in learned_names}
+    int8_flops = sum(f for name, f in learned.items() if precision[name] == "int8")
+    data["int8_capable_learned_flop_share"] = int8_flops / sum(learned.values()) if learned else 0.0
     if args.json:
         print_json(data)
         return 0
@@ -96,11 +105,42 @@ def run(args) -> int:
         print(f"  card   none ({card['why']})")
     if card.get("sources") and _sources_line(card["sources"]):
         print(f"  values {_sources_line(card['sources'])}")
+    if learned:
+        kept = sum(1 for v in precision.values() if v.startswith("float"))
+        print(f"  int8   {len(learned)} learned layers; a profile that asks for INT8 runs "
+              f"{_share(int8_flops, sum(learned.values()))} of their FLOPs in INT8 before its check "
+              f"({kept} node(s) the card keeps in float: {'a detector head or keep_float' if kept else 'none'})")
     print()
     rows = [[n["index"], n["name"], n["op"], "x".join(map(str, n["output_shape"])), f"{n['flops'] / 1e6:.3f}",
-             "yes" if n["dla"] else f"no: {n['dla_reason']}"] for n in nodes]
-    print(table(rows, ["#", "node", "op", "output", "MFLOPs", "DLA"]))
+             "yes" if n["dla"] else f"no: {n['dla_reason']}", n["int8"] or ""] for n in nodes]
+    print(table(rows, ["#", "node", "op", "output", "MFLOPs", "DLA", "INT8"]))
     return 0
+
+
+def _int8_roles(nm, args, card: dict) -> dict[str, str]:
+    """Per node, its precision when a profile asks for INT8: ``int8`` (a learned layer), ``float (card)`` (what the
+    card keeps out of INT8: a detector's head, ``keep_float``); nothing for other nodes (they follow their
+    neighbours). The INT8 check may move more at build: ``k2edge build`` and ``plan`` then say so."""
+    from pathlib import Path
+
+    from ..config.card import ModelCard
+    from ..engine.quantize import float_nodes, learned_layers
+
+    if card.get("task") is None:
+        return {}
+    if card["card"]:
+        from ..engine.engine import model_card
+
+        the_card = model_card(Path(args.model), nm, Path(card["card"]))
+    else:
+        the_card = ModelCard.model_validate(card["suggested"])
+    try:
+        kept = float_nodes(nm.graph, the_card)
+    except Exception:  # a keep_float naming an unknown node is reported by build and plan
+        kept = set()
+    roles = {n: "float (card)" for n in kept}
+    roles.update({n: "int8" for n in learned_layers(nm.graph) if n not in kept})
+    return roles
 
 
 def _share(part: float, total: float) -> str:

@@ -67,14 +67,18 @@ def run(args) -> int:
     for s in plan.segments:
         span = f"{s.nodes[0]} .. {s.nodes[-1]}" if len(s.nodes) > 1 else s.nodes[0]
         share = f"{s.request_share:.0%} of requests" if s.request_share is not None else f"{s.flops / max(plan.total_flops, 1):.1%}"
-        rows.append([s.index, s.device, len(s.nodes), share, _precision_text(s, plan.precision_chain), span,
+        rows.append([s.index, s.device, len(s.nodes), share, _precision_text(s, plan.precision_chain, plan.precision_flops), span,
                      ", ".join(s.inputs) if len(s.inputs) <= 2 else f"{len(s.inputs)} tensors"])
     print(table(rows, ["seg", "device", "nodes", "FLOPs / share", "precision", "span", "inputs"]))
     for note in plan.notes[1:]:
         print(f"note: {note}")
     for f in plan.int8_fallback:
-        if f.get("sqnr_db") is not None:
-            print(f"fp16: {f['node']} on {f['device']} (INT8 check; output SQNR {f['sqnr_db']:.1f} dB)")
+        if f.get("sensitivity") is not None:
+            print(f"{f['precision']}: {f['node']} on {f['device']} (INT8 check; sensitivity {f['sensitivity']:.3f} of the output error)")
+    if plan.precision_flops:
+        from ..engine.shares import share_text
+
+        print(share_text(plan.precision_flops))
     if check is not None:
         print(check.line())
     elif any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
@@ -100,10 +104,14 @@ def _with_int8(plan, nm, card, profile, cache, args):
     return found if found is not None else (plan_with_card(plan, nm, card), None)
 
 
-def _precision_text(seg, chain) -> str:
-    """What a segment's layers really run in: one precision, or the count of each (``int8 42, fp16 13``)."""
+def _precision_text(seg, chain, shares=None) -> str:
+    """What a segment's layers really run in: the share of its learned-layer FLOPs in each precision
+    (``int8 82 %, fp16 18 % of learned FLOPs``), else one precision, or the count of each (``int8 42, fp16 13``)."""
     from collections import Counter
 
+    mine = next((s for s in (shares or {}).get("segments", []) if s["segment"] == seg.index), None)
+    if mine is not None and mine["learned_flops"]:
+        return ", ".join(f"{p} {100 * mine[p]:.0f} %" for p in ("int8", "fp16", "fp32") if mine[p] > 0) + " of learned FLOPs"
     counts = Counter(seg.layer_precision.values())
     if len(counts) <= 1:
         return seg.precision

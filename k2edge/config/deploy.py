@@ -21,6 +21,8 @@ class TrustSettings(_Strict):
     allow_unsigned: bool = Field(False, description="also load bare onnx paths and unsigned bundles; status reports it")
     keys: tuple[Path, ...] = Field((), validate_default=True,
                                    description="trusted Ed25519 public keys (.pub, SubjectPublicKeyInfo PEM)")
+    require_int8_check: bool = Field(False, description="serve only engines whose INT8 check passed: an inconclusive "
+                                     "(too few check samples) or failed check refuses the model, at start and on deploy")
 
     @field_validator("keys")
     @classmethod

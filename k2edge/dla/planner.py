@@ -95,6 +95,9 @@ class PartitionPlan:
     direct_io: bool = False
     dla_memory_pools: tuple[tuple[str, int], ...] = ()
     int8_fallback: tuple[dict, ...] = field(default=(), hash=False)  # layers kept out of INT8 after planning: node, device, precision, reason, figures
+    # share of learned-layer FLOPs per precision as the layers will run, per segment and for the model
+    # ({"model": {"int8": .., "fp16": .., "fp32": ..}, "segments": [...], "measured": bool}); None until computed
+    precision_flops: dict | None = field(default=None, hash=False, compare=False)
 
     @cached_property
     def routing(self) -> "Routing":
@@ -128,6 +131,7 @@ class PartitionPlan:
             "direct_io": self.direct_io,
             "dla_memory_pools": dict(self.dla_memory_pools),
             "int8_fallback": [dict(f) for f in self.int8_fallback],
+            "precision_flops": self.precision_flops,
         }
 
     def to_json(self) -> str:

@@ -8,7 +8,8 @@ Measures (all "higher is better" except ``mean_abs_dp`` and ``max_rel_error``):
   (matched / INT8 boxes), ``recall`` (matched / FP32 boxes) and ``score_ratio`` (mean INT8/FP32 score of the
   matches). Each run's boxes are matched against the other run's boxes decoded down to half the card's score
   threshold, so a box scored 0.26 by one run and 0.24 by the other is a score change, not a missed or an extra
-  object;
+  object (matched strictly, at the card's threshold, FP16 itself misses a few per hundred: the threshold's
+  jitter, not INT8's loss); ``score_ratio`` measures the scores;
 * segmentation, pose, obb: the detection measures on their boxes (an oriented box by its bounds), and of the
   matched pairs the task's own, reported beside them: ``mask_iou`` (mean IoU of the two masks, at the
   input's size), ``keypoint_error`` (mean distance of the keypoints, in input pixels; lower is better) or
@@ -16,13 +17,23 @@ Measures (all "higher is better" except ``mean_abs_dp`` and ``max_rel_error``):
 * tensor: ``cosine`` (mean cosine similarity per sample and output) and ``max_rel_error`` (largest |Δ| over
   the output's largest magnitude).
 
+A share of n items is a count: ``agreement``, ``recall`` and ``precision`` carry the count of hits beside the
+count of items (``agreed``/``samples``, ``found``/``reference_boxes``, ``kept``/``int8_boxes``) and are compared
+with their tolerance exactly, in integers (:func:`holds`), never through a rounded float. Each carries a 95 %
+Wilson interval (:func:`wilson`); a mean (``cosine``, ``score_ratio``, the pair measures) carries a normal one.
+
+A check knows its power: below :data:`MIN_CHECK` items (200 classifier samples, 50 FP32 boxes, 20 maps) its
+verdict is ``inconclusive``, never ``passed``, and its line says what data to give.
+
 The result is data (:class:`Int8Check`): the build prints its :meth:`~Int8Check.line` on stderr, ``--json``
 carries :meth:`~Int8Check.to_dict` as ``int8_check``, and it is stored in the engine cache with the engine.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -38,8 +49,60 @@ DEFAULT_TOLERANCE = {
     "tensor": {"cosine": 0.999},
 }
 PAIR_MEASURE = {"segmentation": "mask_iou", "pose": "keypoint_error", "obb": "rotated_iou"}
-# measure -> the count that resolves it: a share of n items cannot tell 1 - t from 1 with fewer than 1 / (1 - t)
-_COUNTED = {"agreement": "samples", "recall": "reference_boxes", "precision": "int8_boxes"}
+# measure -> (its count of hits, its count of items): a share of n items cannot tell 1 - t from 1 with fewer
+# than 1 / (1 - t) items
+COUNTED = {"agreement": ("agreed", "samples"), "recall": ("found", "reference_boxes"), "precision": ("kept", "int8_boxes")}
+# the fewest items a verdict stands on, per task: (the count, its minimum). Fewer: ``inconclusive``. At these sizes
+# a 95 % Wilson interval of a share near 0.98 is about +-0.02 (200) and near 0.95 about +-0.06 (50).
+MIN_CHECK = {"classification": ("samples", 200), "detection": ("reference_boxes", 50), "tensor": ("samples", 20)}
+Z95 = 1.959963984540054
+
+
+def min_check(task: str) -> tuple[str, int]:
+    """The count a ``task``'s verdict needs and its minimum (box tasks count FP32 boxes)."""
+    return MIN_CHECK["detection"] if task in BOX_TASKS else MIN_CHECK.get(task, MIN_CHECK["tensor"])
+
+
+def exact(t) -> Fraction:
+    """A tolerance as an exact fraction: ``0.9`` is 9/10 (the decimal written), not the binary float's value."""
+    return t if isinstance(t, Fraction) else Fraction(repr(float(t)))
+
+
+def holds(hits: int, n: int, t) -> bool:
+    """Whether ``hits / n >= t`` exactly (integers; n = 0 holds: nothing to miss)."""
+    f = exact(t)
+    return n == 0 or int(hits) * f.denominator >= f.numerator * int(n)
+
+
+def one_miss(n: int) -> Fraction:
+    """The strictest tolerance ``n`` items can show short of all of them: (n - 1) / n (0 for one item or none)."""
+    return Fraction(n - 1, n) if n > 1 else Fraction(0)
+
+
+def needed(t) -> int:
+    """The fewest items whose one miss still meets ``t``: the smallest n with (n - 1) / n >= t."""
+    f = exact(t)
+    return 1 if f <= 0 else math.ceil(1 / (1 - f)) if f < 1 else 0
+
+
+def wilson(hits: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a share ``hits / n`` (95 % by default); (0, 1) with no items."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_bound(values: Sequence[float], z: float = Z95) -> tuple[float, float]:
+    """A normal 95 % interval of a mean (a single value: itself)."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size < 2:
+        m = float(v.mean()) if v.size else 0.0
+        return m, m
+    half = z * float(v.std(ddof=1)) / math.sqrt(v.size)
+    return float(v.mean()) - half, float(v.mean()) + half
 
 
 def tolerance_for(task: str, *layers: Mapping[str, float] | None) -> tuple[dict[str, float], bool]:
@@ -156,8 +219,10 @@ def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabili
         q = np.concatenate([to_p(o) for o in int8])
         top = p.argmax(axis=1)
         rows = np.arange(len(p))
-        return {"agreement": float(np.mean(top == q.argmax(axis=1))), "mean_abs_dp": float(np.mean(np.abs(p[rows, top] - q[rows, top]))),
-                "samples": int(len(p))}
+        agreed = int(np.sum(top == q.argmax(axis=1)))
+        return {"agreement": agreed / len(p) if len(p) else 1.0, "agreed": agreed,
+                "mean_abs_dp": float(np.mean(np.abs(p[rows, top] - q[rows, top]))), "samples": int(len(p)),
+                "bounds": {"agreement": wilson(agreed, len(p))}}
     if task in BOX_TASKS:
         relaxed = relaxed or detections
         found, kept, ref_n, test_n, ratios, pair_values = 0, 0, 0, 0, [], []
@@ -175,9 +240,12 @@ def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabili
                     pair_values += pair_measure(task, r, q, match_pairs(r, q), *both)
         out = {"recall": found / ref_n if ref_n else 1.0, "precision": kept / test_n if test_n else 1.0,
                "score_ratio": float(np.mean(ratios)) if ratios else (1.0 if not ref_n else 0.0),
-               "reference_boxes": ref_n, "int8_boxes": test_n, "samples": sum(_rows(r) for r in reference)}
+               "found": found, "kept": kept, "reference_boxes": ref_n, "int8_boxes": test_n,
+               "samples": sum(_rows(r) for r in reference),
+               "bounds": {"recall": wilson(found, ref_n), "precision": wilson(kept, test_n), "score_ratio": mean_bound(ratios)}}
         if task in PAIR_MEASURE and pair_values:
             out[PAIR_MEASURE[task]] = float(np.mean(pair_values))
+            out["bounds"][PAIR_MEASURE[task]] = mean_bound(pair_values)
         return out
     cosines, rel = [], 0.0
     for r_out, q_out in zip(reference, int8):
@@ -188,25 +256,50 @@ def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabili
             cosines.extend(np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-300), 1.0).tolist())
             rel = max(rel, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12)))
     return {"cosine": float(np.mean(cosines)) if cosines else 1.0, "max_rel_error": rel,
-            "samples": sum(_rows(r) for r in reference)}
+            "samples": sum(_rows(r) for r in reference), "bounds": {"cosine": mean_bound(cosines)}}
 
 
-def meets(measures: Mapping[str, float], tolerance: Mapping[str, float]) -> bool:
-    """Whether every measure of ``tolerance`` holds (each is "at least")."""
-    return all(measures.get(k, 0.0) >= v for k, v in tolerance.items())
+def meets(measures: Mapping, tolerance: Mapping) -> bool:
+    """Whether every measure of ``tolerance`` holds (each is "at least"; a counted share exactly, in integers)."""
+    for k, t in tolerance.items():
+        if k in COUNTED and COUNTED[k][0] in measures:
+            hit, count = COUNTED[k]
+            if not holds(measures[hit], measures[count], t):
+                return False
+        elif measures.get(k, 0.0) < t:
+            return False
+    return True
 
 
-def resolvable(measures: Mapping[str, float], tolerance: Mapping[str, float]) -> dict[str, int]:
+def resolvable(measures: Mapping, tolerance: Mapping) -> dict[str, int]:
     """Measures whose tolerance needs more items than the check has: measure -> the minimum count."""
     short = {}
     for k, t in tolerance.items():
-        count_key = _COUNTED.get(k)
-        if count_key is None or t >= 1.0:
+        if k not in COUNTED or exact(t) >= 1:
             continue
-        need = int(np.ceil(1.0 / (1.0 - t) - 1e-9))
-        if measures.get(count_key, 0) < need:
+        need = needed(t)
+        if measures.get(COUNTED[k][1], 0) < need:
             short[k] = need
     return short
+
+
+def relaxed(tolerance: Mapping, measures: Mapping, short: Mapping[str, int]) -> dict:
+    """``tolerance`` with each unresolvable measure as strict as its count resolves: one miss allowed, exactly."""
+    out = dict(tolerance)
+    for k in short:
+        out[k] = one_miss(int(measures.get(COUNTED[k][1], 0)))
+    return out
+
+
+def verdict(task: str, measures: Mapping, met: bool, fell_back: bool) -> str:
+    """``passed`` / ``fallback`` when the tolerance holds on enough items, ``inconclusive`` when it holds on too
+    few, ``failed`` when it does not hold."""
+    if not met:
+        return "failed"
+    count, need = min_check(task)
+    if int(measures.get(count, 0)) < need:
+        return "inconclusive"
+    return "fallback" if fell_back else "passed"
 
 
 @dataclass(frozen=True)
@@ -214,11 +307,15 @@ class Int8Check:
     """One INT8 accuracy check, as data.
 
     Attributes:
-        status: ``passed``; ``fallback`` (passed after moving layers to a higher precision); ``failed`` (the
-            chain was exhausted or ``--precision int8`` forbade falling back: the best found is kept).
+        status: ``passed``; ``fallback`` (passed after moving layers to a higher precision); ``inconclusive`` (the
+            tolerance held, on fewer items than :data:`MIN_CHECK` asks: no verdict); ``failed`` (the chain was
+            exhausted or ``--precision int8`` forbade falling back: the best found is kept).
         source: ``held-out`` (every fifth calibration sample), ``in-sample`` (fewer than 16 calibration
             samples), or the path of a ``--check`` set.
-        fallback: per layer kept out of INT8 by the check: ``{"node", "precision", "why", "sqnr_db"}``.
+        measures: the task's measures, their counts, and ``bounds`` (measure -> 95 % interval).
+        tolerance: measure -> its bound; a relaxed share is an exact :class:`~fractions.Fraction` ((n - 1) / n).
+        fallback: per layer kept out of INT8 by the check: ``{"node", "device", "precision", "reason",
+            "sensitivity"}`` (the measure lost with that layer alone in INT8, see :mod:`.int8`).
         before: the measures with every planned layer in INT8 (when a fallback changed them).
     """
 
@@ -226,53 +323,103 @@ class Int8Check:
     status: str
     source: str
     samples: int
-    measures: dict[str, float]
-    tolerance: dict[str, float]
+    measures: dict
+    tolerance: dict
     fallback: tuple[dict, ...] = ()
-    before: dict[str, float] | None = None
+    before: dict | None = None
     notes: tuple[str, ...] = field(default=())
 
     @property
     def passed(self) -> bool:
         return self.status in ("passed", "fallback")
 
+    @property
+    def power(self) -> tuple[str, int, int]:
+        """(the count a verdict stands on, how many the check judged, the minimum)."""
+        count, need = min_check(self.task)
+        return count, int(self.measures.get(count, self.samples if count == "samples" else 0)), need
+
+    def advice(self) -> str:
+        """What data makes an inconclusive check conclusive (empty otherwise)."""
+        if self.status != "inconclusive":
+            return ""
+        count, have, need = self.power
+        what = "FP32 boxes" if count == "reference_boxes" else "samples"
+        return (f"{have} {what} judged, fewer than the {need} a verdict needs: give --check DATA with at least {need} "
+                f"{what}, or a larger calibration set (its every fifth sample is held out for the check)")
+
     def to_dict(self) -> dict:
         return {"task": self.task, "status": self.status, "source": self.source, "samples": self.samples,
-                "measures": {k: _round(v) for k, v in self.measures.items()}, "tolerance": dict(self.tolerance),
+                "measures": _round(self.measures), "tolerance": {k: float(v) for k, v in self.tolerance.items()},
+                "tolerance_exact": {k: str(exact(v)) for k, v in self.tolerance.items()},
+                "minimum": dict(zip(("count", "judged", "needed"), self.power)),
                 "fallback": [dict(f) for f in self.fallback],
-                "before": {k: _round(v) for k, v in self.before.items()} if self.before else None,
-                "notes": list(self.notes)}
+                "before": _round(self.before) if self.before else None, "notes": list(self.notes),
+                "advice": self.advice() or None}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Int8Check":
-        return cls(d["task"], d["status"], d["source"], d["samples"], d["measures"], d["tolerance"],
+        exact_tol = d.get("tolerance_exact") or {}
+        tol = {k: (Fraction(exact_tol[k]) if k in exact_tol and isinstance(v, float) and exact(v) != Fraction(exact_tol[k])
+                   else v) for k, v in d["tolerance"].items()}
+        return cls(d["task"], d["status"], d["source"], d["samples"], d["measures"], tol,
                    tuple(d.get("fallback", ())), d.get("before"), tuple(d.get("notes", ())))
 
+    def _bound(self, k: str) -> str:
+        b = (self.measures.get("bounds") or {}).get(k)
+        digits = 5 if k == "cosine" else 3
+        return f", 95 % CI {b[0]:.{digits}f}-{b[1]:.{digits}f}" if b is not None else ""
+
     def summary(self) -> str:
-        """The measures in words, e.g. ``38/40 top-1 agree (0.95), mean |Δp| 0.004``."""
+        """The measures in words, e.g. ``38/40 top-1 agree (0.950, 95 % CI 0.835-0.986), mean |Δp| 0.004``."""
         m = self.measures
         if self.task == "classification":
             n = int(m.get("samples", self.samples))
-            return f"{round(m['agreement'] * n)}/{n} top-1 agree ({m['agreement']:.3f}), mean |Δp| {m['mean_abs_dp']:.4f}"
+            agreed = int(m.get("agreed", round(m["agreement"] * n)))
+            return f"{agreed}/{n} top-1 agree ({m['agreement']:.3f}{self._bound('agreement')}), mean |Δp| {m['mean_abs_dp']:.4f}"
         if self.task in BOX_TASKS:
             words = {"mask_iou": "mask IoU {:.3f}", "keypoint_error": "keypoints {:.2f} px apart",
                      "rotated_iou": "rotated IoU {:.3f}"}
             own = "".join(f", {words[k].format(m[k])}" for k in words if k in m)
-            return (f"recall {m['recall']:.3f}, precision {m['precision']:.3f} ({int(m['int8_boxes'])} INT8 / "
-                    f"{int(m['reference_boxes'])} FP32 boxes), score ratio {m['score_ratio']:.3f}{own}")
-        return f"cosine {m['cosine']:.5f}, max relative error {m['max_rel_error']:.4f}"
+            found = f"{int(m['found'])}/{int(m['reference_boxes'])} " if "found" in m else ""
+            kept = f"{int(m['kept'])}/{int(m['int8_boxes'])} " if "kept" in m else ""
+            return (f"recall {found}{m['recall']:.3f}{self._bound('recall')}, precision {kept}{m['precision']:.3f}"
+                    f"{self._bound('precision')} ({int(m['int8_boxes'])} INT8 / {int(m['reference_boxes'])} FP32 boxes), "
+                    f"score ratio {m['score_ratio']:.3f}{own}")
+        return f"cosine {m['cosine']:.5f}{self._bound('cosine')}, max relative error {m['max_rel_error']:.4f}"
+
+    def tolerance_text(self) -> str:
+        return ", ".join(f"{k} >= {v}" if isinstance(v, Fraction) and v.denominator != 1 else f"{k} >= {float(v):g}"
+                         for k, v in self.tolerance.items())
 
     def line(self) -> str:
         """The one line a person reads on stderr."""
-        tol = ", ".join(f"{k} >= {v:g}" for k, v in self.tolerance.items())
+        tol = self.tolerance_text()
         head = f"int8 check ({self.source}, {self.samples} sample(s)): {self.summary()}"
+        moved = f" after {len(self.fallback)} layer(s) fell back" if self.fallback else ""
         if self.status == "passed":
             return f"{head} — within tolerance ({tol})"
         if self.status == "fallback":
-            return f"{head} — within tolerance ({tol}) after {len(self.fallback)} layer(s) fell back to fp16"
-        extra = f"; {len(self.fallback)} layer(s) in fp16 did not suffice" if self.fallback else ""
+            return f"{head} — within tolerance ({tol}){moved}"
+        if self.status == "inconclusive":
+            held = "within tolerance" if meets(self.measures, self.tolerance) else "misses its tolerance"
+            return f"{head} — INCONCLUSIVE: {held} ({tol}){moved}, but {self.advice()}"
+        extra = f"; {len(self.fallback)} layer(s) out of INT8 did not suffice" if self.fallback else ""
         return f"{head} — FAILED tolerance ({tol}){extra}" + (f" ({self.notes[-1]})" if self.notes else "")
 
 
 def _round(v):
+    if isinstance(v, dict):
+        return {k: _round(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_round(x) for x in v]
     return round(float(v), 6) if isinstance(v, float) else v
+
+
+def refusal(checks: Sequence["Int8Check | None"]) -> str | None:
+    """Why engines with these checks are refused where a passed check is required (None: none is refused; an
+    engine without INT8 layers has no check and is not refused)."""
+    bad = next((c for c in checks if c is not None and not c.passed), None)
+    if bad is None:
+        return None
+    return f"[trust] require_int8_check: the INT8 check is {bad.status}: {bad.line()}"

@@ -205,16 +205,15 @@ class Engine:
         when no layer runs INT8."""
         quant = None
         int8_check = None
-        int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
         calib_source = None
-        if int8_nodes:
+        if any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
             if calib is None:
                 calib = find_calibration(model_path)
                 if calib is not None:
                     log.info("using the calibration set beside the model: %s", calib)
             if calib is None:
                 raise BuildError(
-                    f"profile {profile.name or ''} runs {len(int8_nodes)} layer(s) in INT8 and needs a calibration set: "
+                    f"profile {profile.name or ''} runs layers in INT8 and needs a calibration set: "
                     f"pass --calib DIR|FILE.npz (an ImageFolder directory or an .npz with 'x')"
                 )
             from ..model.datasets import open_calibration

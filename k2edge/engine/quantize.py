@@ -13,7 +13,7 @@ statistics, the method and the nodes each applies to.
 
 Range constraints the DLA imposes apply to the layers the plan puts on a DLA, and only there
 (:func:`dla_ties`): a GPU or CPU layer keeps its own ranges. Tying them everywhere (what k2edge did up to
-QUANT_VERSION 3) gave SiLU's sigmoid the step of its input and broke SiLU detectors (issue 16).
+QUANT_VERSION 3) gave SiLU's sigmoid the step of its input and broke SiLU detectors.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 # 2: ranges tied by DLA pooling and elementwise layers are equalised; 3: + card preprocessing, heads kept float;
 # 4: ties only for DLA layers, fused Sigmoid/HardSigmoid->Mul gates, streaming statistics, held-out check samples;
 # 5: a decoupled detection head's branches (YOLOv8's Detect cv2/cv3) kept in float with the decoding
-QUANT_VERSION = "5"
+# 6: only the decoding in float; fallback by sensitivity, learned layers with their quantisers; exact tolerance
+QUANT_VERSION = "6"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
+MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
 MIN_HELD_OUT_SPLIT = 16  # fewer samples than this: the check runs on the calibration samples themselves
 
 POOLING_OPS = ("MaxPool", "AveragePool")
@@ -185,7 +187,7 @@ def detect_branches(graph: Graph, head: set[str]) -> set[str]:
     Kept in float, this is the whole Detect module of an Ultralytics export (``/model.22/`` of YOLOv8n),
     what onnxruntime's ``quantize_static`` gives with that module excluded -- the reference of
     ``tests/fixtures/int8/reference.json`` (NudeNet's YOLOv8n). With the branches in INT8 the weak face of
-    ``camera.jpg`` falls from 0.54 to 0.32 (issue 16).
+    ``camera.jpg`` falls from 0.54 to 0.32.
     """
     last = set()
     for name in head:
@@ -210,6 +212,11 @@ def detect_branches(graph: Graph, head: set[str]) -> set[str]:
 def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
     """Nodes the card keeps out of INT8: a detector's head (automatically) and ``[quantization] keep_float``.
 
+    Only the decoding (:func:`detection_head`: DFL, box arithmetic, the final concat, the class sigmoid; of a
+    segmentation, pose or obb model, that of every output) is float by default: the rest of the Detect, Segment or
+    Pose module -- its box, class, mask and keypoint branches -- is INT8 unless the check moves it (as
+    onnxruntime's ``quantize_static`` with only the decoding excluded, and NVIDIA ModelOpt, run YOLOv8n).
+
     Raises:
         BuildError: ``keep_float`` names a node the model does not have.
     """
@@ -233,14 +240,16 @@ def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
 def calibration_split(n_available: int) -> tuple[list[int], list[int], bool]:
     """Which samples calibrate and which check: (calibration indices, check indices, in_sample).
 
-    At most :data:`MAX_CALIBRATION_SAMPLES` are used; of those every fifth (indices 4, 9, 14, ...) is held
-    out for the accuracy check. With fewer than :data:`MIN_HELD_OUT_SPLIT` the check runs in-sample.
+    Of the first :data:`MAX_SPLIT_SAMPLES`, every fifth (indices 4, 9, 14, ...) is held out for the accuracy
+    check (at most 256: enough for a classifier's verdict, which needs 200) and at most
+    :data:`MAX_CALIBRATION_SAMPLES` of the others calibrate. With fewer than :data:`MIN_HELD_OUT_SPLIT` the check
+    runs in-sample.
     """
-    n = min(n_available, MAX_CALIBRATION_SAMPLES)
+    n = min(n_available, MAX_SPLIT_SAMPLES)
     if n < MIN_HELD_OUT_SPLIT:
         every = list(range(n))
         return every, every, True
-    return [i for i in range(n) if i % 5 != 4], [i for i in range(n) if i % 5 == 4], False
+    return [i for i in range(n) if i % 5 != 4][:MAX_CALIBRATION_SAMPLES], [i for i in range(n) if i % 5 == 4], False
 
 
 def stage_batches(dataset: Dataset, preprocess: Preprocess, input_shape: tuple[int, ...],
@@ -363,7 +372,7 @@ def dla_ties(graph: Graph, dla_nodes: set[str] | frozenset[str], fuse_gates: boo
     scale 1/127, i.e. range 1.0), and the Mul's other input keeps its own range. We follow qdq-translator rather
     than cuDLA-samples' one scale across Conv, Sigmoid and Mul: it is the tool that turns a Q/DQ model into a
     DLA calibration cache -- k2edge's route -- and 1.0 is the gate's true range whatever the calibration data,
-    while one shared scale rounds the gate to the Conv's step (the failure of issue 16).
+    while one shared scale rounds the gate to the Conv's step (which broke SiLU detectors up to QUANT_VERSION 3).
     """
     dla_nodes = set(dla_nodes)
     fused: set[str] = set()
@@ -446,20 +455,18 @@ def quantize_qdq(model: NormalisedModel, ranges: dict[str, float], exclude_nodes
         ranges_file.unlink(missing_ok=True)
 
 
-def qdq_to_fp16(path: Path, tensors: set[str], fp16: bool = True) -> int:
-    """Round ``tensors`` to FP16 instead of INT8 in the Q/DQ model at ``path``, as a layer running FP16 stores its
-    output: their QuantizeLinear -> DequantizeLinear pairs go, and a Cast(float16) -> Cast(float) pair feeds their
-    readers (the arithmetic stays FP32 on a CPU). With ``fp16`` False the pairs just go (a tensor TensorRT never
-    materialises). Returns how many tensors changed."""
-    model = onnx.load(str(path))
-    nodes = list(model.graph.node)
+def drop_qdq(model: onnx.ModelProto, tensors) -> onnx.ModelProto:
+    """``model`` without the QuantizeLinear -> DequantizeLinear pairs on ``tensors`` (a tensor TensorRT never
+    materialises): their readers read the tensor itself again."""
+    tensors = set(tensors)
     graph_outputs = {o.name for o in model.graph.output}
+    nodes = list(model.graph.node)
     readers: dict[str, list] = {}
     for n in nodes:
         for i in n.input:
             readers.setdefault(i, []).append(n)
     drop = set()
-    for q in nodes:  # the readers of a Q/DQ pair on one of the tensors read the tensor itself again
+    for q in nodes:
         if q.op_type != "QuantizeLinear" or q.input[0] not in tensors:
             continue
         dqs = readers.get(q.output[0], [])
@@ -473,25 +480,175 @@ def qdq_to_fp16(path: Path, tensors: set[str], fp16: bool = True) -> int:
             drop.add(id(dq))
         drop.add(id(q))
     kept = [n for n in nodes if id(n) not in drop]
-    changed = 0
-    out: list = []
-    for n in kept:
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return model
+
+
+LEARNED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def learned_layers(graph: Graph) -> list[str]:
+    """The layers with learned weights (a Conv, ConvTranspose, Gemm or MatMul with an initializer weight), in
+    graph order: what runs as an INT8 kernel when its input and weight are quantised."""
+    return [n.name for n in graph.nodes if n.op_type in LEARNED_OPS and len(n.inputs) > 1 and n.inputs[1] in graph.initializers]
+
+
+# pointwise layers TensorRT fuses into the learned layer before them (its epilogue): their Q/DQ belong to it
+_EPILOGUE_OPS = {"BatchNormalization", "Relu", "LeakyRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Elu",
+                 "Selu", "Tanh", "Identity"}
+
+
+def fallback_units(graph: Graph, candidates) -> dict[str, tuple[str, ...]]:
+    """What moves out of INT8 together: each learned layer in ``candidates`` with its epilogue (the BatchNorm and
+    activation after it, a SiLU's Sigmoid and Mul, a HardSwish's Add/Clip/Mul/Div by constants), and each other
+    candidate that reads an activation alone. Key: the unit's first node."""
+    candidates = [c for c in candidates]
+    wanted = set(candidates)
+    nodes = {n.name: n for n in graph.nodes}
+    taken: set[str] = set()
+    units: dict[str, tuple[str, ...]] = {}
+    learned = set(learned_layers(graph))
+    for name in candidates:
+        if name in learned:
+            unit = [name] + [n for n in _epilogue(graph, nodes[name]) if n in wanted]
+            units[name] = tuple(unit)
+            taken.update(unit)
+    for name in candidates:
+        if name not in taken and any(graph.is_activation(i) for i in nodes[name].inputs if i):
+            units[name] = (name,)
+    return units
+
+
+def _epilogue(graph: Graph, node) -> list[str]:
+    """The pointwise chain after a learned layer that only it feeds (see :func:`fallback_units`)."""
+    out: list[str] = []
+    tensor = node.outputs[0]
+    for _ in range(8):
+        readers = [graph.nodes[i] for i in graph.consumers.get(tensor, [])]
+        if tensor in graph.outputs or not readers:
+            break
+        if len(readers) == 1 and _pointwise(graph, readers[0]):
+            taken = [readers[0]]
+        elif len(readers) == 2 and any(r.op_type == "Mul" for r in readers):  # x * g(x): SiLU, HardSwish
+            mul = next(r for r in readers if r.op_type == "Mul")
+            other = next(r for r in readers if r is not mul)
+            chain = _chain_to(graph, other, mul)
+            if chain is None or set(mul.inputs) != {tensor, graph.by_name[chain[-1]].outputs[0]}:
+                break
+            taken = [graph.by_name[n] for n in chain] + [mul]
+        else:
+            break
+        out += [r.name for r in taken]
+        tensor = taken[-1].outputs[0]
+    return out
+
+
+def _pointwise(graph: Graph, node) -> bool:
+    """One activation input, elementwise: an activation, a BatchNorm, or arithmetic with a constant."""
+    acts = [i for i in node.inputs if i and graph.is_activation(i)]
+    return len(acts) == 1 and (node.op_type in _EPILOGUE_OPS or node.op_type in ("Add", "Sub", "Mul", "Div"))
+
+
+def _chain_to(graph: Graph, start, end) -> list[str] | None:
+    """Single-reader pointwise nodes from ``start`` to the one that feeds ``end`` (a SiLU's Sigmoid; a HardSwish's
+    Add, Clip and Div), or None."""
+    chain = []
+    node = start
+    for _ in range(4):
+        if not _pointwise(graph, node):
+            return None
+        chain.append(node.name)
+        readers = [graph.nodes[i] for i in graph.consumers.get(node.outputs[0], [])]
+        if readers == [end]:
+            return chain
+        if len(readers) != 1:
+            return None
+        node = readers[0]
+    return None
+
+
+def qdq_int8_layers(qdq: onnx.ModelProto, names) -> set[str]:
+    """Of the learned layers ``names``, those the Q/DQ model ``qdq`` runs in INT8: every input -- the activation
+    and the weight -- comes out of a DequantizeLinear (what TensorRT fuses into an INT8 kernel; a bias is
+    folded whatever it is)."""
+    dq_out = {o for n in qdq.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    wanted = set(names)
+    return {n.name for n in qdq.graph.node
+            if n.name in wanted and all(i in dq_out for i in list(n.input)[:2] if i)}
+
+
+def unquantise_layers(qdq: onnx.ModelProto, original: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of ``qdq`` with the learned layers ``names`` back in float together with their quantisers: each
+    reads its activation before the Q/DQ pair (other readers of that pair keep it) and its weight and bias as the
+    original float initializers. Its output keeps whatever Q/DQ its readers put on it. Fast: a graph edit, not a
+    new quantisation (the fallback's sensitivity measures one model per learned layer)."""
+    names = set(names)
+    out = onnx.ModelProto()
+    out.CopyFrom(qdq)
+    producer = {o: n for n in out.graph.node for o in n.output}
+    floats = {t.name: t for t in original.graph.initializer}
+    have = {t.name for t in out.graph.initializer}
+    for node in out.graph.node:
+        if node.name not in names:
+            continue
+        for k, name in enumerate(node.input):
+            dq = producer.get(name)
+            if dq is None or dq.op_type != "DequantizeLinear":
+                continue
+            src = dq.input[0]
+            q = producer.get(src)
+            if q is not None and q.op_type == "QuantizeLinear":
+                node.input[k] = q.input[0]  # the activation as the layer before wrote it
+                continue
+            orig = src[: -len("_quantized")] if src.endswith("_quantized") else None
+            if orig in floats:  # a quantised weight or bias: the float original, under a name of its own
+                fname = f"{orig}/float"
+                if fname not in have:
+                    t = onnx.TensorProto()
+                    t.CopyFrom(floats[orig])
+                    t.name = fname
+                    out.graph.initializer.append(t)
+                    have.add(fname)
+                node.input[k] = fname
+    return _without_orphans(out)
+
+
+def round_fp16(model: onnx.ModelProto, tensors) -> onnx.ModelProto:
+    """``model`` with each of ``tensors`` rounded to FP16 as a layer running FP16 stores it: a Cast(float16) ->
+    Cast(float) pair after its producer feeds every reader (Q/DQ readers included: they quantise the rounded
+    value). The arithmetic stays FP32 on a CPU."""
+    tensors = set(tensors) - {o.name for o in model.graph.output}
+    nodes = list(model.graph.node)
+    out = []
+    for n in nodes:
         out.append(n)
         for t in n.output:
-            if not fp16 or t not in tensors or t in graph_outputs:
+            if t not in tensors:
                 continue
             half, back = f"{t}/fp16", f"{t}/fp16_rounded"
-            for r in kept:
+            for r in nodes:
                 for k, name in enumerate(r.input):
                     if name == t:
                         r.input[k] = back
             out.append(onnx.helper.make_node("Cast", [t], [half], to=onnx.TensorProto.FLOAT16, name=f"{t}/to_fp16"))
             out.append(onnx.helper.make_node("Cast", [half], [back], to=onnx.TensorProto.FLOAT, name=f"{t}/from_fp16"))
-            changed += 1
     del model.graph.node[:]
     model.graph.node.extend(out)
-    onnx.save(model, str(path))
-    return changed
+    return model
+
+
+def _without_orphans(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without Q/DQ nodes nothing reads any more."""
+    outputs = {o.name for o in model.graph.output}
+    while True:
+        read = {i for n in model.graph.node for i in n.input} | outputs
+        dead = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and not any(o in read for o in n.output)]
+        if not dead:
+            return model
+        for n in dead:
+            model.graph.node.remove(n)
 
 
 def conv_bn_outputs(graph: Graph) -> set[str]:
@@ -524,60 +681,75 @@ def ort_settings():
     )
 
 
+def base_qdq(model: NormalisedModel, stats: TensorStatistics, settings: QuantSettings, exclude_nodes, keep_float,
+             ties: "DlaTies", dest: Path) -> onnx.ModelProto:
+    """The all-INT8 Q/DQ model of one variant (no fallback yet): tied ranges, each fused gate pair left in float
+    (the DLA does not round inside it), the planned non-INT8 and the card's float nodes excluded."""
+    emulated = {t: a for t, a in tie_ranges(stats.ranges(settings.method, settings.percentile), ties).items()
+                if t not in ties.gates}
+    quantize_qdq(model, emulated, set(exclude_nodes) | set(keep_float) | set(ties.fused), dest)
+    return onnx.load(str(dest))
+
+
+def finish_qdq(base: onnx.ModelProto, model: NormalisedModel, fallback_nodes=()) -> onnx.ModelProto:
+    """``base`` (:func:`base_qdq`, left intact) with ``fallback_nodes`` moved out of INT8 with their quantisers
+    (:func:`unquantise_layers`), their outputs rounded to FP16, and no Q/DQ between a Conv and the BatchNorm
+    TensorRT fuses into it (:func:`conv_bn_outputs`)."""
+    graph = model.graph
+    qdq = unquantise_layers(base, model.model, fallback_nodes)  # a copy, even with nothing to move
+    if fallback_nodes:
+        qdq = round_fp16(qdq, {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs})
+    return drop_qdq(qdq, conv_bn_outputs(graph))
+
+
 def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, settings: QuantSettings,
-                  exclude_nodes, keep_float, dla_nodes, force_ties: bool = False, fallback_nodes=()) -> dict:
+                  exclude_nodes, keep_float, ties: "DlaTies", fallback_nodes=()) -> dict:
     """Write one variant's ``qdq.onnx``, ``dynamic_ranges.json`` and ``calib.cache`` into ``dest``.
 
     Args:
-        dla_nodes: the nodes this variant runs on a DLA: only they get the DLA's ties and fused gates.
-        force_ties: apply the DLA's ties to every node, gates included, in the Q/DQ model too (what k2edge did
-            up to QUANT_VERSION 3): only for tests that show why not.
-        fallback_nodes: layers the INT8 check moved to FP16: excluded like ``keep_float``, their outputs get no
-            range (TensorRT then runs them in FP16, and so does the DLA), and in the Q/DQ model their outputs are
-            rounded to FP16 instead of INT8.
+        ties: the DLA's constraints on this variant's DLA layers (:func:`dla_ties`; none for a GPU/CPU variant).
+        keep_float: nodes the card keeps out of INT8 (a detector's decoding): excluded, and their outputs get no
+            range (TensorRT runs them in FP16, and so does the DLA).
+        fallback_nodes: layers the INT8 check moved out of INT8, each with its quantisers (:func:`finish_qdq`):
+            float weight, float input; an output keeps its range and its Q/DQ wherever an INT8 reader needs them,
+            so the next Conv stays INT8.
 
     Returns:
         what the variant holds, for the cache's metadata.
     """
     graph = model.graph
-    no_range_nodes = set(keep_float) | set(fallback_nodes)
-    excluded = set(exclude_nodes) | no_range_nodes
-    scope = {n.name for n in graph.nodes} if force_ties else set(dla_nodes)
-    ties = dla_ties(graph, scope, fuse_gates=not force_ties)
-    cache_ranges = tie_ranges(stats.ranges(settings.method, settings.percentile), ties)
-    float_tensors = {o for node in graph.nodes if node.name in no_range_nodes for o in node.outputs}
-    fallback_tensors = {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs}
-    # the emulation: tied ranges, each fused gate pair left in float (the DLA does not round inside it), and
-    # no Q/DQ on what a fallback layer writes (it has no INT8 range on the device either)
-    emulated = {t: a for t, a in cache_ranges.items() if t not in ties.gates}
-    quantize_qdq(model, emulated, excluded | set(ties.fused), dest / "qdq.onnx")
-    if fallback_tensors:  # ONNX Runtime's quantiser needs every quantised node's ranges: undo them afterwards
-        qdq_to_fp16(dest / "qdq.onnx", fallback_tensors)
-    fused = conv_bn_outputs(graph)
-    if fused:
-        qdq_to_fp16(dest / "qdq.onnx", fused, fp16=False)
-    trt = {k: v for k, v in cache_ranges.items() if k not in float_tensors}
+    base = base_qdq(model, stats, settings, exclude_nodes, keep_float, ties, dest / "qdq.onnx")
+    onnx.save(finish_qdq(base, model, fallback_nodes), str(dest / "qdq.onnx"))
+    moved = set(keep_float) | set(fallback_nodes)
+    # no range where no INT8 layer reads: the card's float layers' outputs, and a moved layer's unless an INT8
+    # layer reads it (then the range keeps that reader INT8)
+    float_tensors = {o for node in graph.nodes if node.name in set(keep_float) for o in node.outputs}
+    float_tensors |= {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs
+                      if all(graph.nodes[i].name in moved for i in graph.consumers.get(o, []))}
+    trt = {k: v for k, v in tie_ranges(stats.ranges(settings.method, settings.percentile), ties).items()
+           if k not in float_tensors}
     (dest / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
     write_trt_calibration_cache(dest / "calib.cache", trt)
-    return {"dla_nodes": len(scope), "tied_groups": len(ties.groups), "fused_gates": len(ties.gates),
-            "fallback": sorted(fallback_nodes)}
+    return {"tied_groups": len(ties.groups), "fused_gates": len(ties.gates), "fallback": sorted(fallback_nodes)}
 
 
 def quant_variant(model: NormalisedModel, stats: TensorStatistics, stats_key: str, cache: EngineCache,
                   settings: QuantSettings, exclude_nodes, keep_float, dla_nodes, samples: int,
-                  force_ties: bool = False, fallback_nodes=()) -> QuantArtefacts:
-    """One set of INT8 artefacts from shared statistics, through the cache (see :func:`variant_files`)."""
+                  fallback_nodes=()) -> QuantArtefacts:
+    """One set of INT8 artefacts from shared statistics, through the cache (see :func:`variant_files`); the DLA's
+    ties apply to ``dla_nodes`` only."""
     import onnxruntime
 
     excluded = sorted(set(exclude_nodes) | set(keep_float))
-    scope = {n.name for n in model.graph.nodes} if force_ties else set(dla_nodes)
-    key = digest("int8", QUANT_VERSION, model.sha256, stats_key, settings.method, repr(settings.percentile), str(force_ties),
+    scope = set(dla_nodes)
+    key = digest("int8", QUANT_VERSION, model.sha256, stats_key, settings.method, repr(settings.percentile),
                  ",".join(excluded), ",".join(sorted(keep_float)), digest(*sorted(scope)), ",".join(sorted(fallback_nodes)),
                  onnxruntime.__version__)
 
     def build(tmp: Path) -> dict:
-        meta = variant_files(model, stats, tmp, settings, exclude_nodes, keep_float, scope, force_ties, fallback_nodes)
-        return {"samples": samples, **meta}
+        meta = variant_files(model, stats, tmp, settings, exclude_nodes, keep_float, dla_ties(model.graph, scope),
+                             fallback_nodes)
+        return {"samples": samples, "dla_nodes": len(scope), **meta}
 
     what = f"Q/DQ INT8 of {model.source}" + (f" ({len(scope)} DLA node(s) tied)" if scope else "")
     entry = cache.get_or_build("int8", key, build, what=what)
@@ -598,46 +770,6 @@ def plan_dla_nodes(plan) -> tuple[frozenset[str], bool]:
         gpu_too = any(s.kind == "gpu" for s in plan.segments) and bool(dla)
     return frozenset(dla), gpu_too
 
-
-def calibrate_int8(
-    model: NormalisedModel,
-    dataset: Dataset,
-    preprocess: Preprocess,
-    cache: EngineCache,
-    exclude_nodes: tuple[str, ...] = (),
-    keep_float: tuple[str, ...] = (),
-    plan=None,
-    settings: QuantSettings | None = None,
-    force_ties: bool = False,
-    progress=None,
-) -> QuantArtefacts:
-    """Calibrate ``model`` on ``dataset`` and quantise it to Q/DQ INT8 (cached).
-
-    Inputs are staged by ``preprocess`` (the model card's), exactly as at inference. Every fifth sample
-    (after the 512-sample cap) is held out for the accuracy check and not calibrated on.
-
-    Args:
-        exclude_nodes: nodes the plan keeps out of INT8 (they stay float in the Q/DQ model).
-        keep_float: nodes the card keeps out of INT8 (:func:`float_nodes`): also excluded, and
-            their outputs get no range in the TensorRT calibration cache, so the DLA route runs
-            them in FP16 as well.
-        plan: the partition plan: the DLA's range ties apply to the nodes it puts on a DLA only. A model-wise
-            plan with GPU and DLA engines gets two artefacts: the GPU's own ranges (returned) and the DLA's
-            tied ranges (its ``dla`` attribute).
-        settings: calibration method and percentile (default ``max``).
-        force_ties: tie ranges on every node, whatever the device (only to show why not).
-
-    Raises:
-        BuildError: the model has more than one input, or calibration fails.
-    """
-    settings = settings or QuantSettings()
-    stats, stats_key, samples = calibration_statistics(model, dataset, preprocess, cache, progress)
-    dla, gpu_too = plan_dla_nodes(plan) if plan is not None else (frozenset(), False)
-    common = (model, stats, stats_key, cache, settings, exclude_nodes, keep_float)
-    if gpu_too:
-        gpu = quant_variant(*common, frozenset(), samples, force_ties)
-        return replace(gpu, dla=quant_variant(*common, dla, samples))
-    return quant_variant(*common, dla, samples, force_ties)
 
 def write_trt_calibration_cache(path: Path, dynamic_ranges: dict[str, float], version: str = TRT_CACHE_VERSION) -> None:
     """Write a TensorRT INT8 calibration cache: one ``name: <big-endian float32 scale hex>`` per tensor.

@@ -26,7 +26,7 @@ import onnx
 
 from ..errors import BuildError
 from .quantize import read_trt_calibration_cache, write_trt_calibration_cache
-from .trt_placement import PlacementReport, node_of_layer, observed_placement
+from .trt_placement import PlacementReport, node_of_layer, observed_placement, observed_precision
 from .trt_spec import SegmentBuildSpec, trt_version_code
 
 log = logging.getLogger(__name__)
@@ -173,12 +173,14 @@ def build_segment_engine(trt, logger, spec: SegmentBuildSpec, model: onnx.ModelP
     (out / "inspector.json").write_text(info)
     report = PlacementReport(spec.index, spec.device, dict(spec.planned), observed_placement(info, nodes, spec.is_dla),
                              cannot, could)
+    precision = observed_precision(info, nodes)
     (out / "placement.json").write_text(json.dumps({**report.summary(), "planned_devices": report.planned,
-                                                    "observed_devices": report.observed}, indent=1, sort_keys=True))
+                                                    "observed_devices": report.observed, "observed_precision": precision},
+                                                   indent=1, sort_keys=True))
     disagreements = report.disagreements()
     for note in report.notes():
         log.log(logging.WARNING if note in disagreements else logging.INFO, "%s", note)
-    return {"placement": report.summary(), "notes": report.notes(), "bytes": len(data)}
+    return {"placement": {**report.summary(), "precision": precision}, "notes": report.notes(), "bytes": len(data)}
 
 
 def inspect_engine(trt, logger, data: bytes, spec: SegmentBuildSpec) -> str:

@@ -82,6 +82,48 @@ def observed_placement(engine_info: str, order: list[str], dla_engine: bool) -> 
     return out
 
 
+def _format_precision(fmt: str) -> str | None:
+    """``int8`` / ``fp16`` / ``fp32`` of an inspector ``Format/Datatype`` string (``Int8 NC/32HW32``, ``Half``,
+    ``Channel major FP16 format ...``, ``Row major linear FP32``), None when it names none."""
+    f = fmt.lower()
+    if "int8" in f:
+        return "int8"
+    if "fp16" in f or "half" in f:
+        return "fp16"
+    if "fp32" in f or "float" in f:
+        return "fp32"
+    return None
+
+
+def observed_precision(engine_info: str, order: list[str]) -> dict[str, str]:
+    """Node -> the precision TensorRT runs it in, read from the inspector's JSON (``ProfilingVerbosity.DETAILED``):
+    the data type of each layer's first input (an INT8 kernel reads INT8). A DLA loadable is one ``ForeignNode``
+    whose layers' precisions the inspector does not report (its input's type is the loadable's, not each
+    layer's): its nodes are left out, as are nodes the inspector does not name or names without formats."""
+    try:
+        layers = json.loads(engine_info).get("Layers", [])
+    except (ValueError, AttributeError):
+        return {}
+    known = set(order)
+    out: dict[str, str] = {}
+    for layer in layers:
+        if not isinstance(layer, dict) or not layer.get("Inputs"):
+            continue
+        first = layer["Inputs"][0]
+        precision = _format_precision(str(first.get("Format/Datatype", ""))) if isinstance(first, dict) else None
+        if precision is None:
+            continue
+        name = str(layer.get("Name", ""))
+        if _FOREIGN.match(name) and str(layer.get("LayerType", "")).lower() != "myelin":
+            continue
+        covered = [n for n in metadata_nodes(str(layer.get("Metadata", ""))) if n in known]
+        if not covered:
+            covered = [n for n in (node_of_layer(part.strip(), "", known) for part in name.split(" + ")) if n]
+        for node in covered:
+            out.setdefault(node, precision)
+    return out
+
+
 def _range(spec: str, order: list[str]) -> list[str]:
     first, sep, last = spec.partition("...")
     known = set(order)

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import __version__
 from ..config.schema import ConfigError, DaemonConfig, state_dir
+from ..engine.check import refusal
+from ..errors import BuildError
 from ..telemetry import thermal_sampler
 from . import topics
 from .answer_book import AnswerBook
@@ -199,6 +201,10 @@ class Daemon:
         s = self.cfg.service
         rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane or None)
         self._escalation_for(rt)
+        if self.cfg.trust is not None and self.cfg.trust.require_int8_check:
+            why = refusal([e.info.int8_check for e in (rt.normal[1], *((rt.warm[1],) if rt.warm else ()))])
+            if why:
+                raise BuildError(f"model {m.name}{f' {version}' if version else ''}: {why}")
         rt.activate()
         return rt
 

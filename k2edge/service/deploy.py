@@ -433,7 +433,7 @@ class ModelLifecycle:
             rt.deactivate()
             raise _Stopping
         check = rt.int8_check
-        if action != "rollback" and check is not None and not check.passed:
+        if action != "rollback" and check is not None and check.status == "failed":
             # the build kept the best it found, but a new version must not serve worse answers than the one running
             rt.deactivate()
             result = BundleResult(FAILED, f"{name} {version}: {check.line()}; "
@@ -456,4 +456,5 @@ class ModelLifecycle:
             return self._answer_body(FAILED, name, version, result.detail, result.status)
         old.deactivate()
         self.host.deployed(name)
-        return self._answer_body(status, name, version, result.detail, result.status, previous=old.version)
+        return {**self._answer_body(status, name, version, result.detail, result.status, previous=old.version),
+                "int8_check": check.to_dict() if check is not None else None}

@@ -13,8 +13,9 @@ A rollback (``{prefix}/models/rollback`` or the group's) is ``{"model": NAME}``.
      "check", "device", "model_version", "previous", "running"}
 
 ``check`` is the store's or verification's status (``hash_mismatch``, ``not_newer``, ...), or
-``int8_check`` when the new engines' INT8 accuracy check failed (the answer then carries the check as
-``int8_check``: its measures, tolerance and the layers that fell back);
+``int8_check`` when the new engines' INT8 accuracy check failed; a deploy answer carries the new engines' check
+as ``int8_check`` (its status -- ``passed``, ``fallback``, ``inconclusive`` or ``failed`` --, measures with their
+sample sizes and bounds, tolerance and the layers that fell back; null without INT8 layers);
 ``model_version`` is the version of ``model`` that runs once the answer is sent (the old one after
 a refusal or failure), ``running`` every served model's (a bundle refused before its manifest could
 be trusted names no model). A message without a Response Topic is answered on

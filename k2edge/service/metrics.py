@@ -59,6 +59,7 @@ class MetricsError(K2EdgeError):
 
 
 INT8_MEASURES = ("agreement", "recall", "precision", "score_ratio", "cosine")  # exported of an INT8 check's measures
+INT8_VERDICT = {"passed": 1.0, "fallback": 1.0, "inconclusive": 0.0, "failed": -1.0}  # measure="verdict"
 
 
 class PrometheusMetrics:
@@ -71,7 +72,8 @@ class PrometheusMetrics:
     ``cloud_breaker_state{k2edge_cloud_breaker_state=...}``, ``outbox_depth``,
     ``model_info{model,version,profile}``, ``int8_check{model,profile,measure}`` (the INT8 accuracy check
     of the engines a model runs: ``agreement``, ``recall``, ``precision``, ``score_ratio`` or ``cosine``
-    against FP32, as its task measures; no series for a model without INT8 layers),
+    against FP32, as its task measures; ``verdict``: 1 passed, 0 inconclusive (too few check samples), -1 failed;
+    ``judged``: the samples or FP32 boxes the verdict stands on; no series for a model without INT8 layers),
     ``stream_frames_total{stream,outcome}`` (``decoded``, ``processed``, ``dropped``), ``stream_up{stream}``,
     ``stream_reconnects_total{stream}``, ``stream_frame_age_seconds{stream}`` (histogram, decoded to published).
     """
@@ -126,9 +128,12 @@ class PrometheusMetrics:
             for labels in self._int8_series.pop(model, []):
                 self._int8.remove(*labels)
             if int8_check is not None:
-                series = [(model, profile or "", m) for m in INT8_MEASURES if m in int8_check.measures]
+                values = {m: float(int8_check.measures[m]) for m in INT8_MEASURES if m in int8_check.measures}
+                values["verdict"] = INT8_VERDICT.get(int8_check.status, -1.0)
+                values["judged"] = float(int8_check.power[1])
+                series = [(model, profile or "", m) for m in values]
                 for labels in series:
-                    self._int8.labels(*labels).set(float(int8_check.measures[labels[2]]))
+                    self._int8.labels(*labels).set(values[labels[2]])
                 self._int8_series[model] = series
         self._model.labels(model=model).info({"version": version or "unversioned", "profile": profile or ""})
 

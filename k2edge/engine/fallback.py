@@ -1,0 +1,118 @@
+"""Which learned layers leave INT8 when the check misses its tolerance: ranked by what each costs the model's output.
+
+Sensitivity (:func:`sensitivity`): with every planned layer in INT8, each learned layer (Conv, ConvTranspose,
+Gemm, MatMul with a weight) is put back in float alone, together with its quantisers (its input's Q/DQ and its
+weight's, :func:`~.quantize.unquantise_layers`), and the model's outputs are compared with FP32 on calibration
+samples (not the check's: the check judges the result). A layer's sensitivity is the output error that goes
+away with it in float: the error of all-INT8 minus the error with that layer alone in float, as a share of the
+all-INT8 error (1.0: that layer alone is the whole loss). The output error is the mean, over output channels, of
+the squared error relative to the FP32 channel's energy, so a detector's box coordinates (0..640) do not drown
+its class scores (0..1).
+
+A learned layer moves with its epilogue (the BatchNorm and activation TensorRT fuses into it) and the quantisers
+of both; a non-learned layer outside any epilogue (a residual Add, a Concat, a pooling) moves alone. Moving a
+unit only makes it read float: its output keeps its Q/DQ where an INT8 reader needs it, so the next Conv is never
+left in float by accident. The search (:func:`smallest_prefix`) finds the fewest of the most sensitive units that
+meet the tolerance on the check set.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from .calibration import session
+from .quantize import unquantise_layers
+
+SENSITIVITY_SAMPLES = 6  # calibration samples each candidate runs on (one ORT session per unit)
+
+
+def output_error(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
+    """Mean over every output channel of ``sum((a - b)^2) / sum(a^2)`` (batch and positions pooled)."""
+    errors = []
+    for a, b in zip(reference, got):
+        a = np.asarray(a, dtype=np.float64)
+        b = np.asarray(b, dtype=np.float64)
+        if a.ndim >= 2:
+            a = np.moveaxis(a, 1, 0).reshape(a.shape[1], -1)
+            b = np.moveaxis(b, 1, 0).reshape(b.shape[1], -1)
+        else:
+            a, b = a.reshape(1, -1), b.reshape(1, -1)
+        energy = (a * a).sum(axis=1)
+        errors.extend(((a - b) ** 2).sum(axis=1) / np.maximum(energy, 1e-12))
+    return float(np.mean(errors)) if errors else 0.0
+
+
+class OutputProbe:
+    """FP32 outputs of a few staged calibration batches, and the error of a Q/DQ model's outputs against them."""
+
+    def __init__(self, model: onnx.ModelProto, input_name: str, batches: list[tuple[np.ndarray, int]]):
+        self.input_name = input_name
+        self.batches = batches
+        self.reference = self._run(model)
+
+    def _run(self, model: onnx.ModelProto) -> list[np.ndarray]:
+        s = session(model, optimise=True)
+        runs = [s.run(None, {self.input_name: b}) for b, _ in self.batches]
+        return [np.concatenate([r[k][:n] for r, (_, n) in zip(runs, self.batches)]) for k in range(len(runs[0]))]
+
+    def error(self, model: onnx.ModelProto) -> float:
+        return output_error(self.reference, self._run(model))
+
+
+def sensitivity(probe: OutputProbe, qdq: onnx.ModelProto, original: onnx.ModelProto, units: dict[str, tuple[str, ...]],
+                progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
+    """Per unit (:func:`~.quantize.fallback_units`: a learned layer with its epilogue): the share of all-INT8's
+    output error that goes away with that unit alone back in float (with its quantisers); see the module docstring."""
+    base = probe.error(qdq)
+    out = {}
+    for i, (name, unit) in enumerate(units.items()):
+        err = probe.error(unquantise_layers(qdq, original, unit))
+        out[name] = (base - err) / base if base > 0 else 0.0
+        if progress:
+            progress("int8 sensitivity", i + 1, len(units))
+    return out
+
+
+def rank(sensitivities: dict[str, float], order: list[str]) -> list[str]:
+    """Most sensitive first; ties (and layers whose float copy does not help) in graph order."""
+    position = {n: i for i, n in enumerate(order)}
+    return sorted(sensitivities, key=lambda n: (-sensitivities[n], position.get(n, 0)))
+
+
+def smallest_prefix(holds: Callable[[int], bool], n: int) -> int | None:
+    """The smallest k in 1..n for which ``holds(k)`` (the k most sensitive units in float meet the tolerance), or
+    None when even all n do not.
+
+    Doubling from below (1, 2, 4, ... then n), then a bisection between the last miss and the first hit: about
+    2 log2(k) checks when k units suffice, so a fallback of a few layers costs a few checks. The measures are not
+    monotonic in k on a check set of a few hundred items; the smallest k that held wins.
+    """
+    tried: dict[int, bool] = {}
+
+    def check(k: int) -> bool:
+        if k not in tried:
+            tried[k] = holds(k)
+        return tried[k]
+
+    lo, k = 0, 1
+    while k < n and not check(k):
+        lo, k = k, k * 2
+    k = min(k, n)
+    if n == 0 or not check(k):
+        return None
+    while k - lo > 1:
+        mid = (lo + k) // 2
+        if check(mid):
+            k = mid
+        else:
+            lo = mid
+    return min(j for j, ok in tried.items() if ok)
+
+
+def search_budget(n: int) -> int:
+    """About how many checks :func:`smallest_prefix` runs for ``n`` candidates (for progress)."""
+    return max(2, 2 * math.ceil(math.log2(n + 1)))
