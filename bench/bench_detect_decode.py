@@ -7,7 +7,7 @@ Cases, each timed over many repetitions in one run (median = p50, and p90):
 3. a batch of 8 typical images, per image.
 
 For scale, the same run times one pass of ``max`` over the class scores (the least any decoder
-must read) and, on the typical case, a straightforward loop decode (tests/detect_reference.py).
+must read) and, on the typical case, a straightforward loop decode (tests/support/detect_reference.py).
 
     python bench/bench_detect_decode.py [--repeat 300] [--json out.json]
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from k2edge.config.card import DetectionSpec  # noqa: E402
 from k2edge.tasks.detection import decode, decode_one  # noqa: E402

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 PROFILES = {
     "gpu-int8": {"name": "gpu-int8", "edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}},

@@ -3,7 +3,7 @@
 Models, as the installed wheels ship them (not trained here, not committed): NudeNet's YOLOv8n at 320
 (``nudenet/320n.onnx``), PP-OCR's text-direction classifier and PP-OCRv4's DBNet text detector at 480 x 480
 (``rapidocr_onnxruntime/models/``). Data, made at run time from the installed packages only
-(``tests/public_sets.py``): scenes with faces from scikit-image's and matplotlib's photos and scikit-image's LFW
+(``tests/support/public_sets.py``): scenes with faces from scikit-image's and matplotlib's photos and scikit-image's LFW
 faces; text lines and pages rendered with matplotlib's fonts.
 
 For each model and profile (GPU-only ``["int8", "fp16"]`` and ``c4``), a cold build into an empty cache (calibration,
@@ -34,7 +34,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 PROFILES = {"gpu": {"name": "gpu-int8-fp16", "edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}},
             "c4": "c4"}

@@ -49,7 +49,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from bench_daemon import cpu_seconds  # noqa: E402  (one /proc reader for the bench scripts)
 from mqtt_support import Broker, DaemonProcess, write_config  # noqa: E402  (the tests' real broker and daemon helpers)

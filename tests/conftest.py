@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits"
-sys.path.insert(0, str(Path(__file__).parent))  # tests/zoo.py, tests/graphs.py
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # the tests' helpers: tests/support/*.py
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """The cloud bridge for detectors: detection-aware escalation measures (warm widens the band), the
 escalated request's content (downscaled image, the edge's boxes rescaled to it, the prompt), and
 ``[cloud] vision``: off / auto after a refusal sends the findings as text, says so, and never
-counts the refusal against the breaker. Against the real HTTP stand-in (tests/k2_server.py)."""
+counts the refusal against the breaker. Against the real HTTP stand-in (tests/support/k2_server.py)."""
 
 from __future__ import annotations
 

@@ -1,383 +1,270 @@
-"""The daemon against a real mosquitto: answers, persistence across restarts, malformed input,
-backpressure, deadlines, draining, sd_notify, a fleet on a shared subscription, TLS and passwords.
-(Exactly-once under faults: test_exactly_once.py; hostile input: test_hostile_input.py.)"""
-
-from __future__ import annotations
+"""Pure parts of the daemon: request parsing, topics, ack ordering, backoff, health, config."""
 
 import base64
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
-import uuid
-from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mqtt_support import DEMO, DIGITS, ROOT, SAMPLES, TOPIC, Broker, Client, DaemonProcess, image_request, tensor_request, \
-    write_config
-
-pytestmark = pytest.mark.slow
-
-_image_request = image_request
-_tensor_request = tensor_request
-
-
-def _cli_infer(*inputs) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "k2edge", "infer", str(DEMO / "model.onnx"), "-p", "cpu-dev", "--json",
-                          "--top-k", "3", *map(str, inputs)], capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    return [json.loads(line) for line in out.splitlines()]
+from k2edge.config import load_config
+from k2edge.config.schema import ConfigError, read_secret
+from k2edge.service import topics
+from k2edge.service.protocol import RequestError, parse_request
+from k2edge.service.runtime import batch_sizes
+from k2edge.backoff import backoff
+from k2edge.service.transport import AckSequencer
 
 
-def test_answers_equal_k2edge_infer(run_daemon, broker, tmp_path):
-    """JSON images, raw JPEG payloads and tensors are answered as `k2edge infer` answers them."""
-    run_daemon()
-    client = Client(broker.port).connect()
-    tensor = np.random.default_rng(0).standard_normal((1, 32, 32)).astype(np.float32)
-    np.save(tmp_path / "t.npy", tensor)
-    want = _cli_infer(*SAMPLES[:4], tmp_path / "t.npy")
-    corr = [client.publish(TOPIC, _image_request(p)) for p in SAMPLES[:2]]
-    corr += [client.publish(TOPIC, p.read_bytes(), content_type="image/jpeg", user_properties={"id": f"raw{i}", "top_k": "3"})
-             for i, p in enumerate(SAMPLES[2:4])]
-    corr.append(client.publish(TOPIC, _tensor_request(tensor)))
-    client.wait_answers(5)
-    by_corr = {c: a for a, c in client.answers}
-    for c, w in zip(corr, want):
-        got = by_corr[c]
-        assert got["status"] == "ok" and got["source"] == "edge" and got["model"] == "digits", got
-        assert [t["index"] for t in got["top_k"]] == [t["index"] for t in w["top_k"]]
-        for a, b in zip(got["top_k"], w["top_k"]):
-            assert a["score"] == pytest.approx(b["score"], rel=1e-4, abs=1e-6)
-        assert set(got["latency_ms"]) >= {"queue", "stage", "infer", "total"}
-    client.close()
+def _parse(obj, ctype=None, props=None):
+    payload = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return parse_request(payload, "m", ctype, props or {}, received=100.0)
 
 
-def test_fallback_result_topic_without_response_topic(run_daemon, broker):
-    run_daemon()
-    client = Client(broker.port).connect()
-    client.publish(TOPIC, _image_request(SAMPLES[5], rid="plain-1"), reply=False)
-    client.wait_for(lambda c: any(t == "k2edge/t1/result/plain-1" for t, _ in c.other))
-    body = next(b for t, b in client.other if t == "k2edge/t1/result/plain-1")
-    assert body["status"] == "ok" and body["top_k"][0]["label"] == "5"
-    client.close()
+def test_parse_json_image_and_tensor():
+    r = _parse({"id": "a", "image": base64.b64encode(b"\xff\xd8jpeg").decode(), "top_k": 3, "deadline_ms": 250,
+                "prompt": "what is it?", "allow_cloud": False, "deferrable": True, "attempt": 2})
+    assert (r.id, r.image, r.top_k, r.deadline.at, r.prompt, r.allow_cloud, r.deferrable, r.attempt) == (
+        "a", b"\xff\xd8jpeg", 3, 100.25, "what is it?", False, True, 2)
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = _parse({"tensor": {"dtype": "float32", "shape": [2, 3], "data": base64.b64encode(arr.tobytes()).decode()}})
+    np.testing.assert_array_equal(t.tensor, arr)
+    assert t.id is None
 
 
-def test_requests_sent_while_down_are_answered_after_start(run_daemon, broker):
-    """The persistent session keeps requests at the broker while the daemon is stopped."""
-    d = run_daemon()
-    assert d.terminate() == 0
-    client = Client(broker.port).connect()
-    corr = [client.publish(TOPIC, _image_request(p, rid=f"queued-{i}")) for i, p in enumerate(SAMPLES[:5])]
-    run_daemon(wait=False)
-    answers = client.wait_answers(5, timeout=120)
-    assert sorted(a["id"] for a in answers) == [f"queued-{i}" for i in range(5)]
-    assert {c for _, c in client.answers} == set(corr)
-    client.settle(TOPIC)
-    assert len(client.answers) == 5, "answered twice"
-    client.close()
+def test_parse_raw_image_with_user_properties():
+    r = _parse(b"\x89PNG...", "image/png", {"id": "p1", "top_k": "2", "deadline_ms": "50", "allow_cloud": "false"})
+    assert (r.id, r.image, r.top_k, r.deadline_ms, r.allow_cloud) == ("p1", b"\x89PNG...", 2, 50.0, False)
+    with pytest.raises(RequestError, match="user property top_k must be a number"):
+        _parse(b"x", "image/png", {"top_k": "lots"})
+    assert _parse(b"x", "image/png", {"id": "p2", "attempt": "3"}).attempt == 3
+    with pytest.raises(RequestError, match=r"unknown user properties \['colour'\]"):
+        _parse(b"x", "image/jpeg", {"colour": "red"})
 
 
-MALFORMED = [
-    (b"not json at all", {}, "bad_request", "not valid JSON"),
-    (b"[1, 2, 3]", {}, "bad_request", "expected a JSON object, got an array"),
-    (json.dumps({"id": "x1", "image": 42}).encode(), {}, "bad_request", "image: expected a base64 string"),
-    (json.dumps({"id": "x2", "image": "%%%not-base64%%%"}).encode(), {}, "bad_request", "image: invalid base64"),
-    (json.dumps({"id": "x3", "image": base64.b64encode(b"GIF89a garbage").decode()}).encode(), {}, "bad_request", "cannot decode image"),
-    (json.dumps({"id": "x4", "tensor": {"dtype": "float32", "shape": [3, 28, 28],
-                                         "data": base64.b64encode(np.zeros((3, 28, 28), np.float32).tobytes()).decode()}}).encode(),
-     {}, "bad_request", "tensor shape [3, 28, 28]"),
-    (json.dumps({"id": "x5", "tensor": {"dtype": "float64", "shape": [1, 32, 32],
-                                         "data": base64.b64encode(np.zeros((1, 32, 32)).tobytes()).decode()}}).encode(),
-     {}, "bad_request", "tensor dtype float64"),
-    (json.dumps({"id": "x6", "tensor": {"dtype": "float32", "shape": [1, 32, 32], "data": "AAAA"}}).encode(), {}, "bad_request", "needs 4096"),
-    (json.dumps({"id": "x7", "image": "AAAA", "top_k": "five"}).encode(), {}, "bad_request", "top_k: expected an integer"),
-    (json.dumps({"id": "bad/+#", "image": "AAAA"}).encode(), {}, "bad_request", "cannot be a topic level"),
-    (json.dumps({"id": "x8", "image": "AAAA", "colour": "red"}).encode(), {}, "bad_request", "unknown field 'colour'"),
-    (json.dumps({"id": "x9"}).encode(), {}, "bad_request", "exactly one of 'image'"),
-    (json.dumps({"id": "x10", "image": "AAAA", "deadline_ms": -5}).encode(), {}, "bad_request", "deadline_ms: expected a number >= 1"),
-    (b"\xff\xd8 not a real jpeg", {"content_type": "image/jpeg"}, "bad_request", "cannot decode image"),
-    (SAMPLES[3].read_bytes()[:200], {"content_type": "image/jpeg"}, "bad_request", "cannot decode image"),  # truncated
-    (b"<xml/>", {"content_type": "application/xml"}, "bad_request", "content type 'application/xml'"),
-    (json.dumps({"id": "x11", "tensor": {"dtype": "float32", "shape": [1, 32, 32],
-                                          "data": base64.b64encode(np.full((1, 32, 32), np.nan, np.float32).tobytes()).decode()}}).encode(),
-     {}, "bad_request", "NaN or infinite"),
-    (b"[" * 30000 + b"]" * 30000, {}, "bad_request", "expected a JSON object"),
-]
+@pytest.mark.parametrize("bad, fragment", [
+    ({"id": 5, "image": "AA=="}, "id: expected a string"),
+    ({"id": "a/b", "image": "AA=="}, "cannot be a topic level"),
+    ({"id": "a#", "image": "AA=="}, "cannot be a topic level"),
+    ({"image": "AA==", "allow_cloud": "yes"}, "allow_cloud: expected true or false"),
+    ({"tensor": {"dtype": "complex64", "shape": [1], "data": ""}}, "tensor.dtype"),
+    ({"tensor": {"dtype": "float32", "shape": [0], "data": ""}}, "tensor.shape[0]: expected an integer >= 1"),
+    ({"tensor": {"dtype": "float32", "shape": [1]}}, "tensor: missing field 'data'"),
+])
+def test_parse_errors_are_bad_request(bad, fragment):
+    with pytest.raises(RequestError) as err:
+        _parse(bad)
+    assert err.value.code == "bad_request" and fragment in err.value.message
 
 
-def test_malformed_requests_get_precise_errors_and_the_daemon_keeps_serving(run_daemon, broker):
-    run_daemon(service={"max_payload_bytes": 65536})
-    client = Client(broker.port).connect()
-    corr = {}
-    for i, (payload, opts, code, fragment) in enumerate(MALFORMED):
-        corr[client.publish(TOPIC, payload, **opts)] = (code, fragment)
-    corr[client.publish(TOPIC, b"{" + b" " * 70000 + b"}")] = ("payload_too_large", "exceeds the limit of 65536")
-    corr[client.publish("k2edge/t1/infer/nosuchmodel", _image_request(SAMPLES[0], rid="m1"))] = ("unknown_model", "no model 'nosuchmodel'")
-    good = client.publish(TOPIC, _image_request(SAMPLES[8], rid="still-alive"))
-    client.wait_answers(len(corr) + 1)
-    answers = {c: a for a, c in client.answers}
-    for c, (code, fragment) in corr.items():
-        a = answers[c]
-        assert a["status"] == "error" and a["error"]["code"] == code, (fragment, a)
-        assert fragment in a["error"]["message"], (fragment, a)
-        assert " object at 0x" not in a["error"]["message"], a  # no Python object's repr reaches a requester
-    assert answers[good]["status"] == "ok" and answers[good]["top_k"][0]["label"] == "8"
-    unknown = next(a for c, a in answers.items() if corr.get(c, ("",))[0] == "unknown_model")
-    assert unknown["id"] == "m1"
-    client.close()
+def test_topics():
+    assert topics.model_of("k2edge/dev/infer/digits") == "digits"
+    assert topics.model_of("k2edge/pool/infer/digits") == "digits"
+    assert topics.model_of("k2edge/dev/status") is None
+    assert topics.shared_filter("g") == "$share/g/k2edge/pool/infer/+"
+    assert not topics.valid_level("") and not topics.valid_level("a+b") and topics.valid_level("req-1.x:y")
 
 
-def test_a_burst_beyond_the_queue_waits_at_the_broker_instead_of_busy(run_daemon, broker, slow_model):
-    """queue_size 2, 30 requests at once: the daemon stops reading, the broker holds the rest, all are answered ok."""
-    run_daemon(models=[slow_model.model()], service={"queue_size": 2, "max_batch": 1})
-    client = Client(broker.port).connect()
-    x = np.zeros(slow_model.input_shape, np.float32)
-    n = 30  # published in far less than one request's run (>= 100 ms), so more than queue_size wait at once
-    for i in range(n):
-        client.publish("k2edge/t1/infer/slow", _tensor_request(x, rid=f"b{i}"))
-    answers = client.wait_answers(n, timeout=60 + n * slow_model.seconds * 4)
-    assert Counter(a["status"] for a in answers) == {"ok": n}, [a for a in answers if a["status"] != "ok"][:2]
-    assert Counter(a["id"] for a in answers) == Counter(f"b{i}" for i in range(n))
-    client.subscribe("k2edge/t1/telemetry", qos=0)
-    client.wait_for(lambda c: any(t == "k2edge/t1/telemetry" for t, _ in c.other), 15)
-    telemetry = next(b for t, b in client.other if t == "k2edge/t1/telemetry")
-    assert telemetry["read_pauses"] >= 1  # backpressure really happened
-    client.close()
+def test_acks_go_out_in_arrival_order_and_never_across_reconnects():
+    sent = []
+    seq = AckSequencer(sent.append)
+    t1, t2, t3 = seq.received(1), seq.received(2), seq.received(3)
+    seq.done(t2)
+    assert sent == []  # 1 is not done: 2 must wait
+    seq.done(t1)
+    assert sent == [1, 2]
+    seq.new_connection()
+    seq.done(t3)  # packet id 3 belongs to the old connection: the broker redelivers it instead
+    assert sent == [1, 2]
 
 
-def test_deadlines_are_never_answered_late(run_daemon, broker, slow_model):
-    """Deadlines a third of one request's measured run: the first may make it, every one queued behind it cannot."""
-    run_daemon(models=[slow_model.model()], service={"max_batch": 1})
-    client = Client(broker.port).connect()
-    x = np.zeros(slow_model.input_shape, np.float32)
-    deadline_ms = max(1, int(slow_model.seconds * 1000 / 3))
-    for i in range(6):
-        body = _tensor_request(x, rid=f"d{i}")
-        body["deadline_ms"] = deadline_ms
-        client.publish("k2edge/t1/infer/slow", body)
-    generous = _tensor_request(x, rid="patient")
-    generous["deadline_ms"] = 60000
-    client.publish("k2edge/t1/infer/slow", generous)
-    answers = {a["id"]: a for a in client.wait_answers(7, timeout=120)}
-    late = [a for rid, a in answers.items() if rid.startswith("d")]
-    assert all(a["status"] == "error" and a["error"]["code"] == "deadline_exceeded" for a in late[1:]), late
-    for a in late:
-        if a["status"] == "ok":  # only possible when answered within its deadline
-            assert a["latency_ms"]["total"] <= deadline_ms
-    assert answers["patient"]["status"] == "ok"
-    client.close()
+def test_backoff_is_jittered_and_capped():
+    delays = [backoff(a, 0.5, 30.0) for a in range(12) for _ in range(50)]
+    assert min(delays) >= 0.5 and max(delays) <= 30.0
+    assert len({round(d, 3) for d in delays}) > 100
+    assert backoff(20, 0.5, 30.0, rng=lambda: 1.0) == 30.0
 
 
-def test_sigterm_drains_in_flight_work_then_goes_offline(run_daemon, broker, slow_model):
-    """SIGTERM with about two seconds of measured work left: all of it is answered, then the status says offline."""
-    d = run_daemon(models=[slow_model.model()], service={"max_batch": 1})
-    client = Client(broker.port).connect()
-    x = np.zeros(slow_model.input_shape, np.float32)
-    n = slow_model.requests_for(2.0) + 1
-    for i in range(n):
-        client.publish("k2edge/t1/infer/slow", _tensor_request(x, rid=f"s{i}"))
-    client.wait_answers(1, timeout=60)  # the daemon is working through them
-    signalled = time.monotonic()
-    assert d.terminate(timeout=60 + n * slow_model.seconds * 4) == 0
-    answers = client.wait_answers(n, timeout=30)
-    assert sorted(a["id"] for a in answers) == sorted(f"s{i}" for i in range(n))
-    assert all(a["status"] == "ok" for a in answers)
-    after = sum(arrived > signalled for _, arrived in client.raw)
-    assert after >= 1, "every answer came before SIGTERM: the drain was not exercised"
-    states = [s["state"] for s in client.statuses if s.get("device") == "t1"]
-    assert states[-2:] == ["draining", "offline"], states
-    client.close()
-    # the retained status says offline to anyone who looks later
-    late = Client(broker.port).connect()
-    late.wait_state("offline")
-    late.close()
+def test_batch_sizes():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(8) == [1, 2, 4, 8]
+    assert batch_sizes(6) == [1, 2, 4, 6]
 
 
-def test_sd_notify_ready_watchdog_stopping(run_daemon, broker, tmp_path):
-    sock_path = str(tmp_path / "notify.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(sock_path)
-    sock.settimeout(0.5)
-    messages: list[str] = []
-
-    def listen():
-        while not stop.is_set():
-            try:
-                messages.append(sock.recv(4096).decode())
-            except socket.timeout:
-                continue
-
-    stop = threading.Event()
-    t = threading.Thread(target=listen, daemon=True)
-    t.start()
-    d = run_daemon(env={"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "1000000"})
-    deadline = time.monotonic() + 60  # the pings come every half second; wait for three, however long they take
-    while sum(m.count("WATCHDOG=1") for m in list(messages)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert d.terminate() == 0
-    deadline = time.monotonic() + 10  # STOPPING=1 was sent before the process exited; let the reader take it
-    while not any("STOPPING=1" in m for m in list(messages)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stop.set()
-    t.join()
-    sock.close()
-    flat = [line for m in messages for line in m.splitlines()]
-    assert "READY=1" in flat
-    assert any(line.startswith("STATUS=serving") for line in flat)
-    assert flat.count("WATCHDOG=1") >= 3
-    assert "STOPPING=1" in flat
-    assert flat.index("READY=1") < flat.index("WATCHDOG=1") < flat.index("STOPPING=1")
+def _until(predicate, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
 
 
-def test_two_daemons_share_the_pool_each_request_answered_once(run_daemon, broker):
-    run_daemon(device="fa", fleet="line3")
-    run_daemon(device="fb", fleet="line3")
-    client = Client(broker.port).connect()
-    n = 40
-    for i in range(n):
-        client.publish("k2edge/pool/infer/digits", _image_request(SAMPLES[i % 10], rid=f"p{i}"))
-    client.wait_answers(n, timeout=60)
-    client.settle("k2edge/fa/infer/digits", "k2edge/fb/infer/digits")
-    ids = Counter(a["id"] for a, _ in client.answers)
-    assert ids == Counter(f"p{i}" for i in range(n))
-    devices = Counter(a["device"] for a, _ in client.answers)
-    assert set(devices) == {"fa", "fb"} and min(devices.values()) >= n // 4, devices
-    client.close()
+def test_a_runtime_is_activated_once_and_its_profile_views_share_the_activation(demo_model):
+    """activate/deactivate out of order raise; the context manager pairs them; the warm view is the same version."""
+    from k2edge.config.schema import ModelConfig
+    from k2edge.service.runtime import ModelRuntime, RuntimeStateError
+
+    rt = ModelRuntime(ModelConfig(name="m", onnx=demo_model, escalation={"warm_profile": "c2"}), 2, None, None, version="1.0.0")
+    with pytest.raises(RuntimeStateError, match="not active"):
+        rt.deactivate()
+    with rt:
+        with pytest.raises(RuntimeStateError, match="already active"):
+            rt.activate()
+        warm = rt.with_profile(True)
+        assert warm is not rt and warm.shares_engines(rt) and warm.version == "1.0.0" and warm.profile_name == "c2"
+        assert rt.with_profile(False) is rt and warm.with_profile(True) is warm and warm.active
+        assert len(warm.infer([np.zeros(rt.sample_shape, dtype=rt.input_dtype)])) >= 1
+    assert not rt.active and not warm.active
+    with pytest.raises(RuntimeStateError):
+        warm.deactivate()
 
 
-def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
-    """Username/password auth against a broker that requires it; the secret appears nowhere."""
-    secret = "s3cr3t-" + uuid.uuid4().hex
-    pw = tmp_path / "passwd"
-    subprocess.run(["mosquitto_passwd", "-c", "-b", str(pw), "k2edge", secret], check=True, capture_output=True)
-    pw.chmod(0o600)
-    secured = Broker(tmp_path / "secured", extra_conf="")
-    secured.conf.write_text(secured.conf.read_text().replace("allow_anonymous true", f"allow_anonymous false\npassword_file {pw}"))
-    secured.start()
-    try:
-        (tmp_path / "mqtt-password").write_text(secret + "\n")
-        cfg = write_config(tmp_path / "auth.toml", secured.port, [DIGITS], device="auth",
-                           mqtt_extra={"username": "k2edge", "password_file": str(tmp_path / "mqtt-password")})
-        d = DaemonProcess(cfg, tmp_path / "auth.log", verbose=True).start()
-        import paho.mqtt.client as mqtt
+def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch):
+    """WATCHDOG=1 is only sent while every serving thread loops: a wedged batcher stops it, a free one resumes it."""
+    from k2edge.config.schema import DaemonConfig, ModelConfig
+    from k2edge.service.answer_book import AnswerBook
+    from k2edge.service.batcher import Batcher
+    from k2edge.service.escalation import Escalation
+    from k2edge.service.metrics import AnswerStats
+    from k2edge.service.replies import Replies
+    from k2edge.service.request_path import Backlog, RequestPath, RequestQueue
+    from k2edge.service.runtime import ModelRuntime
+    from k2edge.telemetry import thermal_sampler
 
-        seen = []
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        c.username_pw_set("k2edge", secret)
-        c.on_message = lambda cl, u, m: seen.append(m.payload)
-        c.connect("127.0.0.1", secured.port)
-        c.subscribe("k2edge/auth/status", qos=1)
-        c.loop_start()
-        deadline = time.monotonic() + 120
-        while not any(b'"online"' in p for p in seen) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert any(b'"online"' in p for p in seen), d.output()
-        assert d.terminate() == 0
-        c.loop_stop()
-        assert secret not in d.output()
-        assert all(secret.encode() not in p for p in seen)
-    finally:
-        secured.stop()
+    cfg = DaemonConfig(models=(ModelConfig(name="m", onnx=demo_model),), service={"state_dir": tmp_path})
+    rt = ModelRuntime(cfg.models[0], 1, None, None)
+    rt.activate()
+    release, entered = threading.Event(), threading.Event()
+    real_stage = rt.stage
+
+    def hung_decoder(*args):  # a decoder that hangs, as a corrupt image could make it
+        entered.set()
+        release.wait(30)
+        return real_stage(*args)
+
+    monkeypatch.setattr(rt, "stage", hung_decoder)
+    published = []
+
+    class Broker:  # the broker facade: acknowledges every publish at once
+        def publish(self, topic, payload, correlation=None, on_delivered=None):
+            published.append(payload)
+            on_delivered()
+
+        def done(self, token): ...
+        def wake(self): ...
+        def input_pending(self): return True
+
+    book = AnswerBook(tmp_path, Broker(), 60)
+    thermal = thermal_sampler(cfg.thermal)
+    replies = Replies(cfg, book, AnswerStats(), thermal)
+    backlog = Backlog(8, 80, Broker())
+    cond = threading.Condition()
+    queue = RequestQueue(cond, backlog, replies, Escalation(cfg, thermal, replies, book), None,
+                         cfg.service.max_image_pixels)
+    batcher = Batcher("m", rt, thermal, [queue], cond, 0.0)
+    path = RequestPath(cfg, {"m": queue}, {"m": batcher}, book, replies, backlog, Broker(), threading.Event())
+    batcher.start()
+    _until(lambda: batcher.alive(max_age=1.0))
+
+    class Msg:
+        topic, payload, qos, mid, properties = "k2edge/x/infer/m", json.dumps({"id": "w", "tensor": {
+            "dtype": "float32", "shape": [1, 32, 32], "data": base64.b64encode(bytes(4096)).decode()}}).encode(), 1, 1, None
+
+    path.on_message(Msg, token=None)
+    assert entered.wait(10)
+    _until(lambda: not batcher.alive(max_age=1.0))
+    release.set()
+    _until(lambda: batcher.alive(max_age=1.0))
+    _until(lambda: published)
+    assert json.loads(published[0])["status"] == "ok"
+    batcher.stop()
+    rt.deactivate()
 
 
-def test_a_corrected_resend_needs_a_new_attempt_and_a_bad_response_topic_is_reported(run_daemon, broker):
-    """The same (id, attempt) again is taken for a redelivery; attempt + 1 is a new request."""
-    run_daemon()
-    client = Client(broker.port).connect()
-    client.publish(TOPIC, {"id": "retry-1", "image": "%%%"})
-    client.wait_answers(1)
-    client.publish(TOPIC, _image_request(SAMPLES[1], rid="retry-1"))  # same key: acknowledged, not answered
-    client.publish(TOPIC, _image_request(SAMPLES[1], rid="retry-1", attempt=1))
-    answers = client.wait_answers(2)
-    assert [(a["status"], a["attempt"]) for a in answers] == [("error", 0), ("ok", 1)]
-    assert answers[1]["top_k"][0]["label"] == "1"
-    props_topic = "bad/+/reply"
+def _write(tmp_path, text):
+    p = tmp_path / "k.toml"
+    p.write_text(text)
+    return p
+
+
+def test_config_example_loads_and_resolves_paths():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "config" / "k2edge.toml")
+    assert cfg.device_id == "demo" and cfg.prefix == "k2edge/demo" and cfg.client_id == "k2edge-demo"
+    assert cfg.models[0].onnx.is_file() and cfg.models[0].calib.is_dir()
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("models = []", "models: Value error, at least one"),
+    ('[[models]]\nname = "a"\nonnx = "m.onnx"\nturbo = true', "models.0.turbo: unknown key"),
+    ('[[models]]\nname = "a/b"\nonnx = "m.onnx"', "model name must be letters"),
+    ('[mqtt]\nport = 0\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.port: must be >= 1"),
+    ('[mqtt]\npassword_file = "p"\n[[models]]\nname = "a"\nonnx = "m"', "a password needs a username"),
+    ('[mqtt]\npassword = "hunter2"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.password: unknown key"),
+    ("device_id = 'x'\n[service\n", "not valid TOML"),
+])
+def test_config_errors_name_the_key(tmp_path, text, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, text))
+    assert fragment.replace("Value error, ", "") in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_secrets_from_file_and_credential(tmp_path, monkeypatch):
+    (tmp_path / "pw").write_text("hunter2\n")
+    assert read_secret(tmp_path / "pw") == "hunter2"
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    assert read_secret(credential="pw") == "hunter2"
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    with pytest.raises(ConfigError, match="CREDENTIALS_DIRECTORY is not set") as err:
+        read_secret(credential="pw")
+    assert "hunter2" not in str(err.value)
+
+
+def test_the_drain_order_is_data_naming_the_daemons_steps():
+    """Each drain step is a method of the daemon; requests are answered before answers are awaited and engines released last."""
+    from k2edge.service.daemon import Daemon
+
+    steps = list(Daemon.DRAIN)
+    assert all(callable(getattr(Daemon, s, None)) for s in steps) and len(set(steps)) == len(steps)
+    assert steps.index("_stop_admitting") < steps.index("_finish_requests") < steps.index("_wait_answers_delivered") \
+        < steps.index("_say_offline") < steps.index("_disconnect")
+    assert steps[-1] == "_deactivate_engines"
+
+
+def test_a_request_is_told_from_an_acknowledgement_in_the_bytes_waiting():
+    """input_pending's peek: PUBACKs alone are no reason to hand a lone request to its line; a PUBLISH is."""
+    from k2edge.service.transport import publish_ahead
+
+    puback, publish = bytes([0x40, 2, 0, 1]), bytes([0x32, 5, 0, 1, ord("t"), 0, 7])
+    assert not publish_ahead(b"", False) and not publish_ahead(puback * 3, False)
+    assert publish_ahead(publish, False) and publish_ahead(puback + publish, False)
+    assert publish_ahead(puback + bytes([0x40]), True)  # cut off: more may wait, count it as a request
+    assert not publish_ahead(bytes([0x40, 200, 1]), False) and publish_ahead(bytes([0x40, 200, 1]), True)
+
+
+@pytest.mark.parametrize("content_type, correlation", [("application/json", None), ("application/json", b"\x00" * 16),
+                                                       ("image/jpeg", b"c" * 300), ("text/plain; charset=é", b"")])
+def test_publish_properties_pack_as_paho_packs_them(content_type, correlation):
+    """The answers' properties, packed once by hand, are byte for byte what paho's Properties packs, and read the same."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
-    props = Properties(PacketTypes.PUBLISH)
-    props.ResponseTopic = props_topic
-    client.c.publish(TOPIC, json.dumps(_image_request(SAMPLES[2], rid="wild")).encode(), qos=1, properties=props)
-    # the contract's fallback: {prefix}/result/{id}
-    client.wait_for(lambda c: any(t == "k2edge/t1/result/wild" for t, b in c.other))
-    err = next(b for t, b in client.other if t == "k2edge/t1/result/wild")
-    assert err["error"]["code"] == "bad_request" and "Response Topic" in err["error"]["message"]
-    assert len(client.answers) == 2, "the resend with the same key was answered"
-    client.close()
+    from k2edge.service.transport import PublishProperties
 
-
-def test_systemd_unit_verifies_and_the_installer_dry_runs(tmp_path):
-    unit = (ROOT / "systemd" / "k2edge.service").read_text()
-    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "User=k2edge", "StateDirectory=k2edge",
-                 "CacheDirectory=k2edge", "LoadCredential=", "ProtectSystem=strict", "NoNewPrivileges=yes", "PrivateTmp=yes"):
-        assert line in unit, line
-    import shutil
-
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed")
-    exe = Path(sys.executable).with_name("k2edge")
-    local = tmp_path / "k2edge.service"
-    local.write_text(unit.replace("/opt/k2edge/venv/bin/k2edge", str(exe)))
-    proc = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    dry = subprocess.run(["bash", str(ROOT / "tools" / "install-systemd.sh"), "--dry-run", "--prefix", str(tmp_path / "opt")],
-                         capture_output=True, text=True)
-    assert dry.returncode == 0, dry.stderr
-    assert "useradd --system" in dry.stdout or "id k2edge" in dry.stdout or "k2edge.service" in dry.stdout
-
-
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def test_tls_with_client_certificate(tmp_path, run_daemon):
-    """The daemon connects over TLS with a client certificate to a broker that requires one."""
-    pki = tmp_path / "pki"
-    pki.mkdir()
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=k2edge-test-ca",
-             "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)
-    for name, cn in (("server", "localhost"), ("client", "k2edge-daemon")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=pki)
-        ext = pki / f"{name}.ext"
-        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n" if name == "server" else "extendedKeyUsage=clientAuth\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
-                 "-extfile", ext.name, "-out", f"{name}.crt", cwd=pki)
-    tls = Broker(tmp_path / "tls")
-    tls.conf.write_text(tls.conf.read_text() + f"cafile {pki / 'ca.crt'}\ncertfile {pki / 'server.crt'}\n"
-                        f"keyfile {pki / 'server.key'}\nrequire_certificate true\n")
-    tls.start()
-    try:
-        cfg = write_config(tmp_path / "tls.toml", tls.port, [DIGITS], device="tls",
-                           mqtt_extra={"tls_ca_file": pki / "ca.crt", "tls_cert_file": pki / "client.crt",
-                                       "tls_key_file": pki / "client.key"})
-        d = DaemonProcess(cfg, tmp_path / "tls.log").start()
-        deadline = time.monotonic() + 120
-        while "serving digits" not in d.output() and time.monotonic() < deadline and d.proc.poll() is None:
-            time.sleep(0.2)
-        assert "serving digits" in d.output(), d.output()
-        assert d.terminate() == 0
-        # and a client without a certificate is refused by that broker, so TLS really was in use
-        import ssl
-
-        import paho.mqtt.client as mqtt
-
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        c.tls_set(ca_certs=str(pki / "ca.crt"), cert_reqs=ssl.CERT_REQUIRED)
-        connected = []
-        c.on_connect = lambda *a: connected.append(a[3])
-        refused = False
-        try:
-            c.connect("127.0.0.1", tls.port)
-            for _ in range(20):
-                if c.loop(0.1) != mqtt.MQTT_ERR_SUCCESS:
-                    refused = True
-                    break
-        except (ssl.SSLError, OSError):
-            refused = True
-        assert refused and not connected
-    finally:
-        tls.stop()
+    ref = Properties(PacketTypes.PUBLISH)
+    ref.ContentType = content_type
+    if correlation is not None:
+        ref.CorrelationData = correlation
+    ours = PublishProperties.make(content_type, correlation)
+    assert isinstance(ours, Properties)
+    assert ours.pack() == ref.pack()
+    assert str(ours) == str(ref) and ours.json() == ref.json()
+    unpacked = Properties(PacketTypes.PUBLISH)
+    unpacked.unpack(ours.pack())
+    assert unpacked.ContentType == content_type and getattr(unpacked, "CorrelationData", None) == correlation

@@ -1,5 +1,5 @@
 """The TensorRT backend: contract tests against a recording test double of TensorRT 10 and pycuda
-(tests/trt_double.py; no machine here has TensorRT, a GPU or a DLA), pure tests of the plan ->
+(tests/support/trt_double.py; no machine here has TensorRT, a GPU or a DLA), pure tests of the plan ->
 builder-settings mapping and the placement reader, and ``gpu`` tests that run the prefetch ring on a
 real CUDA device where pycuda and one exist."""
 

@@ -309,7 +309,7 @@ def _track_video(scenario, frames, **kw):
     return acc, events, states
 
 
-# The measured figures (tests/stream_videos.py's crossing video, 5 digits, 90 frames, onnxruntime
+# The measured figures (tests/support/stream_videos.py's crossing video, 5 digits, 90 frames, onnxruntime
 # CPU): new_track 0.5 (the default) MOTA 0.981, IDF1 0.991, 0 ID switches; new_track 0.25 (the
 # card's score threshold: every detection gets an id, so the low-score boxes of two overlapping
 # digits start short tracks) MOTA 0.960, IDF1 0.971, 6 ID switches. The floors leave a margin.

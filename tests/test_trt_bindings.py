@@ -1,5 +1,5 @@
 """The TensorRT/pycuda test double checked against the real APIs: TensorRT 10.3.0's Python bindings (imported
-through stub libraries, tests/api_check.py) and pycuda 2024.1.2's sources.
+through stub libraries, tests/support/api_check.py) and pycuda 2024.1.2's sources.
 
 The downloads are cached (``$K2EDGE_TEST_CACHE``, default ``~/.cache/k2edge-tests``); the tests skip, with the
 reason printed, only when there is no C compiler or no package index. A self-check shows that the comparison

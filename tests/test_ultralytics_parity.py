@@ -1,5 +1,5 @@
 """Decoding parity with Ultralytics' own post-processing, for every task: the synthetic raw outputs of
-tests/ultra_scenes.py (planted objects) decoded by k2edge against what Ultralytics'
+tests/support/ultra_scenes.py (planted objects) decoded by k2edge against what Ultralytics'
 non_max_suppression, scale_boxes, process_mask_native and scale_coords made of the same arrays
 (stored by tools/make_ultralytics_fixtures.py; tests never import ultralytics). Same boxes within
 0.5 px, same classes, mask IoU >= 0.99, keypoints within 0.5 px."""

@@ -2,7 +2,7 @@
 made by tools/make_yolov8_fixture.py on branch det). Layout and the suggested card, dynamic axes
 fixed by the card's size, letterbox staging equal to ultralytics' preprocessing written out by
 hand, and the INT8 head: everything after the detection convs, DFL included. Their random weights
-score every anchor alike, so box-for-box comparisons run on trained models (tests/test_detect_e2e.py,
+score every anchor alike, so box-for-box comparisons run on trained models (tests/test_detect_pipeline.py,
 tests/test_demo_detector.py)."""
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ for its sample photos:
 (``torch.manual_seed(0)``; a ``.yaml`` is a config, nothing is downloaded) and exported with
 ``imgsz=320`` (224 for the classifier), opset 17, static shapes (YOLOv10n with ``nms=False``: its
 NMS-free head, ``[1, 300, 6]``); convolution and Linear weights stripped by
-``tests/zoo.py`` as for the YOLOv8n fixtures (``zoo.load`` regenerates them). Checked: ONNX Runtime
+``tests/support/zoo.py`` as for the YOLOv8n fixtures (``zoo.load`` regenerates them). Checked: ONNX Runtime
 on the full export matches the torch model; the stripped fixture runs.
 
 ``golden``: ``ultralytics_golden.npz``:
 
-* post-processing: the synthetic raw outputs of ``tests/ultra_scenes.py`` (planted objects:
+* post-processing: the synthetic raw outputs of ``tests/support/ultra_scenes.py`` (planted objects:
   overlapping boxes of several classes, masks, keypoints, angles; numpy only, so the tests make
   the same arrays) through Ultralytics' ``non_max_suppression``, ``scale_boxes``,
   ``process_mask_native`` and ``scale_coords``, as its predictors call them;
@@ -41,7 +41,7 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "tests" / "fixtures" / "ultralytics"
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 SEED = 0
 OPSET = 17

@@ -12,7 +12,7 @@ nothing is downloaded) and exported by torch's legacy TorchScript exporter
 initializers also listed as graph inputs, dynamic batch dimension, opset 9,
 no constant folding (BatchNormalization kept, Shape/Gather/... subgraphs kept).
 Float initializers with more than 256 elements then have their data removed;
-their statistics go into the tensor's doc_string and tests/zoo.py regenerates
+their statistics go into the tensor's doc_string and tests/support/zoo.py regenerates
 them.  Finally each fixture is checked: torch vs onnxruntime on the full export,
 and checker + onnxruntime (batch 1 and 2) on the regenerated model.
 """
@@ -37,9 +37,9 @@ from torchvision.models.resnet import BasicBlock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "tests" / "fixtures" / "zoo"
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-import zoo  # noqa: E402  (tests/zoo.py: strip() writes the markers that zoo.load() reads)
+import zoo  # noqa: E402  (tests/support/zoo.py: strip() writes the markers that zoo.load() reads)
 
 OPSET = 9  # the legacy exporter accepts 9 for all six models (checked with torch 2.14.1)
 SEED = 0

@@ -187,7 +187,7 @@ class ByteTracker:
     The defaults are ByteTrack's (``track_thresh`` 0.5, low 0.1, ``match_thresh`` 0.8,
     ``track_buffer`` 30) except ``new_track``: ByteTrack starts tracks at ``track_thresh + 0.1``; here
     0.5, since the demo detector scores a clearly visible digit 0.58 or more (5th percentile on
-    tests/stream_videos.py's crossing video, median 0.94) and lower boxes are mostly two
+    tests/support/stream_videos.py's crossing video, median 0.94) and lower boxes are mostly two
     overlapping digits seen as one. On that video (tests/test_tracker.py) ``new_track`` 0.5 gives
     MOTA 0.98, IDF1 0.99 and no ID switch; 0.25 (the demo card's score threshold) gives every
     detection an id at the cost of 6 ID switches (MOTA 0.96, IDF1 0.97) where two digits overlap.

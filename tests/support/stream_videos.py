@@ -11,7 +11,7 @@ digit looks the same in every frame.
 five per digit. They are the demo detector's own training digits (scikit-learn's ``load_digits``,
 8x8 -> 32x32 as both training scripts do), taken from ``models/digits/calib.npz`` (20 training
 digits per class) and picked as the five per class the detector finds best when rendered here:
-``python tests/stream_videos.py --sprites`` remakes the file (needs onnxruntime, not scikit-learn).
+``python tests/support/stream_videos.py --sprites`` remakes the file (needs onnxruntime, not scikit-learn).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-SPRITES = Path(__file__).resolve().parent / "fixtures" / "digit_sprites.npz"
+ROOT = Path(__file__).resolve().parents[2]
+SPRITES = Path(__file__).resolve().parents[1] / "fixtures" / "digit_sprites.npz"
 DETECTOR = ROOT / "models" / "detector"
 
 BACKGROUND = (228, 224, 212)  # light paper
@@ -273,4 +273,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--sprites"]:
         _make_sprites()
     else:
-        sys.exit("usage: python tests/stream_videos.py --sprites")
+        sys.exit("usage: python tests/support/stream_videos.py --sprites")

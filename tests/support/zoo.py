@@ -24,9 +24,9 @@ import onnx
 import onnx.numpy_helper
 from onnx import helper
 
-FIXTURE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "zoo"
-YOLOV8_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "yolov8"
-ULTRALYTICS_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "ultralytics"
+FIXTURE_DIR = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "zoo"
+YOLOV8_DIR = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "yolov8"
+ULTRALYTICS_DIR = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "ultralytics"
 
 MARKER_KEY = "k2edge_fixture"
 MARKER_VALUE = "regenerate"

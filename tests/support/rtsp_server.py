@@ -3,7 +3,7 @@
 
 Run by Debian's own python (it has ``gi``; the venv does not), through ``rtsp_support.RtspServer``:
 
-    /usr/bin/python3 tests/rtsp_server.py --file clip.mp4 --port 8554 --mount cam
+    /usr/bin/python3 tests/support/rtsp_server.py --file clip.mp4 --port 8554 --mount cam
 
 The file is demuxed once into memory; each client gets its own pipeline (the factory is not shared)
 that plays the file's access units from the first one, a keyframe, and loops them forever with

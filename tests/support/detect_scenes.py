@@ -1,4 +1,4 @@
-"""Scenes for the hand-weighted grid detector (tests/graphs.py): white and red squares on a dark,
+"""Scenes for the hand-weighted grid detector (tests/support/graphs.py): white and red squares on a dark,
 slightly noisy background, with their COCO annotations."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Detection end to end on a hand-weighted YOLOv8-layout detector (tests/graphs.grid_detector):
+"""Detection end to end on a hand-weighted YOLOv8-layout detector (tests/support/graphs.grid_detector):
 ``k2edge infer --card --json`` equals a reference pipeline written out by hand (Pillow resize and
 padding, onnxruntime, a loop decode, boxes mapped back) for every resize and image orientation and
 for .npy tensors; COCO eval through pycocotools; INT8 keeps the head in float; annotated images;

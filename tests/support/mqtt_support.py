@@ -20,7 +20,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 DEMO = ROOT / "models" / "digits"
 SAMPLES = sorted((DEMO / "samples").glob("*.jpg"))

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FACE_PHOTOS = (("skimage", "astronaut.png"), ("skimage", "camera.png"), ("matplotlib", "grace_hopper.jpg"))
 SCENES = (("skimage", f) for f in ("chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "horse.png",
                                    "hubble_deep_field.jpg", "coins.png", "moon.png", "clock_motion.png", "brick.png",

@@ -8,7 +8,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "digits"
 
 Members = list[tuple[tarfile.TarInfo, "bytes | None"]]
