@@ -3,8 +3,8 @@
 Prints, side by side:
 
 1. batch-1 latency: MQTT 5 round trip through the daemon (loopback mosquitto with TCP_NODELAY)
-   vs a bare ``Engine.infer`` call (goal: p50 added latency <= 1.5 ms);
-2. throughput with 16 requests in flight: the daemon vs the engine's best (no goal any more: on two
+   vs a bare ``Engine.infer`` call (its bound: p50 added latency at most 1.5 ms);
+2. throughput with 16 requests in flight: the daemon vs the engine's best (no bound: on two
    shared cores the load generator and the broker take the CPU the bare engine has to itself; the
    daemon is compared with what a user would write instead in bench/bench_peer.py).
 
@@ -39,11 +39,22 @@ from k2edge import Engine  # noqa: E402
 from k2edge.cli.client import RequestClient  # noqa: E402
 
 MODEL = ROOT / "models" / "digits" / "model.onnx"
+ADDED_P50_BOUND_MS = 1.5  # the daemon's batch-1 p50 round trip minus Engine.infer's: at most
+
+
+def _tensor_body(x: np.ndarray) -> bytes:
+    """The request without its id: ``b'"tensor": {...}}'``, encoded once per input."""
+    return json.dumps({"tensor": {"dtype": "float32", "shape": list(x.shape),
+                       "data": base64.b64encode(x.tobytes()).decode()}}).encode()[1:]
+
+
+def _with_id(body: bytes) -> bytes:
+    """A request with a new id: the daemon answers an id it has seen as a duplicate, not as new work."""
+    return b'{"id": "' + uuid.uuid4().hex[:12].encode() + b'", ' + body
 
 
 def _tensor_payload(x: np.ndarray) -> bytes:
-    return json.dumps({"id": uuid.uuid4().hex[:12], "tensor": {"dtype": "float32", "shape": list(x.shape),
-                       "data": base64.b64encode(x.tobytes()).decode()}}).encode()
+    return _with_id(_tensor_body(x))
 
 
 def engine_side(profile: str, inputs: list[np.ndarray], rounds: int) -> dict:
@@ -77,18 +88,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 def daemon_side(port: int, inputs: list[np.ndarray], rounds: int, pids: dict) -> dict:
-    payloads = [_tensor_payload(x) for x in inputs]
+    bodies = [_tensor_body(x) for x in inputs]
     topic = "k2edge/bench/infer/digits"
     lat, thr, batches = [], [], []
     with RequestClient("127.0.0.1", port) as client:
-        for p in payloads[:200]:
-            client.request(topic, p, timeout=30)
+        for b in bodies[:200]:
+            client.request(topic, _with_id(b), timeout=30)
         for _ in range(rounds):
             times = []
-            for p in payloads:
-                _, ms = client.request(topic, p, timeout=30)
+            for b in bodies:
+                _, ms = client.request(topic, _with_id(b), timeout=30)
                 times.append(ms)
             lat.append(statistics.median(times))
+            payloads = [_with_id(b) for b in bodies]
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
             own0 = time.process_time()
             t0 = time.perf_counter()
@@ -100,9 +112,9 @@ def daemon_side(port: int, inputs: list[np.ndarray], rounds: int, pids: dict) ->
                     batches.append(body["latency_ms"]["batch"])
             for corr in pending:
                 client.wait(corr, 30)
-            thr.append(len(payloads) / (time.perf_counter() - t0))
-            cpu = {k: (cpu_seconds(p) - cpu0[k]) / len(payloads) * 1e3 for k, p in pids.items()}
-            cpu["client"] = (time.process_time() - own0) / len(payloads) * 1e3
+            thr.append(len(bodies) / (time.perf_counter() - t0))
+            cpu = {k: (cpu_seconds(p) - cpu0[k]) / len(bodies) * 1e3 for k, p in pids.items()}
+            cpu["client"] = (time.process_time() - own0) / len(bodies) * 1e3
     return {"p50_ms": statistics.median(lat), "throughput_per_s": statistics.median(thr),
             "mean_batch_16_in_flight": sum(batches) / len(batches), "cpu_ms_per_request": cpu}
 
@@ -142,14 +154,15 @@ def main() -> int:
     print(f"profile {args.profile}, {args.requests} requests x {args.rounds} rounds, mosquitto with set_tcp_nodelay, "
           f"daemon max_batch {args.max_batch}; every device a CPU lane")
     print(f"1. batch-1 p50   Engine.infer {eng['p50_ms']:.3f} ms | MQTT round trip via the daemon {dmn['p50_ms']:.3f} ms"
-          f" | added {added:.3f} ms: {'met' if added <= 1.5 else 'NOT met'} (goal <= 1.5 ms)")
+          f" | added {added:.3f} ms; bound: at most {ADDED_P50_BOUND_MS} ms")
     print(f"2. 16 in flight  engine {eng['throughput_per_s']:.0f}/s | daemon {dmn['throughput_per_s']:.0f}/s "
-          f"(mean batch {dmn['mean_batch_16_in_flight']:.1f}) | {ratio:.2f}x (see bench/bench_peer.py for the goal that counts)")
+          f"(mean batch {dmn['mean_batch_16_in_flight']:.1f}) | {ratio:.2f}x (no bound here; bench/bench_peer.py compares the daemon with a peer)")
     cpu = dmn["cpu_ms_per_request"]
     print(f"   CPU per request at 16 in flight: daemon {cpu['daemon']:.2f} ms, broker {cpu['broker']:.2f} ms, "
           f"load-generating client {cpu['client']:.2f} ms, on {os.cpu_count()} cores shared by all three")
     if args.json:
-        Path(args.json).write_text(json.dumps({"engine": eng, "daemon": dmn, "added_ms": added, "ratio": ratio}, indent=2))
+        Path(args.json).write_text(json.dumps({"engine": eng, "daemon": dmn, "added_ms": added,
+                                               "added_ms_bound": f"at most {ADDED_P50_BOUND_MS} ms", "ratio": ratio}, indent=2))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Cases, each timed over many repetitions in one run (median = p50, and p90):
 
-1. typical: about 300 candidates above the 0.25 threshold, around 30 objects (goal: p50 <= 1 ms);
+1. typical: about 300 candidates above the 0.25 threshold, around 30 objects (its bound: p50 at most 1 ms);
 2. all anchors pass (a poorly trained model): bounded by ``max_candidates`` (default 1,000);
 3. a batch of 8 typical images, per image.
 
@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from k2edge.config.card import DetectionSpec  # noqa: E402
 from k2edge.tasks.detection import decode, decode_one  # noqa: E402
+
+TYPICAL_P50_BOUND_MS = 1.0  # the typical case's p50 decode time: at most
 
 
 def scene(rng, n_obj=30, per_obj=10, anchors=8400, classes=80, size=640) -> np.ndarray:
@@ -74,7 +76,8 @@ def main() -> int:
 
     results = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "numpy": np.__version__,
-        "typical": {"candidates": candidates, "kept": len(decode_one(typical, spec)), **timed(lambda: decode_one(typical, spec), args.repeat)},
+        "typical": {"candidates": candidates, "kept": len(decode_one(typical, spec)), **timed(lambda: decode_one(typical, spec), args.repeat),
+                    "p50_bound": f"at most {TYPICAL_P50_BOUND_MS} ms"},
         "all_pass": {"candidates": everything.shape[1], "entering_nms": spec.max_candidates,
                      "kept": len(decode_one(everything, spec)), **timed(lambda: decode_one(everything, spec), max(20, args.repeat // 10))},
         "batch8": timed(lambda: decode(batch, spec), max(20, args.repeat // 8)),
@@ -87,7 +90,7 @@ def main() -> int:
     t, a = results["typical"], results["all_pass"]
     print(f"YOLOv8 layout [1, 84, 8400], threshold {spec.score_threshold}, IoU {spec.iou_threshold}, on {results['machine']}")
     print(f"typical   {t['candidates']} candidates -> {t['kept']} boxes: p50 {t['p50_ms']:.3f} ms, p90 {t['p90_ms']:.3f} ms "
-          f"(goal p50 <= 1 ms: {'met' if t['p50_ms'] <= 1.0 else 'NOT met'})")
+          f"(bound: p50 at most {TYPICAL_P50_BOUND_MS} ms)")
     print(f"all pass  {a['candidates']} candidates, {a['entering_nms']} enter NMS -> {a['kept']} boxes: "
           f"p50 {a['p50_ms']:.3f} ms, p90 {a['p90_ms']:.3f} ms")
     print(f"batch 8   p50 {results['batch8']['p50_ms']:.3f} ms ({results['batch8']['per_image_p50_ms']:.3f} ms per image)")

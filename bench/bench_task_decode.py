@@ -3,7 +3,7 @@
 1. detection: YOLOv8 layout, 80 classes, 30 objects with 10 candidates each (the rest below 0.25);
 2. end2end: ``[300, 6]`` already NMS'd (YOLOv10, ``nms=True``), 30 above the threshold;
 3. segmentation: the detection scene plus 32 mask coefficients, prototypes 32 x 160 x 160; each
-   kept object's mask at 640 x 480 computed inside its box, as COCO RLE (goal: p50 <= 5 ms);
+   kept object's mask at 640 x 480 computed inside its box, as COCO RLE (its bound: p50 at most 5 ms);
 4. pose: 1 class, 17 keypoints x 3, 30 people;
 5. obb: 15 classes, 30 rotated objects, rotated NMS by probiou.
 

@@ -1,4 +1,4 @@
-"""INT8 on models that detect and classify: the trained SiLU demo detector (issue 16's failure and its fix) and
+"""INT8 on models that detect and classify: the trained SiLU demo detector (its INT8 accuracy loss, and the fix) and
 public pretrained models shipped inside packages (NudeNet's YOLOv8n, PaddleOCR's text-direction classifier)."""
 
 from pathlib import Path

@@ -1,5 +1,5 @@
 """Cards on a real YOLOv8 architecture: the YOLOv8n exports of tests/fixtures/yolov8 (random weights,
-made by tools/make_yolov8_fixture.py on branch det). Layout and the suggested card, dynamic axes
+made by tools/make_yolov8_fixture.py). Layout and the suggested card, dynamic axes
 fixed by the card's size, letterbox staging equal to ultralytics' preprocessing written out by
 hand, and the INT8 head: everything after the detection convs, DFL included. Their random weights
 score every anchor alike, so box-for-box comparisons run on trained models (tests/test_detect_pipeline.py,
@@ -18,7 +18,7 @@ import zoo
 from test_cli import k2edge
 
 if "yolov8n-320" not in getattr(zoo, "YOLOV8_NAMES", ()):
-    pytest.skip("the YOLOv8n export fixtures (tests/fixtures/yolov8, branch det) are not here yet", allow_module_level=True)
+    pytest.skip("the YOLOv8n export fixtures (tests/fixtures/yolov8, made by tools/make_yolov8_fixture.py) are missing", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

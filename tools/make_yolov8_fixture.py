@@ -1,7 +1,7 @@
 """Rebuild tests/fixtures/yolov8/*.onnx: Ultralytics YOLOv8n exported by ultralytics itself.
 
 One script for every test that needs a real YOLOv8 graph (the DLA rules and
-planner of issue 10, the detection decoder of issue 11). Run it with its own
+planner, the detection decoder). Run it with its own
 venv, never the project's: ``ultralytics`` is AGPL-3.0 and only a dev tool here,
 never a dependency of k2edge or imported by its tests.
 
