@@ -56,10 +56,7 @@ def observed_placement(engine_info: str, order: list[str], dla_engine: bool) -> 
         order: the segment's nodes in topological order (to expand ``ForeignNode[a...b]`` ranges).
         dla_engine: whether the engine's default device is the DLA.
     """
-    try:
-        layers = json.loads(engine_info).get("Layers", [])
-    except (ValueError, AttributeError):
-        return {}
+    layers = _inspector_layers(engine_info)
     known = set(order)
     out: dict[str, str] = {}
     for layer in layers:
@@ -100,10 +97,7 @@ def observed_precision(engine_info: str, order: list[str]) -> dict[str, str]:
     the data type of each layer's first input (an INT8 kernel reads INT8). A DLA loadable is one ``ForeignNode``
     whose layers' precisions the inspector does not report (its input's type is the loadable's, not each
     layer's): its nodes are left out, as are nodes the inspector does not name or names without formats."""
-    try:
-        layers = json.loads(engine_info).get("Layers", [])
-    except (ValueError, AttributeError):
-        return {}
+    layers = _inspector_layers(engine_info)
     known = set(order)
     out: dict[str, str] = {}
     for layer in layers:
@@ -194,3 +188,11 @@ class PlacementReport:
 
 def _few(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _inspector_layers(engine_info: str) -> list:
+    """The ``Layers`` of the engine inspector's JSON; none when it is not the JSON the inspector writes."""
+    try:
+        return json.loads(engine_info).get("Layers", [])
+    except (ValueError, AttributeError):
+        return []
