@@ -59,9 +59,9 @@ def _turns(transport, n: int, timeout: float = 30.0) -> None:
             seen, last = seen + 1, transport.heartbeat
 
 
-def test_reading_stops_at_the_bound_while_the_broker_holds_more(tmp_path, broker):
-    """Receive Maximum 64 lets the broker send 24 requests at once; a handler that holds 4 gets exactly 4
-    until it lets them go, each time, although more wait in the socket."""
+@pytest.fixture
+def held(tmp_path, broker):
+    """A transport subscribed to the request topic, a handler that holds 4, and a requester."""
     from k2edge.config.schema import load_config
     from k2edge.service.transport import MqttTransport
 
@@ -72,59 +72,54 @@ def test_reading_stops_at_the_bound_while_the_broker_holds_more(tmp_path, broker
     requester = Client(broker.port).connect()
     try:
         assert transport.subscribed.wait(30), "the transport's subscription was not acknowledged"
-        n = 24
-        for i in range(n):
-            requester.publish(TOPIC, {"id": f"p{i}"})
-        for _ in range(n // holder.hold - 1):
-            holder.wait_for(lambda: len(holder.held) >= holder.hold)
-            assert len(holder.held) == holder.hold, f"read {len(holder.held)} requests with room for {holder.hold}"
-            # the rest of the burst has reached the socket and the network thread has looped past it, paused
-            deadline = time.monotonic() + 30
-            while not transport.input_pending():
-                assert time.monotonic() < deadline, "the broker sent no more than the handler holds: nothing tested"
-                time.sleep(0.01)
-            _turns(transport, 3)
-            assert len(holder.held) == holder.hold, f"read {len(holder.held)} requests with room for {holder.hold}"
-            holder.release(transport)
-        holder.wait_for(lambda: holder.received == n)
-        assert holder.most == holder.hold, holder.most
-        assert transport.pauses >= n // holder.hold - 1
+        yield holder, transport, requester
     finally:
         requester.close()
         transport.stop()
 
 
-def test_answers_awaiting_acknowledgement_widen_the_read_by_as_many_at_most(tmp_path, broker):
+def test_reading_stops_at_the_bound_while_the_broker_holds_more(held):
+    """Receive Maximum 64 lets the broker send 24 requests at once; a handler that holds 4 gets exactly 4
+    until it lets them go, each time, although more wait in the socket."""
+    holder, transport, requester = held
+    n = 24
+    for i in range(n):
+        requester.publish(TOPIC, {"id": f"p{i}"})
+    for _ in range(n // holder.hold - 1):
+        holder.wait_for(lambda: len(holder.held) >= holder.hold)
+        assert len(holder.held) == holder.hold, f"read {len(holder.held)} requests with room for {holder.hold}"
+        # the rest of the burst has reached the socket and the network thread has looped past it, paused
+        deadline = time.monotonic() + 30
+        while not transport.input_pending():
+            assert time.monotonic() < deadline, "the broker sent no more than the handler holds: nothing tested"
+            time.sleep(0.01)
+        _turns(transport, 3)
+        assert len(holder.held) == holder.hold, f"read {len(holder.held)} requests with room for {holder.hold}"
+        holder.release(transport)
+    holder.wait_for(lambda: holder.received == n)
+    assert holder.most == holder.hold, holder.most
+    assert transport.pauses >= n // holder.hold - 1
+
+
+def test_answers_awaiting_acknowledgement_widen_the_read_by_as_many_at_most(held):
     """8 answers published while reading is paused wait for the broker's acknowledgement: the next read
     may take up to that many requests (paho reads as many packets per call as messages in flight), never
     the whole backlog waiting in the socket."""
-    from k2edge.config.schema import load_config
-    from k2edge.service.transport import MqttTransport
-
-    cfg = load_config(write_config(tmp_path / "t.toml", broker.port, [DIGITS], service={"queue_size": 64}))
-    holder = Holder(hold=4)
-    transport = MqttTransport(cfg, "requests", [TOPIC])
-    transport.start(holder)
-    requester = Client(broker.port).connect()
-    try:
-        assert transport.subscribed.wait(30), "the transport's subscription was not acknowledged"
-        n, answers = 40, 8
-        for i in range(n):
-            requester.publish(TOPIC, {"id": f"q{i}"})
-        holder.wait_for(lambda: len(holder.held) >= holder.hold)
-        delivered = threading.Semaphore(0)
-        for i in range(answers):  # their acknowledgements queue up behind the requests the socket holds
-            transport.publish("k2edge/t1/answers", b"{}", on_delivered=delivered.release)
-        _turns(transport, 3)
-        while True:
-            holder.release(transport)
-            holder.wait_for(lambda: len(holder.held) >= holder.hold or holder.received == n)
-            if holder.received == n:
-                break
-        holder.release(transport)  # reading resumes: the broker's acknowledgements are read
-        for _ in range(answers):
-            assert delivered.acquire(timeout=30), "an answer was never acknowledged"
-        assert holder.most <= holder.hold - 1 + answers, f"read {holder.most} requests at once with room for {holder.hold}"
-    finally:
-        requester.close()
-        transport.stop()
+    holder, transport, requester = held
+    n, answers = 40, 8
+    for i in range(n):
+        requester.publish(TOPIC, {"id": f"q{i}"})
+    holder.wait_for(lambda: len(holder.held) >= holder.hold)
+    delivered = threading.Semaphore(0)
+    for i in range(answers):  # their acknowledgements queue up behind the requests the socket holds
+        transport.publish("k2edge/t1/answers", b"{}", on_delivered=delivered.release)
+    _turns(transport, 3)
+    while True:
+        holder.release(transport)
+        holder.wait_for(lambda: len(holder.held) >= holder.hold or holder.received == n)
+        if holder.received == n:
+            break
+    holder.release(transport)  # reading resumes: the broker's acknowledgements are read
+    for _ in range(answers):
+        assert delivered.acquire(timeout=30), "an answer was never acknowledged"
+    assert holder.most <= holder.hold - 1 + answers, f"read {holder.most} requests at once with room for {holder.hold}"
