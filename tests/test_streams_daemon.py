@@ -140,7 +140,13 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
         return st.get("state") == "ended" and st["processed"] + st["dropped"] == st["decoded"]
 
     client.wait_for(final, 30)
+    live = [c["streams"]["cam"] for c in client.statuses if c.get("streams", {}).get("cam", {}).get("state") == "up"]
+    # republished with the telemetry while up, with live figures: not only when a state changes
+    assert len({(x["processed"], x["frame_age_ms"]["samples"]) for x in live}) >= 2, live
+    assert any(x["frame_age_ms"]["samples"] > 0 and x["frame_age_ms"]["p99"] >= x["frame_age_ms"]["p50"] > 0
+               and x["fps_processed"] > 0 for x in live), live
     st = client.statuses[-1]["streams"]["cam"]
+    assert st["frame_size"] == [320, 240] and st["warnings"] == []
     frames = _messages(client, "detections")  # the last frame may have finished after stream_ended was sent
     assert st["source"] == crossing.path.as_uri() and st["reconnects"] == 0 and st["last_error"] is None
     assert st["processed"] == len(frames) and st["processed"] + st["dropped"] == st["decoded"] == len(crossing.truth.frames)
@@ -172,7 +178,8 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     st = client.statuses[-1]["streams"]["dead"]
     assert st["last_error"] and st["reconnects"] == 0 and st["decoded"] == 0
     assert "hunter2" not in str(client.statuses) and st["source"] == f"rtsp://***@127.0.0.1:{dead}/cam"
-    assert not _messages(client, "events", "dead")  # never up, so never down either
+    (down,) = _messages(client, "events", "dead")  # its first open failed: one stream_down, none per retry
+    assert down["event"] == "stream_down" and down["reason"] and "hunter2" not in down["reason"]
     t0 = time.monotonic()
     assert d.terminate(timeout=60) == 0
     assert time.monotonic() - t0 < 30

@@ -41,6 +41,7 @@ class _Listener:
     def __init__(self) -> None:
         self.wake = threading.Event()
         self.events: list[dict] = []
+        self.stream = None  # the Stream, told of state changes too (an outage ends its tracks)
         self._lock = threading.Lock()
 
     def on_frame(self, reader) -> None:
@@ -50,6 +51,8 @@ class _Listener:
         from ..streams.reader import state_event
 
         event = state_event(old, new, reason)
+        if self.stream is not None:
+            self.stream.on_state(old, new, reason)
         with self._lock:
             if event is not None:
                 self.events.append(event)
@@ -103,7 +106,7 @@ def run(args) -> int:
     pace = "realtime" if args.realtime else "every"
     reader = StreamReader(STREAM, spec, listener, backend=backend, pace=pace, fps=args.fps, read_timeout_s=args.read_timeout)
     model = Path(args.model).stem if Path(args.model).stem != "model" else Path(args.model).resolve().parent.name
-    stream = Stream(STREAM, model, reader)
+    stream = listener.stream = Stream(STREAM, model, reader)
     writer = None
     frames = 0
 

@@ -23,15 +23,23 @@ Point = tuple[float, float]
 
 
 class ZoneConfig(_Strict):
-    """A polygon in source pixels; a track's anchor (its box's bottom-centre) inside it is in the zone."""
+    """A simple polygon in source pixels; a track's anchor (its box's bottom-centre) inside it is in the zone."""
 
     name: str
-    points: tuple[Point, ...] = Field(min_length=3, description="[[x, y], ...] in source pixels, at least 3")
+    points: tuple[Point, ...] = Field(min_length=3, description="[[x, y], ...] in source pixels, at least 3, in order "
+                                      "around the area (edges that cross are refused)")
 
     @field_validator("name")
     @classmethod
     def _check_name(cls, v):
         return _name(v, "zone name")
+
+    @model_validator(mode="after")
+    def _simple(self):
+        from ..streams.analytics import Zone
+
+        Zone(self.name, self.points)  # raises ValueError naming the edges that meet
+        return self
 
 
 class LineConfig(_Strict):
@@ -69,6 +77,8 @@ class StreamConfig(_Strict):
     read_timeout_s: float = Field(5.0, gt=0, le=3600, description="no decoded frame for this long is a stall: reconnect")
     open_timeout_s: float = Field(10.0, gt=0, le=3600, description="how long opening the source may take")
     password_file: Path | None = Field(None, description="the RTSP password (replaces one in the URI; never logged)")
+    max_lost_s: float = Field(1.0, ge=0, le=3600, description="a track unseen for longer ends (zone_leave); so does "
+                              "every track when the source comes back after an outage this long")
     zones: tuple[ZoneConfig, ...] = ()
     lines: tuple[LineConfig, ...] = ()
 

@@ -351,7 +351,8 @@ class Daemon:
                 self.transport.publish(topics.telemetry_topic(cfg.prefix), self.telemetry_payload(), qos=0)
                 last_telemetry = now
                 summary = self._status_summary()
-                if summary != last_summary:  # keep the retained status true: breaker, outbox, thermal
+                # keep the retained status true: breaker, outbox, thermal; a stream's live figures
+                if summary != last_summary or (self.streams is not None and self.streams.any_up()):
                     self.publish_status()
                     last_summary = summary
                 if self.escalation.bridge is not None and now - last_purge > 3600:

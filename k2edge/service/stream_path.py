@@ -70,7 +70,7 @@ class StreamPath:
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
                                   open_timeout_s=c.open_timeout_s)
             self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],
-                                          [(ln.name, ln.start, ln.end) for ln in c.lines])
+                                          [(ln.name, ln.start, ln.end) for ln in c.lines], max_lost_s=c.max_lost_s)
 
     # lifecycle ------------------------------------------------------------------------------------
     def frames(self, model: str) -> "StreamFrames":
@@ -111,6 +111,7 @@ class StreamPath:
     def on_state(self, reader: StreamReader, old: str, new: str, reason: str | None) -> None:
         event = state_event(old, new, reason)
         stream = self.streams[reader.name]
+        stream.on_state(old, new, reason)
         self._observe(stream)
         if event is not None:
             self._publish_events(stream, [event], reader.last_index)
@@ -166,6 +167,7 @@ class StreamPath:
             body = detections_payload(s.name, f.frame, rt.name, rt.version, tracked.detections, latency)
             if self.publisher.connected.is_set():  # QoS 0: while the broker is away there is no one to tell
                 self.publisher.publish(topics.stream_detections_topic(self.prefix, s.name), json.dumps(body).encode(), qos=0)
+            s.note_age(age)
             if self.metrics is not None:
                 self.metrics.observe_frame_age(s.name, age)
             if tracked.events:
@@ -210,6 +212,10 @@ class StreamPath:
             r = s.reader
             self.metrics.set_stream(s.name, r.state == "up", {"decoded": r.decoded, "processed": s.processed,
                                                               "dropped": r.dropped}, r.reconnects)
+
+    def any_up(self) -> bool:
+        """Whether a stream is up (its figures change: the status is republished with the telemetry)."""
+        return any(s.reader.state == "up" for s in self.streams.values())
 
     def status(self) -> dict:
         """The ``streams`` object of the daemon's status, keyed by stream name."""

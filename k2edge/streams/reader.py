@@ -71,10 +71,11 @@ class Frame:
 
 def state_event(old: str, new: str, reason: str | None) -> dict | None:
     """The event a state change is, if any: ``stream_up`` (the first frame after an open or a reopen),
-    ``stream_down`` (leaving ``up``: the first sign of loss, with its reason), ``stream_ended``."""
+    ``stream_down`` (leaving ``up``, the first sign of loss, or a first open that failed: a camera
+    misconfigured from the start; with its reason), ``stream_ended``."""
     if new == "up":
         return {"event": "stream_up"}
-    if old == "up" and new in ("reconnecting", "down"):
+    if old in ("up", "starting") and new in ("reconnecting", "down"):
         return {"event": "stream_down", "reason": reason}
     if new == "ended":
         return {"event": "stream_ended"}
