@@ -103,6 +103,39 @@ def _metric(port: int, line_start: str, want: float | None = None, timeout: floa
         time.sleep(0.2)
 
 
+def _check_snapshot(client: Client, event: dict) -> bool:
+    """The event's snapshot: published raw (image/jpeg, its event_id in a user property) and the same bytes as the
+    file the event names; it decodes with Pillow at the frame's size; True when the track's box is drawn where the
+    event says (most of its outline in the snapshot colour)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from k2edge.streams.evidence.snapshot import BOX_COLOUR
+
+    snap = event["snapshot"]
+    assert snap is not None, event
+    assert snap["topic"] == "k2edge/t1/streams/cam/snapshots" and (snap["width"], snap["height"]) == (320, 240)
+    with client._cond:
+        (published,) = [(b, ct) for t, b, ct, user in client.binary
+                        if t == snap["topic"] and user.get("event_id") == event["event_id"]]
+    data, content_type = published
+    assert content_type == "image/jpeg" and open(snap["path"], "rb").read() == data
+    img = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int32)
+    assert img.shape == (240, 320, 3)
+    r, g, b = (np.asarray(BOX_COLOUR) > 128)
+    assert r and b and not g  # the test reads magenta: red and blue well above green
+    magenta = (img[..., 0] - img[..., 1] > 60) & (img[..., 2] - img[..., 1] > 60)
+    x1, y1, x2, y2 = (int(round(v)) for v in event["box"])
+    # along each side of the box, a drawn pixel within 2 px of where the event says the side is (JPEG blurs a 2 px line)
+    sides = [magenta[max(0, y - 2):y + 3, x1 + 3:x2 - 2].any(axis=0) for y in (y1, y2)]
+    sides += [magenta[y1 + 3:y2 - 2, max(0, x - 2):x + 3].any(axis=1) for x in (x1, x2)]
+    drawn = np.concatenate(sides)
+    outside = magenta[y1 + 6:y2 - 5, x1 + 6:x2 - 5]  # inside the box, away from its outline: the frame itself
+    return bool(drawn.mean() >= 0.9 and (outside.size == 0 or outside.mean() < 0.1))
+
+
 def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_ground_truth(run_daemon, broker, crossing):
     """Every processed frame is published with tracked detections; the line crossings are the video's,
     with the right directions; status counts them; /metrics counts the frames; requests for the same
@@ -130,6 +163,11 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     events = _messages(client, "events")
     assert _crossings(events) == _expected(crossing)
     assert len({e["event_id"] for e in events}) == len(events)
+    tracked_events = [e for e in events if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    client.wait_for(lambda c: len(c.binary) >= len(tracked_events), 30)
+    judged = [_check_snapshot(client, e) for e in tracked_events]
+    print(f"{len(judged)} snapshots judged: the box drawn where the event says, on {sum(judged)} of them")
+    assert judged and all(judged)
     for e in events:
         if e["event"] == "line_cross":
             assert e["line"] == "door" and isinstance(e["track_id"], int) and isinstance(e["frame"], int)
@@ -147,6 +185,7 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
                and x["fps_processed"] > 0 for x in live), live
     st = client.statuses[-1]["streams"]["cam"]
     assert st["frame_size"] == [320, 240] and st["warnings"] == []
+    assert st["snapshots"] == {"made": len(tracked_events), "failed": 0}
     frames = _messages(client, "detections")  # the last frame may have finished after stream_ended was sent
     assert st["source"] == crossing.path.as_uri() and st["reconnects"] == 0 and st["last_error"] is None
     assert st["processed"] == len(frames) and st["processed"] + st["dropped"] == st["decoded"] == len(crossing.truth.frames)
@@ -160,9 +199,13 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     assert _metric(port, 'k2edge_stream_up{stream="cam"}', 0) == 0  # ended
 
 
-def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(run_daemon, broker, crossing):
+def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(run_daemon, broker, crossing, tmp_path):
     """A camera nobody serves keeps reconnecting (status says why, with its password redacted) while the
-    file stream runs to its end and requests are answered; SIGTERM then drains and exits 0 promptly."""
+    file stream runs to its end and requests are answered; SIGTERM then drains and exits 0 promptly.
+    The media directory cannot be made (a file is in its place): every event goes out intact, saying
+    why it has no snapshot."""
+    (tmp_path / "state-t1").mkdir(exist_ok=True)
+    (tmp_path / "state-t1" / "media").write_text("in the way")
     dead = free_port()  # nothing listens: every open is refused
     client = Client(broker.port).connect()
     client.subscribe(STREAMS)
@@ -174,6 +217,10 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     client.wait_answers(len(rids), timeout=60)
     _wait_event(client, "stream_ended")
     assert _crossings(_messages(client, "events")) == _expected(crossing)
+    tracked_events = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    assert tracked_events and all(e["snapshot"] is None and e["snapshot_error"].startswith("no snapshot: ")
+                                  and "File exists" in e["snapshot_error"] for e in tracked_events)
+    assert not client.binary
     client.wait_for(lambda c: (c.statuses[-1].get("streams", {}).get("dead", {}).get("state") == "reconnecting"), 30)
     st = client.statuses[-1]["streams"]["dead"]
     assert st["last_error"] and st["reconnects"] == 0 and st["decoded"] == 0

@@ -189,7 +189,7 @@ class _Writer:
     def write(self, image, detections: list[dict]) -> None:
         from PIL import Image
 
-        from .annotate import draw_detections
+        from ..drawing import draw_detections
 
         img = draw_detections(Image.fromarray(image[: self.h, : self.w]), detections)
         frame = self._av.VideoFrame.from_image(img)

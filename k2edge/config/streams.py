@@ -79,6 +79,8 @@ class StreamConfig(_Strict):
     password_file: Path | None = Field(None, description="the RTSP password (replaces one in the URI; never logged)")
     max_lost_s: float = Field(1.0, ge=0, le=3600, description="a track unseen for longer ends (zone_leave); so does "
                               "every track when the source comes back after an outage this long")
+    snapshots: bool = Field(True, description="each zone and line event gets a snapshot (JPEG, the box drawn), "
+                            "stored under the state directory and published on .../snapshots")
     zones: tuple[ZoneConfig, ...] = ()
     lines: tuple[LineConfig, ...] = ()
 

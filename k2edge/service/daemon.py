@@ -29,6 +29,7 @@ from .. import __version__
 from ..config.schema import ConfigError, DaemonConfig, state_dir
 from ..engine.check import refusal
 from ..errors import BuildError
+from ..streams.evidence import MediaStore
 from ..telemetry import thermal_sampler
 from . import topics
 from .answer_book import AnswerBook
@@ -190,7 +191,7 @@ class Daemon:
                 raise ConfigError(f"{self.cfg.source or 'config'}: streams.{i}: model {s.model!r} is a {task} model; "
                                   "streams take detection models (tracking needs boxes)")
         return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
-                          on_change=self.publish_status)
+                          on_change=self.publish_status, media=MediaStore(store.parent / "media"))
 
     # the deploy lifecycle's host -------------------------------------------------------------------
     def build_runtime(self, m, version: str | None) -> ModelRuntime:

@@ -15,6 +15,11 @@ detections and events are what a processed frame is handed on to.
    (:meth:`Stream.track <k2edge.streams.stream.Stream.track>`), then publish: the detections at
    QoS 0; the events stored in the :class:`~k2edge.service.event_store.EventStore` first, then
    published at QoS 1 and marked delivered when the broker acknowledges them.
+6. **evidence** (:meth:`StreamPath.evidence`, on the :class:`~k2edge.streams.evidence.EvidenceWorker`'s
+   thread, never the batcher's): a frame's zone and line events wait there for their snapshots (drawn,
+   encoded, written to the :class:`~k2edge.streams.evidence.MediaStore`); then the events are stored,
+   each snapshot is published raw on ``.../snapshots`` and the events on ``.../events``. A snapshot that
+   cannot be made (the queue full, the disk full) leaves its event intact with ``snapshot_error``.
 
 Streams are read from the config at start; a changed ``[[streams]]`` takes effect at the next start.
 """
@@ -31,8 +36,9 @@ from ..config.schema import read_secret
 from ..config.streams import StreamConfig
 from ..deadline import clock
 from ..errors import InputError
+from ..streams.evidence import EvidenceWorker, MediaStore, render_snapshot
 from ..streams.payload import detections_payload, event_payload
-from ..streams.reader import StreamReader, state_event
+from ..streams.reader import Frame, StreamReader, state_event
 from ..streams.source import backend_for, parse_source
 from ..streams.stream import Stream, StreamFrame
 from . import topics
@@ -53,11 +59,14 @@ class StreamPath:
         wakeups: each model's batcher condition, notified when one of its streams has a new frame.
         metrics: the Prometheus exporter, or None.
         on_change: called (no arguments) when a stream's state changed: republish the status.
+        media: where snapshots are written; None: no snapshots.
     """
 
     def __init__(self, configs: list[StreamConfig], prefix: str, publisher, events: EventStore,
-                 wakeups: dict[str, threading.Condition], metrics=None, on_change=None) -> None:
+                 wakeups: dict[str, threading.Condition], metrics=None, on_change=None,
+                 media: MediaStore | None = None) -> None:
         self.prefix, self.publisher, self.events, self.metrics = prefix, publisher, events, metrics
+        self.media = media
         self.on_change = on_change
         self.wakeups = wakeups
         self.streams: dict[str, Stream] = {}
@@ -70,7 +79,10 @@ class StreamPath:
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
                                   open_timeout_s=c.open_timeout_s)
             self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],
-                                          [(ln.name, ln.start, ln.end) for ln in c.lines], max_lost_s=c.max_lost_s)
+                                          [(ln.name, ln.start, ln.end) for ln in c.lines], max_lost_s=c.max_lost_s,
+                                          snapshots=c.snapshots and media is not None)
+        wanted = any(s.snapshots for s in self.streams.values())
+        self.evidence = EvidenceWorker(self.evidence_step) if wanted else None
 
     # lifecycle ------------------------------------------------------------------------------------
     def frames(self, model: str) -> "StreamFrames":
@@ -81,6 +93,8 @@ class StreamPath:
         """Republish events a previous run stored and never saw delivered, then start reading."""
         for event_id, topic, payload in self.events.pending():
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
+        if self.evidence is not None:
+            self.evidence.start()
         for s in self.streams.values():
             s.reader.start()
 
@@ -95,6 +109,9 @@ class StreamPath:
                 log.warning("stream %s: its reader did not stop in time (a backend read still blocks)", s.name)
         while any(s.in_flight for s in self.streams.values()) and time.monotonic() < end:
             time.sleep(0.01)
+        if self.evidence is not None and not self.evidence.stop(max(0.1, end - time.monotonic())):
+            log.warning("streams: %d frame(s) with events still wait for their snapshots; their events are lost",
+                        self.evidence.waiting)
 
     def close(self) -> None:
         """After the broker connection is gone: the last acknowledgements, then the event store."""
@@ -132,7 +149,8 @@ class StreamPath:
                                 exc if isinstance(exc, InputError) else repr(exc))
                 f.stream.release(f, failed=True)
                 continue
-            f.frame.picture = None  # the pixels are in the sample now
+            if not f.stream.snapshots:
+                f.frame.picture = None  # the pixels are in the sample now (a snapshot needs them until it is tracked)
             f.timings["stage"] = (clock() - t0) * 1e3
             staged.append(f)
         return staged
@@ -171,16 +189,63 @@ class StreamPath:
             if self.metrics is not None:
                 self.metrics.observe_frame_age(s.name, age)
             if tracked.events:
-                self._publish_events(s, tracked.events, f.frame.index)
+                self._raise(s, tracked.events, f.frame)
+            f.frame.picture = None
             if s.reader.state == "ended" and not s.reader.ready() and self.on_change is not None:
                 self.on_change()  # the file's last frame is out: the status' counts are final now
 
-    def _publish_events(self, stream: Stream, events: list[dict], frame: int | None) -> None:
-        topic = topics.stream_events_topic(self.prefix, stream.name)
+    def _raise(self, stream: Stream, events: list[dict], frame: Frame) -> None:
+        """A processed frame's events: to the evidence step for their snapshots, or out at once."""
+        if not stream.snapshots:
+            self._publish_events(stream, events, frame.index)
+        elif not self.evidence.submit((stream, frame.image, frame.index, events)):
+            why = f"no snapshot: {self.evidence.size} frames already wait for theirs (the evidence queue is full)"
+            stream.count_snapshot(False)
+            self._publish_events(stream, events, frame.index, no_snapshot=why)
+
+    def evidence_step(self, job) -> None:
+        """The evidence thread: each event's snapshot written, then the events stored and published."""
+        stream, image, frame, events = job
+        snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
+        bodies, snapshots = [], {}
+        for e in events:
+            body = event_payload(stream.name, e, frame)
+            bodies.append(body)
+            if e.get("reason"):  # an outage ended the track: the frame after it does not show it
+                body.update(snapshot=None, snapshot_error="no snapshot: the track ended while the stream was down")
+                continue
+            try:
+                snap = render_snapshot(image, e, stream.zones, stream.lines)
+                path = self.media.write(body["event_id"], "jpg", snap.jpeg)
+            except Exception as exc:  # a full disk, a frame that cannot be drawn: the event goes out without
+                why = f"no snapshot: {exc if isinstance(exc, (OSError, ValueError)) else repr(exc)}"
+                log.warning("stream %s: %s", stream.name, why)
+                body.update(snapshot=None, snapshot_error=why)
+                stream.count_snapshot(False)
+                continue
+            body["snapshot"] = {"topic": snapshot_topic, "path": str(path), "width": snap.width, "height": snap.height}
+            snapshots[body["event_id"]] = snap.jpeg
+            stream.count_snapshot(True)
+        self._store_and_publish(stream, bodies, snapshots)
+
+    def _publish_events(self, stream: Stream, events: list[dict], frame: int | None, no_snapshot: str | None = None) -> None:
         bodies = [event_payload(stream.name, e, frame) for e in events]
+        if no_snapshot is not None:
+            for b in bodies:
+                b.update(snapshot=None, snapshot_error=no_snapshot)
+        self._store_and_publish(stream, bodies, {})
+
+    def _store_and_publish(self, stream: Stream, bodies: list[dict], snapshots: dict[str, bytes]) -> None:
+        """Store the events (their snapshots are on disk already), then publish each event's snapshot and the event."""
+        topic = topics.stream_events_topic(self.prefix, stream.name)
         rows = [(b["event_id"], topic, json.dumps(b).encode()) for b in bodies]
         self.events.add(rows)
+        snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
         for event_id, _, payload in rows:
+            jpeg = snapshots.get(event_id)
+            if jpeg is not None:
+                self.publisher.publish(snapshot_topic, jpeg, qos=1, content_type="image/jpeg",
+                                       user=(("event_id", event_id),))
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
 
     def _on_delivered(self, event_id: str) -> None:

@@ -69,10 +69,14 @@ class Stream:
         zones: ``(name, points)`` pairs in source pixels.
         lines: ``(name, start, end)`` triples in source pixels.
         max_lost_s: a track unseen for longer ends; so does every track after an outage this long.
+        snapshots: its zone and line events get snapshots (the frame's pixels are kept until it is tracked).
     """
 
-    def __init__(self, name: str, model: str, reader: StreamReader, zones=(), lines=(), max_lost_s: float = 1.0) -> None:
+    def __init__(self, name: str, model: str, reader: StreamReader, zones=(), lines=(), max_lost_s: float = 1.0,
+                 snapshots: bool = True) -> None:
         self.name, self.model, self.reader = name, model, reader
+        self.zones, self.lines = tuple(zones), tuple(lines)
+        self.snapshots = snapshots and bool(self.zones or self.lines)  # only zone and line events have snapshots
         self.tracker = ByteTracker(max_lost_s=max_lost_s)
         self.analytics = Analytics([Zone(n, p) for n, p in zones], [CountLine(n, s, e) for n, s, e in lines])
         self.processed = 0
@@ -86,6 +90,8 @@ class Stream:
         self._counts = self.analytics.counts()  # a snapshot for status (other threads), taken after each frame
         self._last_captured: float | None = None  # the newest processed frame's capture time (monotonic)
         self._last_index: int | None = None       # and its index
+        self._boxes: dict[int, list[float]] = {}  # track id -> its latest box (an event carries its track's box)
+        self._snapshots = {"made": 0, "failed": 0}
         self._down: tuple[float, float, str | None] | None = None  # (monotonic, unix, reason) it last went down
         self.accepting = True
 
@@ -139,7 +145,10 @@ class Stream:
             scores = np.asarray([d["score"] for d in detections], dtype=np.float64)
             update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=captured)
             out = [{**d, "track_id": int(t)} for d, t in zip(detections, update.ids)]
-            events += self.analytics.update(update.active, update.removed)
+            self._boxes.update({a.id: [round(v, 2) for v in a.box] for a in update.active})
+            events += self._with_boxes(self.analytics.update(update.active, update.removed))
+            for tid in update.removed:
+                self._boxes.pop(tid, None)
             counts = self.analytics.counts()
             with self._lock:
                 self._counts = counts
@@ -162,8 +171,15 @@ class Stream:
         gap = captured - last
         why = f"the stream was down ({down[2]})" if down[2] else "the stream was down"
         reason = f"{why}; no frame for {gap:.1f} s, longer than max_lost_s {self.tracker.max_lost_s:g} s: every track ended"
-        events = self.analytics.update([], self.tracker.end_all())
+        ended = self.tracker.end_all()
+        events = self._with_boxes(self.analytics.update([], ended))
+        for tid in ended:
+            self._boxes.pop(tid, None)
         return [{**e, "time": down[1], "frame": self._last_index, "reason": reason} for e in events]
+
+    def _with_boxes(self, events: list[dict]) -> list[dict]:
+        """Each track event with its track's box: this frame's, or, for a track that ended, its last."""
+        return [{**e, "box": self._boxes.get(e["track_id"])} for e in events]
 
     def _first_frame(self, item: StreamFrame) -> None:
         geometry = item.geometry
@@ -176,6 +192,11 @@ class Stream:
         self.warnings = frame_warnings(self.analytics.zones, self.analytics.lines, *size)
         for w in self.warnings:
             log.warning("stream %s: %s", self.name, w)
+
+    def count_snapshot(self, made: bool) -> None:
+        """One of its events got its snapshot (``made``), or went out without one (the event says why)."""
+        with self._lock:
+            self._snapshots["made" if made else "failed"] += 1
 
     def note_age(self, age_s: float, now: float | None = None) -> None:
         """A processed frame was ``age_s`` old when its results went out (for the status' percentiles)."""
@@ -218,10 +239,11 @@ class Stream:
         """The stream's entry in the daemon's status."""
         fps_in, fps_processed = self.rates()
         with self._lock:
-            counts = self._counts
+            counts, snapshots = self._counts, dict(self._snapshots)
         r = self.reader
         return {"state": r.state, "source": r.spec.shown, "model": self.model, "fps_in": round(fps_in, 2),
                 "fps_processed": round(fps_processed, 2), "frame_age_ms": self.frame_age(),
                 "frame_size": list(self.frame_size) if self.frame_size else None, "decoded": r.decoded,
                 "processed": self.processed, "dropped": r.dropped, "corrupt": r.corrupt, "reconnects": r.reconnects,
-                "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts}
+                "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
+                "snapshots": snapshots if self.snapshots else None}

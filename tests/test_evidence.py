@@ -1,0 +1,74 @@
+"""The evidence stage's parts without the daemon: a snapshot drawn and encoded (decoded back with Pillow),
+the media store's files, the evidence thread's bounded queue."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from k2edge.streams.evidence import EvidenceWorker, MediaStore, render_snapshot
+from k2edge.streams.evidence.snapshot import BOX_COLOUR
+
+
+def _magenta(img: np.ndarray) -> np.ndarray:
+    img = img.astype(np.int32)
+    return (img[..., 0] - img[..., 1] > 60) & (img[..., 2] - img[..., 1] > 60)
+
+
+def test_a_snapshot_shows_the_box_where_the_event_says_and_leaves_the_frame_alone():
+    frame = np.full((240, 320, 3), 220, np.uint8)
+    before = frame.copy()
+    event = {"event": "line_cross", "track_id": 3, "label": "7", "line": "door", "box": [100.0, 60.0, 140.0, 120.0]}
+    snap = render_snapshot(frame, event, zones=[("dock", [(0, 0), (50, 0), (50, 50)])], lines=[("door", (200, 0), (200, 240))])
+    assert np.array_equal(frame, before)
+    img = np.asarray(Image.open(io.BytesIO(snap.jpeg)).convert("RGB"))
+    assert (snap.width, snap.height) == (320, 240) and img.shape == (240, 320, 3) and snap.jpeg[:2] == b"\xff\xd8"
+    m = _magenta(img)
+    assert BOX_COLOUR == (255, 0, 255)
+    assert m[60:62, 103:138].mean() > 0.9 and m[118:120, 103:138].mean() > 0.9  # top and bottom sides
+    assert m[63:117, 100:102].mean() > 0.9 and m[63:117, 138:140].mean() > 0.9  # left and right
+    assert m[70:110, 110:130].mean() == 0 and m[150:, :].mean() == 0  # inside the box and elsewhere: the frame
+    assert not _magenta(img[:, 195:205]).any()  # the line is drawn, in another colour
+    assert (np.abs(img[100:140, 198:202].astype(int) - 220).max() > 60)
+
+
+def test_a_snapshot_refuses_what_is_not_an_rgb_frame():
+    with pytest.raises(ValueError, match="uint8 frame"):
+        render_snapshot(np.zeros((10, 10), np.uint8), {"box": [0, 0, 1, 1]})
+
+
+def test_the_media_store_writes_whole_files_named_by_event_id(tmp_path):
+    store = MediaStore(tmp_path / "media")
+    assert not (tmp_path / "media").exists()  # made at the first write
+    eid = "ab" * 16
+    path = store.write(eid, "jpg", b"\xff\xd8data")
+    assert path == tmp_path / "media" / f"{eid}.jpg" and store.read(eid, "jpg") == b"\xff\xd8data"
+    assert [p.name for p in (tmp_path / "media").iterdir()] == [f"{eid}.jpg"]  # no temporary left
+    assert store.read("cd" * 16, "jpg") is None
+    for bad in ("../../etc/passwd", "AB" * 16, "ab" * 15):
+        with pytest.raises(ValueError, match="not an event id"):
+            store.path_for(bad, "jpg")
+        assert store.read(bad, "jpg") is None
+
+
+def test_the_evidence_queue_refuses_at_once_when_full_and_finishes_its_jobs_when_stopped():
+    release, started, done = threading.Event(), threading.Event(), []
+
+    def handle(job):
+        started.set()
+        release.wait(30)
+        done.append(job)
+
+    worker = EvidenceWorker(handle, size=2)
+    worker.start()
+    assert worker.submit(1)
+    assert started.wait(30)  # the first job is taken (and blocks): now the queue holds 2
+    assert worker.submit(2) and worker.submit(3)
+    assert not worker.submit(4)  # full: refused without waiting
+    release.set()
+    assert worker.stop(30) and done == [1, 2, 3]
+    assert not worker.submit(5)
