@@ -1,10 +1,11 @@
 """The evidence stage's parts without the daemon: a snapshot drawn and encoded (decoded back with Pillow),
-the media store's files, the evidence thread's bounded queue."""
+the media store's files, budget and age limit, the evidence thread's bounded queue."""
 
 from __future__ import annotations
 
 import io
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -72,3 +73,42 @@ def test_the_evidence_queue_refuses_at_once_when_full_and_finishes_its_jobs_when
     release.set()
     assert worker.stop(30) and done == [1, 2, 3]
     assert not worker.submit(5)
+
+
+def test_the_media_budget_removes_the_oldest_first_and_counts_what_went(tmp_path):
+    """30 media of 1,000 bytes into a 10,000-byte budget: the newest 10 stay, the 20 oldest went (budget)."""
+    store = MediaStore(tmp_path / "media", max_bytes=10_000)
+    ids = [f"{i:032x}" for i in range(30)]
+    for eid in ids:
+        store.write(eid, "jpg", bytes(1000))
+        assert store.status()["bytes"] <= 10_000
+    kept = sorted(p.stem for p in (tmp_path / "media").iterdir())
+    assert kept == ids[20:]
+    st = store.status()
+    assert st["files"] == 10 and st["bytes"] == 10_000 and st["removed"] == {"budget": 20, "age": 0}
+    with pytest.raises(ValueError, match="larger than the whole media budget"):
+        store.write("f" * 32, "jpg", bytes(10_001))
+    # a new store over the same directory counts what is there (an earlier run's media)
+    again = MediaStore(tmp_path / "media", max_bytes=5_000)
+    again.write("e" * 32, "jpg", bytes(1000))
+    assert sorted(p.stem for p in (tmp_path / "media").iterdir()) == sorted(ids[26:] + ["e" * 32])
+
+
+def test_media_past_the_age_limit_go(tmp_path):
+    store = MediaStore(tmp_path / "media", max_age_s=3600)
+    store.write("a" * 32, "jpg", b"x")
+    assert store.purge() == 0 and store.read("a" * 32, "jpg") == b"x"
+    assert store.purge(now=time.time() + 3601) == 1 and store.read("a" * 32, "jpg") is None
+    assert store.status()["removed"] == {"budget": 0, "age": 1}
+
+
+def test_a_media_write_that_fails_says_so_until_one_succeeds(tmp_path):
+    (tmp_path / "media").write_text("a file where the directory should be")
+    store = MediaStore(tmp_path / "media")
+    with pytest.raises(OSError):
+        store.write("a" * 32, "jpg", b"x")
+    st = store.status()
+    assert st["failed"] == 1 and st["degraded"].startswith(f"cannot write media to {tmp_path / 'media'}")
+    (tmp_path / "media").unlink()
+    store.write("a" * 32, "jpg", b"x")
+    assert store.status()["degraded"] is None

@@ -221,6 +221,7 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     assert tracked_events and all(e["snapshot"] is None and e["snapshot_error"].startswith("no snapshot: ")
                                   and "File exists" in e["snapshot_error"] for e in tracked_events)
     assert not client.binary
+    client.wait_for(lambda c: ((c.statuses[-1].get("storage") or {}).get("degraded") or "").startswith("cannot write media"), 30)
     client.wait_for(lambda c: (c.statuses[-1].get("streams", {}).get("dead", {}).get("state") == "reconnecting"), 30)
     st = client.statuses[-1]["streams"]["dead"]
     assert st["last_error"] and st["reconnects"] == 0 and st["decoded"] == 0
@@ -235,10 +236,12 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
 
 def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(run_daemon, broker, crossing, tmp_path):
     """The broker restarts in the middle of the video: every crossing is delivered, and each crossing
-    has one event_id (a redelivery is byte-identical, never a second event)."""
+    has one event_id (a redelivery is byte-identical, never a second event). The media budget holds about
+    three snapshots: it is filled, the oldest snapshots go, and no event does."""
+    budget = 40_000
     client = Client(broker.port, client_id=f"watcher-{tmp_path.name[-8:]}", persistent=True).connect()
     client.subscribe(STREAMS)
-    run_daemon(models=[BOXES], streams=[_stream(crossing)])
+    run_daemon(models=[BOXES], streams=[_stream(crossing)], tables={"storage": {"max_bytes": budget}})
     _wait_event(client, "line_cross")  # the first crossing (frame ~36 of 90); the next two come within ~2 s
     broker.stop()
     # the outage itself: every crossing is raised while the broker is away, so the ones not yet delivered
@@ -258,6 +261,21 @@ def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(ru
     distinct = list(by_id.values())
     assert _crossings(distinct) == _expected(crossing)
     assert len({(e["track_id"], e["frame"]) for e in distinct}) == len(distinct)
+
+    # retention: every event is still in the store; the media hold the newest snapshots within the budget
+    stored = [e for kind in ("zone_enter", "zone_leave", "line_cross") for e in _stored_events(state, kind)]
+    published = {e["event_id"] for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")}
+    assert {e["event_id"] for e in stored} == published
+    with_media = [e for e in stored if e["snapshot"] is not None]
+    assert len(with_media) == len(stored)  # each had its snapshot when it was raised
+    files = sorted((state / "media").iterdir(), key=lambda p: p.stat().st_mtime)
+    kept = {p.stem for p in files}
+    assert sum(p.stat().st_size for p in files) <= budget and 0 < len(kept) < len(stored)
+    order = sorted(stored, key=lambda e: e["time"])  # the oldest events' snapshots went first
+    assert {e["event_id"] for e in order[-len(kept):]} == kept, (len(kept), len(stored))
+    client.wait_for(lambda c: (c.statuses[-1].get("storage") or {}).get("removed", {}).get("budget", 0)
+                    == len(stored) - len(kept), 30)
+    print(f"media budget {budget} bytes: {len(kept)} of {len(stored)} snapshots kept, every event stored")
     client.close()
 
 

@@ -18,7 +18,7 @@ from ..profile.validation import describe_validation_error, model_keys
 from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
 from .deploy import DeploySettings, TrustSettings
-from .streams import StreamConfig
+from .streams import StorageSettings, StreamConfig
 from .tables import Strict as _Strict, topic_level as _topic_level
 from .thermal import ThermalSettings
 
@@ -183,6 +183,7 @@ class DaemonConfig(_Strict):
     models: tuple[ModelConfig, ...]
     streams: tuple[StreamConfig, ...] = Field((), description="video sources processed by a served detection model; "
                                                                 "read at start (a change takes effect at the next start)")
+    storage: StorageSettings = Field(default_factory=StorageSettings)
     source: Path | None = Field(None, exclude=True)
 
     @field_validator("device_id")

@@ -105,3 +105,11 @@ class StreamConfig(_Strict):
             if dup:
                 raise ValueError(f"{what} names must be unique within a stream, repeated: {dup}")
         return self
+
+
+class StorageSettings(_Strict):
+    """``[storage]``: the stream media (snapshots) under the state directory."""
+
+    max_bytes: int = Field(2 * 1024 ** 3, gt=0, description="the most the media may take; the oldest go first to make "
+                           "room (events are never removed)")
+    max_age_days: float = Field(30.0, gt=0, le=36500, description="media older than this are removed")

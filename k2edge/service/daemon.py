@@ -191,7 +191,9 @@ class Daemon:
                 raise ConfigError(f"{self.cfg.source or 'config'}: streams.{i}: model {s.model!r} is a {task} model; "
                                   "streams take detection models (tracking needs boxes)")
         return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
-                          on_change=self.publish_status, media=MediaStore(store.parent / "media"))
+                          on_change=self.publish_status,
+                          media=MediaStore(store.parent / "media", self.cfg.storage.max_bytes,
+                                           self.cfg.storage.max_age_days * 86400))
 
     # the deploy lifecycle's host -------------------------------------------------------------------
     def build_runtime(self, m, version: str | None) -> ModelRuntime:
@@ -261,6 +263,7 @@ class Daemon:
             "trust": {"keys": len(trust.keys), "allow_unsigned": trust.allow_unsigned} if trust is not None else None,
             "deploy": self.lifecycle.status(),
             "streams": self.streams.status() if self.streams is not None else {},
+            "storage": self.streams.media.status() if self.streams is not None else None,
             "metrics": f"{self.cfg.metrics.host}:{self.metrics.port}" if self.metrics is not None and self.metrics.port else None,
             "time": time.time(),
         }).encode()

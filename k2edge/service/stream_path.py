@@ -271,6 +271,10 @@ class StreamPath:
             s.reader.check(now)
             s.sample_rates(now)
             self._observe(s)
+        if self.media is not None:
+            self.media.purge()
+            if self.metrics is not None:
+                self.metrics.set_media(self.media.status())
 
     def _observe(self, s: Stream) -> None:
         if self.metrics is not None:
