@@ -149,8 +149,8 @@ class StreamPath:
                                 exc if isinstance(exc, InputError) else repr(exc))
                 f.stream.release(f, failed=True)
                 continue
-            if not f.stream.snapshots:
-                f.frame.picture = None  # the pixels are in the sample now (a snapshot needs them until it is tracked)
+            if not (f.stream.snapshots or f.stream.watched):
+                f.frame.picture = None  # the pixels are in the sample now (a snapshot or a viewer needs them later)
             f.timings["stage"] = (clock() - t0) * 1e3
             staged.append(f)
         return staged
@@ -190,6 +190,8 @@ class StreamPath:
                 self.metrics.observe_frame_age(s.name, age)
             if tracked.events:
                 self._raise(s, tracked.events, f.frame)
+            if s.watched and f.frame.picture is not None:
+                s.keep_latest(f.frame, tracked.detections)  # drawn by the live view, on its own thread
             f.frame.picture = None
             if s.reader.state == "ended" and not s.reader.ready() and self.on_change is not None:
                 self.on_change()  # the file's last frame is out: the status' counts are final now

@@ -32,6 +32,7 @@ from .tracker import ByteTracker
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 5.0  # fps and frame age figures are over this many seconds
+WATCH_S = 5.0  # a live viewer's request keeps the stream's newest processed frame for this long
 
 
 @dataclass(slots=True)
@@ -92,6 +93,8 @@ class Stream:
         self._last_index: int | None = None       # and its index
         self._boxes: dict[int, list[float]] = {}  # track id -> its latest box (an event carries its track's box)
         self._snapshots = {"made": 0, "failed": 0}
+        self._watched_until = 0.0  # monotonic: until then a live viewer wants the newest processed frame
+        self._latest: tuple | None = None  # (frame index, RGB image, detections), kept only while watched
         self._down: tuple[float, float, str | None] | None = None  # (monotonic, unix, reason) it last went down
         self.accepting = True
 
@@ -192,6 +195,26 @@ class Stream:
         self.warnings = frame_warnings(self.analytics.zones, self.analytics.lines, *size)
         for w in self.warnings:
             log.warning("stream %s: %s", self.name, w)
+
+    # the live view ------------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """A live viewer asked for a frame: keep the newest processed frame for :data:`WATCH_S` seconds."""
+        self._watched_until = time.monotonic() + WATCH_S
+
+    @property
+    def watched(self) -> bool:
+        return time.monotonic() < self._watched_until
+
+    def keep_latest(self, frame: Frame, detections: list[dict]) -> None:
+        """A processed frame and its tracked detections, for the live view (a reference: nothing is copied)."""
+        latest = (frame.index, frame.image, detections) if self.watched else None
+        with self._lock:
+            self._latest = latest
+
+    def latest(self) -> tuple | None:
+        """``(frame index, RGB image, detections)`` of the newest processed frame while watched, else None."""
+        with self._lock:
+            return self._latest if self.watched else None
 
     def count_snapshot(self, made: bool) -> None:
         """One of its events got its snapshot (``made``), or went out without one (the event says why)."""
