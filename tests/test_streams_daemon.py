@@ -197,6 +197,10 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     assert _metric(port, processed, len(frames)) == len(frames)
     assert _metric(port, 'k2edge_stream_frame_age_seconds_count{stream="cam"}', len(frames)) == len(frames)
     assert _metric(port, 'k2edge_stream_up{stream="cam"}', 0) == 0  # ended
+    # frames are counted with the requests: every item run is in a batch, and has its latency
+    items = len(frames) + len(rids)
+    assert _metric(port, 'k2edge_batch_size_sum{model="boxes"}', items) == items
+    assert _metric(port, 'k2edge_latency_seconds_count{model="boxes",stage="total"}', items) == items
 
 
 def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(run_daemon, broker, crossing, tmp_path):

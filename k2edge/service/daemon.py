@@ -111,7 +111,7 @@ class Daemon:
                   for name in runtimes}
         self.batchers = {name: Batcher(name, rt, self.thermal,
                                        [queues[name], *([self.streams.frames(name)] if self.streams else [])],
-                                       wakeups[name], s.batch_timeout_ms / 1e3)
+                                       wakeups[name], s.batch_timeout_ms / 1e3, on_batch=self.stats.batch)
                          for name, rt in runtimes.items()}
         self.path = RequestPath(cfg, queues, self.batchers, self.book, self.replies, backlog, self.transport,
                                 self._draining)

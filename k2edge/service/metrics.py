@@ -84,10 +84,10 @@ class PrometheusMetrics:
         r = self.registry
         self._requests = Counter("k2edge_requests", "Answers sent, by model, status (ok or error code) and source",
                                  ["model", "status", "source"], registry=r)
-        self._latency = Histogram("k2edge_latency_seconds", "Time an answer spent in each stage of the request path",
+        self._latency = Histogram("k2edge_latency_seconds", "Time an answer, or a processed stream frame, spent in each stage",
                                   ["model", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self._queue = Gauge("k2edge_queue_depth", "Requests accepted and not yet answered", registry=r)
-        self._batch = Histogram("k2edge_batch_size", "Requests per batch run on an engine", ["model"],
+        self._batch = Histogram("k2edge_batch_size", "Items (requests and stream frames) per batch run on an engine", ["model"],
                                 buckets=_BATCH_BUCKETS, registry=r)
         self._thermal = Enum("k2edge_thermal_state", "The thermal governor's state", states=list(THERMAL_STATES),
                              registry=r)
@@ -170,6 +170,12 @@ class PrometheusMetrics:
         m = self._model_label(model)
         self._requests.labels(model=m, status=status if status in STATUSES else OTHER,
                               source=source if source in SOURCES else "none").inc()
+        self.observe_latency(model, latency_ms)
+
+    def observe_latency(self, model: str | None, latency_ms: Mapping[str, float] | None) -> None:
+        """One answer's or processed stream frame's latency by stage (milliseconds, keys outside
+        :data:`STAGES` and non-numbers ignored)."""
+        m = self._model_label(model)
         for stage, ms in (latency_ms or {}).items():
             if stage in STAGES and isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms >= 0:
                 self._latency.labels(model=m, stage=stage).observe(ms / 1000.0)

@@ -188,6 +188,9 @@ class StreamPath:
             s.note_age(age)
             if self.metrics is not None:
                 self.metrics.observe_frame_age(s.name, age)
+                # the request path's stages: queue (decoded to taken), stage, infer, total (decoded to published)
+                self.metrics.observe_latency(rt.name, {"queue": latency["wait"], "stage": latency.get("stage"),
+                                                       "infer": latency["infer"], "total": latency["age"]})
             if tracked.events:
                 self._raise(s, tracked.events, f.frame)
             if s.watched and f.frame.picture is not None:
