@@ -253,13 +253,19 @@ def _watch(*args, timeout=180):
 @pytest.mark.slow
 def test_watch_prints_every_frame_of_a_file_as_the_daemon_publishes_it(tmp_path):
     """--json on a file: one line per frame, exactly the detections payload, in order, tracked; event
-    lines carry "event" and no "frame"; --save-annotated writes a video of every processed frame."""
+    lines carry "event" and no "frame"; --config/--stream take a configured stream's line, whose crossings
+    are the video's; --save-annotated writes a video of every processed frame with the line drawn."""
     import json
 
     from stream_videos import scenario_crossing
 
     sc = scenario_crossing(tmp_path / "cross.mp4")
-    out = _watch(sc.path, "--json", "--save-annotated", tmp_path / "out.mp4")
+    (x0, y0), (x1, y1) = sc.line
+    config = tmp_path / "k2edge.toml"
+    config.write_text('device_id = "t"\n[[models]]\nname = "boxes"\nonnx = "m.onnx"\n[[streams]]\nname = "gate"\n'
+                      f'source = "file:///x.mp4"\nmodel = "boxes"\n[[streams.lines]]\nname = "door"\n'
+                      f'start = [{x0}, {y0}]\nend = [{x1}, {y1}]\n')
+    out = _watch(sc.path, "--json", "--save-annotated", tmp_path / "out.mp4", "--config", config, "--stream", "gate")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     frames = [x for x in lines if "frame" in x]
@@ -271,8 +277,18 @@ def test_watch_prints_every_frame_of_a_file_as_the_daemon_publishes_it(tmp_path)
     assert [e["event"] for e in events][0] == "stream_up" and events[-1]["event"] == "stream_ended"
     assert not any("frame" in e for e in events)
     assert f"{len(frames)} frame(s) processed" in out.stderr
+    crossings = sorted((e["label"], e["direction"]) for e in events if e["event"] == "line_cross")
+    assert crossings == sorted((c.label, c.direction) for c in sc.crossings)  # the config's line, its events
     with av.open(str(tmp_path / "out.mp4")) as c:
-        assert sum(1 for _ in c.decode(video=0)) == len(frames)
+        decoded = [f.to_ndarray(format="rgb24").astype(int) for f in c.decode(video=0)]
+    assert len(decoded) == len(frames)
+    from k2edge.drawing import LINE_COLOUR
+
+    band = decoded[0][5:235, int(x0) - 1:int(x0) + 3]  # the line, drawn (H.264 blurs its colour): each row has it
+    near = (np.abs(band - np.array(LINE_COLOUR)).max(axis=2) < 70).any(axis=1)
+    assert near.mean() > 0.9, near.mean()
+    bad = _watch(sc.path, "--config", config, "--stream", "nope", timeout=60)
+    assert bad.returncode == 1 and bad.stderr.strip().endswith("has no such stream; it has gate"), bad.stderr
 
 
 def test_watch_refuses_bad_sources_in_one_line(tmp_path):
