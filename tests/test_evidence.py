@@ -112,3 +112,79 @@ def test_a_media_write_that_fails_says_so_until_one_succeeds(tmp_path):
     (tmp_path / "media").unlink()
     store.write("a" * 32, "jpg", b"x")
     assert store.status()["degraded"] is None
+
+
+def _demux(path):
+    """The file's packets as (packet, its time in s), with the open container and stream."""
+    av = pytest.importorskip("av")
+    container = av.open(str(path))
+    stream = container.streams.video[0]
+    return av, container, stream
+
+
+def test_a_clip_is_remuxed_from_the_ring_starting_at_a_keyframe_before_pre_s_and_covering_the_event(tmp_path):
+    """A keyframe each second (15 fps): an event at 3.0 s with pre_s 1.5 and post_s 1.0 gives a clip from the
+    keyframe at 1.0 s to 4.0 s: it decodes with PyAV, starts at a keyframe, holds the source's packets byte for
+    byte (no re-encode); the ring keeps about pre_s plus a keyframe interval, and says so."""
+    from stream_videos import MovingDigit, make_video
+
+    from k2edge.streams.evidence.clips import LAG_S, PacketRing
+
+    make_video(tmp_path / "v.mp4", frames=90, fps=15, gop=15, objects=[MovingDigit("3", (60, 60), (2, 0))])
+    av, container, stream = _demux(tmp_path / "v.mp4")
+    tb = float(stream.time_base)
+    ring, done, source = PacketRing(pre_s=1.5, post_s=1.0), [], []
+    ring.open(av, stream)
+    spans = []
+    for packet in container.demux(stream):
+        if packet.size == 0:
+            continue
+        source.append((bytes(packet), packet.pts * tb, bool(packet.is_keyframe)))
+        ring.add(packet)
+        spans.append(ring.status()["ring_s"])
+        if len(source) == 46:  # about the frame at 3.0 s has been demuxed: the event
+            ring.request("e" * 32, 3.0, done.append)
+    ring.close_capture()
+    container.close()
+    (info,) = done
+    assert info.data and not info.cut_short and info.reason is None and info.start_s == pytest.approx(1.0)
+    assert info.end_s >= 4.0 - 1e-6 and info.event_s == 3.0
+    with av.open(io.BytesIO(info.data)) as clip:
+        packets = [p for p in clip.demux(video=0) if p.size]
+        assert packets[0].is_keyframe
+        clip_bytes = [bytes(p) for p in packets]
+    with av.open(io.BytesIO(info.data)) as clip:
+        times = sorted(float(f.pts * f.time_base) for f in clip.decode(video=0))
+    first = next(i for i, (_, t, key) in enumerate(source) if key and abs(t - 1.0) < 1e-6)
+    assert clip_bytes == [data for data, _, _ in source[first:first + len(clip_bytes)]]  # remuxed, not re-encoded
+    covered = {round(info.start_s + t - times[0], 3) for t in times}  # the clip's frames on the source's timeline
+    assert {round(k / 15, 3) for k in range(15, 61)} <= covered  # 1.0 s .. 4.0 s: the event's frame (3.0 s) inside
+    st = ring.status()
+    assert st["made"] == 1 and st["failed"] == 0 and st["ring_bytes"] > 0 and st["max_bytes"] == 32 * 1024 * 1024
+    assert max(spans) <= 1.5 + LAG_S + 1.0 + 1e-6  # pre_s, the lag allowed, one keyframe interval at most
+
+
+def test_a_clip_cut_short_by_the_source_ending_says_so(tmp_path):
+    from stream_videos import MovingDigit, make_video
+
+    from k2edge.streams.evidence.clips import PacketRing
+
+    make_video(tmp_path / "v.mp4", frames=30, fps=15, gop=15, objects=[MovingDigit("3", (60, 60), (2, 0))])
+    av, container, stream = _demux(tmp_path / "v.mp4")
+    ring, done = PacketRing(pre_s=0.5, post_s=5.0), []
+    ring.open(av, stream)
+    for i, packet in enumerate(p for p in container.demux(stream) if p.size):
+        ring.add(packet)
+        if i == 20:
+            ring.request("e" * 32, 20 / 15, done.append)
+    ring.close_capture()
+    container.close()
+    (info,) = done
+    assert info.cut_short and info.data and info.start_s == 0.0 and info.end_s < 20 / 15 + 5.0  # keyframe 0 s: at or before 0.83 s
+
+
+def test_an_empty_ring_reports_nothing_held():
+    from k2edge.streams.evidence.clips import PacketRing
+
+    assert PacketRing().status() == {"ring_bytes": 0, "ring_packets": 0, "ring_s": 0.0, "writing": 0, "waiting": 0,
+                                     "made": 0, "failed": 0, "max_bytes": 32 * 1024 * 1024}

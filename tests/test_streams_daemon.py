@@ -377,3 +377,52 @@ def test_events_stored_before_a_crash_are_delivered_by_the_next_start(run_daemon
         if e["event_id"] in stored:
             assert json.loads(stored[e["event_id"]]) == e  # the stored event, as it was
     client.close()
+
+
+def test_clips_are_remuxed_around_each_event_and_announced(run_daemon, broker, crossing, tmp_path):
+    """clips = true on a video with a keyframe each second: every zone and line event gets a clip_ready whose
+    MP4 decodes with PyAV, starts at a keyframe no later than pre_s before the event, covers the event's
+    frame, and holds the source's own packets (remuxed, not re-encoded); the status reports the ring."""
+    import io
+
+    import av
+
+    fps = crossing.truth.fps
+    video = scenario_crossing(tmp_path / "gop.mp4", fps=fps, gop=fps)
+    with av.open(str(video.path)) as c:
+        source = [bytes(p) for p in c.demux(video=0) if p.size]
+    client = Client(broker.port).connect()
+    client.subscribe(STREAMS)
+    run_daemon(models=[BOXES], streams=[_stream(video, clips=True, pre_s=1.0, post_s=1.0)])
+    _wait_event(client, "stream_ended")
+    wanted = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    client.wait_for(lambda c: len(_events(c, "clip_ready")) >= len(wanted), 60)
+    ready = {e["for_event"]: e for e in _events(client, "clip_ready")}
+    assert set(ready) == {e["event_id"] for e in wanted}
+    judged = 0
+    for e in wanted:
+        clip = ready[e["event_id"]]["clip"]
+        assert clip is not None, ready[e["event_id"]]
+        assert clip["event_s"] == pytest.approx(e["frame"] / fps, abs=1e-3)
+        if clip["event_s"] >= 1.0:  # pre_s: from the keyframe at or before 1 s earlier
+            assert clip["start_s"] <= clip["event_s"] - 1.0 + 1e-6 and clip["note"] is None, clip
+        else:  # nothing that early: from the source's first keyframe, saying so
+            assert clip["start_s"] == 0.0 and "no keyframe that early" in clip["note"], clip
+        assert clip["end_s"] >= clip["event_s"]
+        data = open(clip["path"], "rb").read()
+        assert len(data) == clip["bytes"]
+        with av.open(io.BytesIO(data)) as c:
+            packets = [bytes(p) for p, key in ((p, p.is_keyframe) for p in c.demux(video=0) if p.size)]
+        with av.open(io.BytesIO(data)) as c:
+            first = next(c.demux(video=0))
+            assert first.is_keyframe
+        with av.open(io.BytesIO(data)) as c:
+            frames = sum(1 for _ in c.decode(video=0))
+        start = source.index(packets[0])
+        assert packets == source[start:start + len(packets)]  # the source's packets, in order: no re-encode
+        assert frames >= round((clip["event_s"] - clip["start_s"]) * fps) + 1  # up to the event's frame at least
+        judged += 1
+    print(f"{judged} clips judged")
+    assert judged == len(wanted) and judged >= 4
+    st = client.statuses[-1]["streams"]["cam"]["clips"]
+    assert st["made"] == judged and st["failed"] == 0 and 0 < st["ring_bytes"] <= st["max_bytes"]

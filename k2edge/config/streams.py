@@ -81,6 +81,10 @@ class StreamConfig(_Strict):
                               "every track when the source comes back after an outage this long")
     snapshots: bool = Field(True, description="each zone and line event gets a snapshot (JPEG, the box drawn), "
                             "stored under the state directory and published on .../snapshots")
+    clips: bool = Field(False, description="each zone and line event gets an MP4 clip remuxed from the source's "
+                        "packets (PyAV sources), announced by a clip_ready event")
+    pre_s: float = Field(3.0, ge=0, le=60, description="clips: seconds before the event (from the keyframe at or before)")
+    post_s: float = Field(5.0, ge=0, le=60, description="clips: seconds after the event")
     zones: tuple[ZoneConfig, ...] = ()
     lines: tuple[LineConfig, ...] = ()
 
@@ -96,6 +100,13 @@ class StreamConfig(_Strict):
 
         parse_source(v)  # raises ValueError naming what is wrong (without the password)
         return v
+
+    @model_validator(mode="after")
+    def _clips(self):
+        if self.clips and (self.backend == "gstreamer" or self.source.startswith(("csi:", "gst:"))):
+            raise ValueError("clips = true needs the pyav backend (its packet ring reads the source's encoded packets); "
+                             "GStreamer sources have no clips yet")
+        return self
 
     @model_validator(mode="after")
     def _unique(self):

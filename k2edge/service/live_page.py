@@ -79,7 +79,8 @@ async function refreshEvents() {
     if (e.snapshot) li.append(el("a", {href: "events/" + e.event_id + "/snapshot.jpg"},
                                  el("img", {class: "snapshot", src: "events/" + e.event_id + "/snapshot.jpg", alt: "snapshot"})));
     else if (e.snapshot_error) li.append(el("span", {class: "warning"}, e.snapshot_error));
-    if (e.clip) li.append(el("a", {href: "events/" + e.event_id + "/clip.mp4"}, "clip"));
+    if (e.event === "clip_ready" && e.clip) li.append(el("a", {class: "clip", href: "events/" + e.for_event + "/clip.mp4"}, "clip"));
+    else if (e.clip_error) li.append(el("span", {class: "warning"}, e.clip_error));
     li.append(el("span", {}, text));
     b.events.prepend(li);
   }

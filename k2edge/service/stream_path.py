@@ -37,6 +37,7 @@ from ..config.streams import StreamConfig
 from ..deadline import clock
 from ..errors import InputError
 from ..streams.evidence import EvidenceWorker, MediaStore, render_snapshot
+from ..streams.evidence.clips import ClipInfo, PacketRing
 from ..streams.payload import detections_payload, event_payload
 from ..streams.reader import Frame, StreamReader, state_event
 from ..streams.source import backend_for, parse_source
@@ -75,13 +76,14 @@ class StreamPath:
         for c in configs:
             password = read_secret(c.password_file, what=f"streams {c.name!r}: password_file") if c.password_file else None
             spec = parse_source(c.source, password)
+            ring = PacketRing(c.pre_s, c.post_s) if c.clips and media is not None else None
             reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace="realtime", fps=c.fps,
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
-                                  open_timeout_s=c.open_timeout_s)
+                                  open_timeout_s=c.open_timeout_s, packets=ring)
             self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],
                                           [(ln.name, ln.start, ln.end) for ln in c.lines], max_lost_s=c.max_lost_s,
                                           snapshots=c.snapshots and media is not None)
-        wanted = any(s.snapshots for s in self.streams.values())
+        wanted = any(s.snapshots or s.reader.packets is not None for s in self.streams.values())
         self.evidence = EvidenceWorker(self.evidence_step) if wanted else None
 
     # lifecycle ------------------------------------------------------------------------------------
@@ -107,6 +109,8 @@ class StreamPath:
         for s in self.streams.values():
             if not s.reader.stop(max(0.1, end - time.monotonic())):
                 log.warning("stream %s: its reader did not stop in time (a backend read still blocks)", s.name)
+            elif s.reader.packets is not None:
+                s.reader.packets.close_capture()  # the reader is gone: its clips being written end here
         while any(s.in_flight for s in self.streams.values()) and time.monotonic() < end:
             time.sleep(0.01)
         if self.evidence is not None and not self.evidence.stop(max(0.1, end - time.monotonic())):
@@ -201,21 +205,27 @@ class StreamPath:
 
     def _raise(self, stream: Stream, events: list[dict], frame: Frame) -> None:
         """A processed frame's events: to the evidence step for their snapshots, or out at once."""
-        if not stream.snapshots:
+        if not stream.snapshots and stream.reader.packets is None:
             self._publish_events(stream, events, frame.index)
-        elif not self.evidence.submit((stream, frame.image, frame.index, events)):
+        elif not self.evidence.submit((stream, frame.image if stream.snapshots else None, frame.index, frame.pts, events)):
             why = f"no snapshot: {self.evidence.size} frames already wait for theirs (the evidence queue is full)"
-            stream.count_snapshot(False)
-            self._publish_events(stream, events, frame.index, no_snapshot=why)
+            if stream.snapshots:
+                stream.count_snapshot(False)
+            self._publish_events(stream, events, frame.index, no_snapshot=why if stream.snapshots else None)
 
     def evidence_step(self, job) -> None:
-        """The evidence thread: each event's snapshot written, then the events stored and published."""
-        stream, image, frame, events = job
+        """The evidence thread: each event's snapshot written, then the events stored and published; a clip
+        asked for each (it is cut on the reader thread); or a finished clip written, then its clip_ready."""
+        if isinstance(job[1], ClipInfo):
+            return self._clip_ready(*job)
+        stream, image, frame, pts, events = job
         snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
         bodies, snapshots = [], {}
         for e in events:
             body = event_payload(stream.name, e, frame)
             bodies.append(body)
+            if not stream.snapshots:
+                continue
             if e.get("reason"):  # an outage ended the track: the frame after it does not show it
                 body.update(snapshot=None, snapshot_error="no snapshot: the track ended while the stream was down")
                 continue
@@ -232,6 +242,32 @@ class StreamPath:
             snapshots[body["event_id"]] = snap.jpeg
             stream.count_snapshot(True)
         self._store_and_publish(stream, bodies, snapshots)
+        ring = stream.reader.packets
+        if ring is not None:
+            for body, e in zip(bodies, events):
+                if not e.get("reason"):  # an outage's leaves: no frame, no clip
+                    ring.request(body["event_id"], pts, functools.partial(self._clip_done, stream))
+
+    def _clip_done(self, stream: Stream, info: ClipInfo) -> None:
+        """The reader thread: a clip is complete; written and announced by the evidence thread."""
+        if self.evidence is None or not self.evidence.submit((stream, info)):
+            info = ClipInfo(info.event_id, None, info.start_s, info.end_s, info.event_s, info.packets, info.cut_short,
+                            "no clip: the evidence queue is full")
+            self._clip_ready(stream, info)
+
+    def _clip_ready(self, stream: Stream, info: ClipInfo) -> None:
+        body = {"event": "clip_ready", "for_event": info.event_id}
+        if info.data is not None:
+            try:
+                path = self.media.write(info.event_id, "mp4", info.data)
+                body["clip"] = {"path": str(path), "bytes": len(info.data), "start_s": round(info.start_s, 6),
+                                "end_s": round(info.end_s, 6), "event_s": round(info.event_s, 6), "packets": info.packets,
+                                "cut_short": info.cut_short, "note": info.reason}
+            except (OSError, ValueError) as exc:
+                body.update(clip=None, clip_error=f"no clip: {exc}")
+        else:
+            body.update(clip=None, clip_error=info.reason or "no clip")
+        self._store_and_publish(stream, [event_payload(stream.name, body, None)], {})
 
     def _publish_events(self, stream: Stream, events: list[dict], frame: int | None, no_snapshot: str | None = None) -> None:
         bodies = [event_payload(stream.name, e, frame) for e in events]

@@ -269,4 +269,5 @@ class Stream:
                 "frame_size": list(self.frame_size) if self.frame_size else None, "decoded": r.decoded,
                 "processed": self.processed, "dropped": r.dropped, "corrupt": r.corrupt, "reconnects": r.reconnects,
                 "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
-                "snapshots": snapshots if self.snapshots else None}
+                "snapshots": snapshots if self.snapshots else None,
+                "clips": r.packets.status() if r.packets is not None else None}

@@ -154,9 +154,10 @@ def render_frame(objects: Sequence[MovingDigit], alphas: Sequence[np.ndarray], f
 
 
 def make_video(path: str | Path, *, size: tuple[int, int] = (320, 240), fps: int = 15, frames: int = 90,
-               objects: Sequence[MovingDigit] = (), seed: int = 0, crf: int = 20) -> GroundTruth:
+               objects: Sequence[MovingDigit] = (), seed: int = 0, crf: int = 20, gop: int | None = None) -> GroundTruth:
     """Write an H.264 MP4 (yuv420p) of ``objects`` moving over a light background with faint grain;
     later objects are drawn over earlier ones (the ground truth keeps an occluded object's full box).
+    ``gop``: a keyframe every ``gop`` frames exactly (default: libx264's choice, one at the start here).
 
     Raises:
         ValueError: an object leaves the frame (the ground truth would have to clip it).
@@ -174,7 +175,8 @@ def make_video(path: str | Path, *, size: tuple[int, int] = (320, 240), fps: int
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": str(crf), "preset": "veryfast"}
+        stream.options = {"crf": str(crf), "preset": "veryfast",
+                          **({"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0"} if gop else {})}
         for f in range(frames):
             noise = rng.normal(0, 2.0, (height, width, 1)).astype(np.float32)
             img, objs = render_frame(objects, alphas, f, size, noise)
@@ -225,9 +227,9 @@ CROSSING_OBJECTS = (
 
 
 def scenario_crossing(path: str | Path, *, seed: int = 0, objects: Sequence[MovingDigit] = CROSSING_OBJECTS,
-                      line=CROSSING_LINE, frames: int = 90, fps: int = 15) -> CrossingScenario:
+                      line=CROSSING_LINE, frames: int = 90, fps: int = 15, gop: int | None = None) -> CrossingScenario:
     """Write the canonical crossing video to ``path`` (320x240) and return what it should produce."""
-    truth = make_video(path, size=(320, 240), fps=fps, frames=frames, objects=objects, seed=seed)
+    truth = make_video(path, size=(320, 240), fps=fps, frames=frames, objects=objects, seed=seed, gop=gop)
     return CrossingScenario(Path(path), truth, line, truth.crossings(*line))
 
 
