@@ -40,12 +40,14 @@ def _get(url: str):
 
 def test_the_page_shows_the_stream_updating_and_events_with_their_snapshots(run_daemon, broker, crossing):  # noqa: F811
     """Before anyone watches, no frame is kept (503); in chromium, the stream's frame loads at the source's size
-    and is replaced by newer frames; events appear with their snapshots loaded; the status names the address;
-    every event on the page is one the daemon published, and the API serves its snapshot."""
+    and is replaced by newer frames; events appear with their snapshots loaded; a zone outside the frame is a
+    warning on the page; the status names the address; every event on the page is one the daemon published,
+    and the API serves its snapshot."""
     port = free_port()
     client = Client(broker.port).connect()
     client.subscribe(STREAMS)
-    run_daemon(models=[BOXES], streams=[_stream(crossing, loop=True)], tables={"http": {"port": port}})
+    zones = _stream(crossing)["zones"] + [{"name": "far", "points": [[1000, 1000], [1900, 1000], [1900, 1080]]}]
+    run_daemon(models=[BOXES], streams=[_stream(crossing, loop=True, zones=zones)], tables={"http": {"port": port}})
     base = f"http://127.0.0.1:{port}"
     client.wait_for(lambda c: len(_messages(c, "detections")) >= 5, 60)
     status, _, body = _get(base + "/streams/cam/frame.jpg")  # frames processed, but nobody watched: none kept
@@ -67,10 +69,12 @@ def test_the_page_shows_the_stream_updating_and_events_with_their_snapshots(run_
                                    ".some(i => i.complete && i.naturalWidth === 320)", timeout=120_000)
             shown = page.eval_on_selector_all("li.event", "els => els.map(e => [e.dataset.event, e.dataset.kind])")
             figures = page.inner_text("#stream-cam table.figures")
+            warnings = page.inner_text("#stream-cam .warnings")
         finally:
             browser.close()
     print(f"frames seen in the browser: {first} then {later}; {len(shown)} event(s) listed")
     assert later > first + 3 and "320x240" in figures and "fps in / processed" in figures
+    assert "warning: zone 'far' lies wholly outside the 320x240 frame" in warnings
     _wait_event(client, "line_cross")
     published = {e["event_id"]: e for e in _messages(client, "events")}
     assert shown and all(eid in published and published[eid]["event"] == kind for eid, kind in shown)
