@@ -341,7 +341,8 @@ def _timed(fn) -> float:
 
 def test_events_stored_before_a_crash_are_delivered_by_the_next_start(run_daemon, broker, crossing, tmp_path):
     """The broker goes away, crossings happen, the daemon is killed (SIGKILL): the events it stored are
-    published by the next start — the same bytes, even with the stream disabled meanwhile."""
+    published by the next start — the same bytes, even with the stream disabled meanwhile — each after its
+    snapshot."""
     import sqlite3
 
     store = tmp_path / "state-t1" / "events.sqlite"
@@ -376,6 +377,12 @@ def test_events_stored_before_a_crash_are_delivered_by_the_next_start(run_daemon
     for e in _events(client, "line_cross"):
         if e["event_id"] in stored:
             assert json.loads(stored[e["event_id"]]) == e  # the stored event, as it was
+    # and each one's snapshot, from its file, with its event_id
+    with client._cond:
+        snapshots = {user.get("event_id"): (data, ct) for _, data, ct, user in client.binary}
+    for event_id, payload in stored.items():
+        data, content_type = snapshots[event_id]
+        assert content_type == "image/jpeg" and data == open(json.loads(payload)["snapshot"]["path"], "rb").read()
     client.close()
 
 

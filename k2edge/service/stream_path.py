@@ -92,8 +92,13 @@ class StreamPath:
         return StreamFrames(self, [s for s in self.streams.values() if s.model == model])
 
     def start(self) -> None:
-        """Republish events a previous run stored and never saw delivered, then start reading."""
+        """Republish events a previous run stored and never saw delivered (each after its snapshot, when its file is
+        still there), then start reading."""
         for event_id, topic, payload in self.events.pending():
+            snapshot = _snapshot_of(payload)
+            jpeg = self.media.read(event_id, "jpg") if snapshot is not None and self.media is not None else None
+            if jpeg is not None:
+                self.publisher.publish(snapshot["topic"], jpeg, qos=1, content_type="image/jpeg", user=(("event_id", event_id),))
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
         if self.evidence is not None:
             self.evidence.start()
@@ -330,6 +335,15 @@ class StreamPath:
     def status(self) -> dict:
         """The ``streams`` object of the daemon's status, keyed by stream name."""
         return {name: s.status() for name, s in self.streams.items()}
+
+
+def _snapshot_of(payload: bytes) -> dict | None:
+    """A stored event's ``snapshot`` object, or None (none, or not an event of this version)."""
+    try:
+        snapshot = json.loads(payload).get("snapshot")
+    except (ValueError, AttributeError):
+        return None
+    return snapshot if isinstance(snapshot, dict) and isinstance(snapshot.get("topic"), str) else None
 
 
 class StreamFrames(BatchClient):
