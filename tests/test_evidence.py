@@ -133,7 +133,7 @@ def test_a_clip_is_remuxed_from_the_ring_starting_at_a_keyframe_before_pre_s_and
     make_video(tmp_path / "v.mp4", frames=90, fps=15, gop=15, objects=[MovingDigit("3", (60, 60), (2, 0))])
     av, container, stream = _demux(tmp_path / "v.mp4")
     tb = float(stream.time_base)
-    ring, done, source = PacketRing(pre_s=1.5, post_s=1.0), [], []
+    ring, done, source = PacketRing(tmp_path / "spool", pre_s=1.5, post_s=1.0), [], []
     ring.open(av, stream)
     spans = []
     for packet in container.demux(stream):
@@ -147,13 +147,15 @@ def test_a_clip_is_remuxed_from_the_ring_starting_at_a_keyframe_before_pre_s_and
     ring.close_capture()
     container.close()
     (info,) = done
-    assert info.data and not info.cut_short and info.reason is None and info.start_s == pytest.approx(1.0)
+    assert info.path == tmp_path / "spool" / f"{'e' * 32}.mp4" and info.size == info.path.stat().st_size > 0
+    assert not info.cut_short and info.reason is None and info.start_s == pytest.approx(1.0)
+    data = info.path.read_bytes()
     assert info.end_s >= 4.0 - 1e-6 and info.event_s == 3.0
-    with av.open(io.BytesIO(info.data)) as clip:
+    with av.open(io.BytesIO(data)) as clip:
         packets = [p for p in clip.demux(video=0) if p.size]
         assert packets[0].is_keyframe
         clip_bytes = [bytes(p) for p in packets]
-    with av.open(io.BytesIO(info.data)) as clip:
+    with av.open(io.BytesIO(data)) as clip:
         times = sorted(float(f.pts * f.time_base) for f in clip.decode(video=0))
     first = next(i for i, (_, t, key) in enumerate(source) if key and abs(t - 1.0) < 1e-6)
     assert clip_bytes == [data for data, _, _ in source[first:first + len(clip_bytes)]]  # remuxed, not re-encoded
@@ -171,7 +173,7 @@ def test_a_clip_cut_short_by_the_source_ending_says_so(tmp_path):
 
     make_video(tmp_path / "v.mp4", frames=30, fps=15, gop=15, objects=[MovingDigit("3", (60, 60), (2, 0))])
     av, container, stream = _demux(tmp_path / "v.mp4")
-    ring, done = PacketRing(pre_s=0.5, post_s=5.0), []
+    ring, done = PacketRing(tmp_path / "spool", pre_s=0.5, post_s=5.0), []
     ring.open(av, stream)
     for i, packet in enumerate(p for p in container.demux(stream) if p.size):
         ring.add(packet)
@@ -180,11 +182,26 @@ def test_a_clip_cut_short_by_the_source_ending_says_so(tmp_path):
     ring.close_capture()
     container.close()
     (info,) = done
-    assert info.cut_short and info.data and info.start_s == 0.0 and info.end_s < 20 / 15 + 5.0  # keyframe 0 s: at or before 0.83 s
+    assert info.cut_short and info.path.stat().st_size and info.start_s == 0.0 and info.end_s < 20 / 15 + 5.0  # keyframe 0 s: at or before 0.83 s
 
 
 def test_an_empty_ring_reports_nothing_held():
     from k2edge.streams.evidence.clips import PacketRing
 
-    assert PacketRing().status() == {"ring_bytes": 0, "ring_packets": 0, "ring_s": 0.0, "writing": 0, "waiting": 0,
+    assert PacketRing("/nonexistent").status() == {"ring_bytes": 0, "ring_packets": 0, "ring_s": 0.0, "writing": 0, "waiting": 0,
                                      "made": 0, "failed": 0, "max_bytes": 32 * 1024 * 1024}
+
+
+def test_a_clip_cut_in_the_spool_is_moved_into_the_store_within_its_budget(tmp_path):
+    store = MediaStore(tmp_path / "media", max_bytes=3000)
+    store.write("a" * 32, "jpg", bytes(2000))
+    spool = tmp_path / "media" / "cutting"
+    spool.mkdir(parents=True)
+    (spool / "clip.mp4").write_bytes(bytes(1500))
+    path = store.adopt("b" * 32, "mp4", spool / "clip.mp4")
+    assert path.read_bytes() == bytes(1500) and not (spool / "clip.mp4").exists()
+    assert store.read("a" * 32, "jpg") is None and store.status()["removed"]["budget"] == 1  # the older one made room
+    (spool / "big.mp4").write_bytes(bytes(3001))
+    with pytest.raises(ValueError, match="larger than the whole media budget"):
+        store.adopt("c" * 32, "mp4", spool / "big.mp4")
+    assert not (spool / "big.mp4").exists()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import logging
 import threading
 import time
@@ -68,6 +69,10 @@ class StreamPath:
                  media: MediaStore | None = None) -> None:
         self.prefix, self.publisher, self.events, self.metrics = prefix, publisher, events, metrics
         self.media = media
+        # clips being cut are written here, then moved into the media store; a crash's leftovers go at the start
+        self.spool = media.root / "cutting" if media is not None else None
+        if self.spool is not None:
+            shutil.rmtree(self.spool, ignore_errors=True)
         self.on_change = on_change
         self.wakeups = wakeups
         self.streams: dict[str, Stream] = {}
@@ -76,7 +81,7 @@ class StreamPath:
         for c in configs:
             password = read_secret(c.password_file, what=f"streams {c.name!r}: password_file") if c.password_file else None
             spec = parse_source(c.source, password)
-            ring = PacketRing(c.pre_s, c.post_s) if c.clips and media is not None else None
+            ring = PacketRing(self.spool, c.pre_s, c.post_s) if c.clips and media is not None else None
             reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace="realtime", fps=c.fps,
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
                                   open_timeout_s=c.open_timeout_s, packets=ring)
@@ -256,16 +261,18 @@ class StreamPath:
     def _clip_done(self, stream: Stream, info: ClipInfo) -> None:
         """The reader thread: a clip is complete; written and announced by the evidence thread."""
         if self.evidence is None or not self.evidence.submit((stream, info)):
-            info = ClipInfo(info.event_id, None, info.start_s, info.end_s, info.event_s, info.packets, info.cut_short,
+            if info.path is not None:
+                info.path.unlink(missing_ok=True)
+            info = ClipInfo(info.event_id, None, 0, info.start_s, info.end_s, info.event_s, info.packets, info.cut_short,
                             "no clip: the evidence queue is full")
             self._clip_ready(stream, info)
 
     def _clip_ready(self, stream: Stream, info: ClipInfo) -> None:
         body = {"event": "clip_ready", "for_event": info.event_id}
-        if info.data is not None:
+        if info.path is not None:
             try:
-                path = self.media.write(info.event_id, "mp4", info.data)
-                body["clip"] = {"path": str(path), "bytes": len(info.data), "start_s": round(info.start_s, 6),
+                path = self.media.adopt(info.event_id, "mp4", info.path)
+                body["clip"] = {"path": str(path), "bytes": info.size, "start_s": round(info.start_s, 6),
                                 "end_s": round(info.end_s, 6), "event_s": round(info.event_s, 6), "packets": info.packets,
                                 "cut_short": info.cut_short, "note": info.reason}
             except (OSError, ValueError) as exc:

@@ -7,20 +7,21 @@ seconds ago, and never more than ``max_bytes``: its memory is bounded and report
 (:meth:`PacketRing.status`).
 
 A clip is asked for (:meth:`PacketRing.request`, any thread) with its event's frame time on the
-source's timeline. At the reader thread's next packet a :class:`_ClipWriter` opens an MP4 in
-memory (its stream a copy of the source's, so nothing is decoded or encoded), writes the ring's
-packets from the keyframe at or before ``event - pre_s``, then each new packet until one comes
-after ``event + post_s``; then ``on_done`` gets the MP4's bytes. A source that goes away first
-ends the clip there (``cut_short``). Muxing a packet is a copy: the reader is not slowed.
+source's timeline. At the reader thread's next packet a :class:`_ClipWriter` opens an MP4 file in
+the spool directory (its stream a copy of the source's, so nothing is decoded or encoded), writes
+the ring's packets from the keyframe at or before ``event - pre_s``, then each new packet until one
+comes after ``event + post_s``; then ``on_done`` gets the file. A source that goes away first ends
+the clip there (``cut_short``). Muxing a packet is a copy into the page cache: the reader is not
+slowed, and a clip being cut holds no memory of its own (many events at once cost disk, not RAM).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class ClipInfo:
 
     Attributes:
         event_id: the event it is about.
-        data: the MP4's bytes (None when no clip could be made: ``reason`` says why).
+        path: the MP4 in the spool directory (None when no clip could be made: ``reason`` says why).
+        size: its bytes.
         start_s: its first packet's time on the source's timeline (a keyframe).
         end_s: its last frame's time.
         event_s: the event's frame time.
@@ -47,7 +49,8 @@ class ClipInfo:
     """
 
     event_id: str
-    data: bytes | None
+    path: Path | None
+    size: int
     start_s: float | None
     end_s: float | None
     event_s: float
@@ -69,11 +72,11 @@ class _ClipWriter:
     """One clip being written (the reader thread only)."""
 
     def __init__(self, av, template, time_base, event_id: str, event_s: float, end_s: float,
-                 on_done: Callable[[ClipInfo], None]) -> None:
+                 on_done: Callable[[ClipInfo], None], path: Path) -> None:
         self.av, self.time_base = av, time_base
         self.event_id, self.event_s, self.end_s, self.on_done = event_id, event_s, end_s, on_done
-        self.buffer = io.BytesIO()
-        self.container = av.open(self.buffer, "w", format="mp4")
+        self.path = path
+        self.container = av.open(str(path), "w", format="mp4")
         self.stream = self.container.add_stream_from_template(template)
         self.origin: int | None = None  # the first packet's dts: the clip's time starts at 0
         self.start_s: float | None = None
@@ -109,12 +112,14 @@ class _ClipWriter:
     def finish(self, cut_short: bool = False) -> None:
         try:
             self.container.close()
-            data = self.buffer.getvalue() if self.count else None
-            info = ClipInfo(self.event_id, data, self.start_s, self.last_s, self.event_s, self.count, cut_short,
-                            self.note if data else (self.note or "no packets: the source sent none since the event"))
-        except Exception as exc:  # a muxer error: the event keeps its snapshot, the clip says why
-            info = ClipInfo(self.event_id, None, None, None, self.event_s, 0, cut_short, f"the clip could not be "
-                            f"written: {exc}")
+            if not self.count:
+                raise ValueError("no packets: the source sent none since the event")
+            info = ClipInfo(self.event_id, self.path, self.path.stat().st_size, self.start_s, self.last_s, self.event_s,
+                            self.count, cut_short, self.note)
+        except Exception as exc:  # a muxer error, a full disk: the event keeps its snapshot, the clip says why
+            self.path.unlink(missing_ok=True)
+            why = str(exc) if isinstance(exc, ValueError) else f"the clip could not be written: {exc}"
+            info = ClipInfo(self.event_id, None, 0, None, None, self.event_s, 0, cut_short, why)
         self.on_done(info)
 
 
@@ -122,12 +127,14 @@ class PacketRing:
     """One stream's ring of encoded packets and the clips being cut from it (see the module docstring).
 
     Args:
+        spool: the directory clips are written to while they are cut (``<event_id>.mp4``).
         pre_s: seconds before an event a clip starts (at the keyframe at or before it).
         post_s: seconds after the event a clip ends.
         max_bytes: the most the ring holds.
     """
 
-    def __init__(self, pre_s: float = 3.0, post_s: float = 5.0, max_bytes: int = MAX_RING_BYTES) -> None:
+    def __init__(self, spool: Path, pre_s: float = 3.0, post_s: float = 5.0, max_bytes: int = MAX_RING_BYTES) -> None:
+        self.spool = Path(spool)
         self.pre_s, self.post_s, self.max_bytes = float(pre_s), float(post_s), int(max_bytes)
         self._lock = threading.Lock()
         self._packets: deque[_Packet] = deque()
@@ -188,8 +195,8 @@ class PacketRing:
         else:
             for event_id, event_s, on_done in requests:
                 self.failed += 1
-                on_done(ClipInfo(event_id, None, None, None, event_s, 0, True, "no clip: the source closed before it "
-                                 "could be cut"))
+                on_done(ClipInfo(event_id, None, 0, None, None, event_s, 0, True, "no clip: the source closed before "
+                                 "it could be cut"))
         writers, self._writers = self._writers, []
         for w in writers:
             self._finish(w, cut_short=True)
@@ -255,10 +262,12 @@ class PacketRing:
         else:
             first = None
         try:
-            w = _ClipWriter(self._av, self._template, self._time_base, event_id, event_s, event_s + self.post_s, on_done)
+            self.spool.mkdir(parents=True, exist_ok=True)
+            w = _ClipWriter(self._av, self._template, self._time_base, event_id, event_s, event_s + self.post_s, on_done,
+                            self.spool / f"{event_id}.mp4")
         except Exception as exc:
             self.failed += 1
-            on_done(ClipInfo(event_id, None, None, None, event_s, 0, False, f"the clip could not be started: {exc}"))
+            on_done(ClipInfo(event_id, None, 0, None, None, event_s, 0, False, f"the clip could not be started: {exc}"))
             return
         w.note = note
         done = False
@@ -278,7 +287,7 @@ class PacketRing:
         told = w.on_done
 
         def counted(info: ClipInfo) -> None:
-            if info.data:
+            if info.path is not None:
                 self.made += 1
             else:
                 self.failed += 1

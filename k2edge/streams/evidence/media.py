@@ -98,6 +98,40 @@ class MediaStore:
             self._bytes += len(data)
         return path
 
+    def adopt(self, event_id: str, ext: str, source: Path) -> Path:
+        """Move a medium written elsewhere on the same filesystem (a clip cut in the spool) into the store,
+        flushed to disk first; the oldest media go to make room, as for :meth:`write`.
+
+        Raises:
+            OSError: it cannot be moved (``source`` is removed either way; :attr:`degraded` says so).
+            ValueError: a medium larger than the whole budget, or not an event id (``source`` is removed).
+        """
+        path = self.path_for(event_id, ext)
+        try:
+            size = os.path.getsize(source)
+            if size > self.max_bytes:
+                raise ValueError(f"a {size}-byte medium is larger than the whole media budget ([storage] max_bytes "
+                                 f"{self.max_bytes})")
+            with self._lock:
+                self._load()
+                self._make_room(size)
+                try:
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    with open(source, "rb") as f:
+                        os.fsync(f.fileno())
+                    os.replace(source, path)
+                except OSError as exc:
+                    self.failed += 1
+                    self.degraded = f"cannot write media to {self.root}: {exc.strerror or exc}"
+                    raise
+                self.degraded = None
+                self._index[path.name] = (size, time.time())
+                self._index.move_to_end(path.name)
+                self._bytes += size
+        finally:
+            Path(source).unlink(missing_ok=True)
+        return path
+
     def read(self, event_id: str, ext: str) -> bytes | None:
         """The medium's bytes, or None when there is none (never made, or removed)."""
         try:
