@@ -69,6 +69,17 @@ need_rtsp_server() {
          "(sudo apt-get install $pkgs)" >&2
 }
 
+# the live view's browser test drives Debian's chromium with Playwright (browsers cannot be downloaded here,
+# so no `playwright install`); without chromium that test skips, saying so
+need_chromium() {
+    command -v chromium >/dev/null && return 0
+    if can_apt; then
+        echo "quickstart: installing chromium (the browser of the live view's test)"
+        apt_install --no-install-recommends chromium && return 0
+    fi
+    echo "quickstart: warning: no chromium, the live view's browser test will be skipped (sudo apt-get install chromium)" >&2
+}
+
 free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 demo() {
@@ -109,6 +120,6 @@ demo() {
 
 case "${1:-}" in
     demo) setup; demo ;;
-    test) shift; need_mosquitto; need_rtsp_server; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+    test) shift; need_mosquitto; need_rtsp_server; need_chromium; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
     *) echo "usage: $0 demo | test [pytest args]" >&2; exit 2 ;;
 esac

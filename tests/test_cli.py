@@ -111,6 +111,16 @@ def test_doctor_runs_here():
     data = json.loads(k2edge("doctor", "--json").stdout)
     assert data["backends"]["onnxruntime"]["version"]
     assert "jtop" in data and "dla_cores" in data
+    import av
+
+    video = data["video"]
+    assert video["pyav"]["version"] == av.__version__ and video["pyav"]["h264"] is True
+    assert video["pyav"]["ffmpeg"].startswith("libavcodec ")
+    gst = video["gstreamer"]
+    assert set(gst) == {"gi", "version", "elements"} and (gst["version"] is None or set(gst["elements"]) == {
+        "nvv4l2decoder", "nvvidconv"})
+    text = k2edge("doctor").stdout
+    assert f"PyAV         {av.__version__}" in text and "GStreamer" in text
 
 
 @pytest.mark.parametrize("args, fragments", [

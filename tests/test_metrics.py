@@ -158,8 +158,14 @@ def test_grafana_dashboard_uses_only_metrics_that_exist():
     m.observe_batch("digits", 1)
     m.observe_escalation("digits", "prompt")
     m.set_thermal("normal", {"CPU": 40.0})
+    m.set_stream("cam", True, {"decoded": 3, "processed": 2, "dropped": 1}, 1)
+    m.observe_frame_age("cam", 0.02)
+    m.set_media({"bytes": 10, "files": 1, "degraded": None, "removed": {"budget": 1, "age": 0}})
     exposed = {s.name for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    # the device picker lists every daemon: a series every daemon exports (a camera-only one answers no request)
+    (device,) = [v for v in dash["templating"]["list"] if v["name"] == "instance"]
+    assert device["query"]["query"] == "label_values(k2edge_model_info, instance)"
     used = {n for e in exprs for n in re.findall(r"\bk2edge_[a-z0-9_]+", e)}
     assert len(dash["panels"]) >= 10 and used and used <= exposed, used - exposed
     families = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")

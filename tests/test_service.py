@@ -248,9 +248,11 @@ def test_a_request_is_told_from_an_acknowledgement_in_the_bytes_waiting():
     assert not publish_ahead(bytes([0x40, 200, 1]), False) and publish_ahead(bytes([0x40, 200, 1]), True)
 
 
-@pytest.mark.parametrize("content_type, correlation", [("application/json", None), ("application/json", b"\x00" * 16),
-                                                       ("image/jpeg", b"c" * 300), ("text/plain; charset=é", b"")])
-def test_publish_properties_pack_as_paho_packs_them(content_type, correlation):
+@pytest.mark.parametrize("content_type, correlation, user", [
+    ("application/json", None, ()), ("application/json", b"\x00" * 16, ()), ("image/jpeg", b"c" * 300, ()),
+    ("text/plain; charset=é", b"", ()), ("image/jpeg", None, (("event_id", "ab" * 16),)),
+    ("image/jpeg", b"x", (("event_id", "0" * 32), ("stream", "gaté")))])
+def test_publish_properties_pack_as_paho_packs_them(content_type, correlation, user):
     """The answers' properties, packed once by hand, are byte for byte what paho's Properties packs, and read the same."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
@@ -261,10 +263,13 @@ def test_publish_properties_pack_as_paho_packs_them(content_type, correlation):
     ref.ContentType = content_type
     if correlation is not None:
         ref.CorrelationData = correlation
-    ours = PublishProperties.make(content_type, correlation)
+    if user:
+        ref.UserProperty = list(user)
+    ours = PublishProperties.make(content_type, correlation, user)
     assert isinstance(ours, Properties)
     assert ours.pack() == ref.pack()
     assert str(ours) == str(ref) and ours.json() == ref.json()
     unpacked = Properties(PacketTypes.PUBLISH)
     unpacked.unpack(ours.pack())
     assert unpacked.ContentType == content_type and getattr(unpacked, "CorrelationData", None) == correlation
+    assert getattr(unpacked, "UserProperty", []) == list(user)

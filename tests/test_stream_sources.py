@@ -111,6 +111,11 @@ def test_streams_config_errors_name_the_field(tmp_path):
     assert "same point" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
                                 '[[streams.lines]]\nname = "l"\nstart = [1, 1]\nend = [1, 1]\n')
     assert "unique" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n' * 2)
+    msg = load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
+               '[[streams.zones]]\nname = "bow"\npoints = [[0, 0], [10, 10], [10, 0], [0, 10]]\n')
+    assert "streams.0.zones.0" in msg and "intersects itself" in msg
+    assert "streams.0.max_lost_s" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
+                                          'max_lost_s = -1\n')
 
 
 # the reader on files ---------------------------------------------------------------------------------
@@ -248,13 +253,19 @@ def _watch(*args, timeout=180):
 @pytest.mark.slow
 def test_watch_prints_every_frame_of_a_file_as_the_daemon_publishes_it(tmp_path):
     """--json on a file: one line per frame, exactly the detections payload, in order, tracked; event
-    lines carry "event" and no "frame"; --save-annotated writes a video of every processed frame."""
+    lines carry "event" and no "frame"; --config/--stream take a configured stream's line, whose crossings
+    are the video's; --save-annotated writes a video of every processed frame with the line drawn."""
     import json
 
     from stream_videos import scenario_crossing
 
     sc = scenario_crossing(tmp_path / "cross.mp4")
-    out = _watch(sc.path, "--json", "--save-annotated", tmp_path / "out.mp4")
+    (x0, y0), (x1, y1) = sc.line
+    config = tmp_path / "k2edge.toml"
+    config.write_text('device_id = "t"\n[[models]]\nname = "boxes"\nonnx = "m.onnx"\n[[streams]]\nname = "gate"\n'
+                      f'source = "file:///x.mp4"\nmodel = "boxes"\n[[streams.lines]]\nname = "door"\n'
+                      f'start = [{x0}, {y0}]\nend = [{x1}, {y1}]\n')
+    out = _watch(sc.path, "--json", "--save-annotated", tmp_path / "out.mp4", "--config", config, "--stream", "gate")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     frames = [x for x in lines if "frame" in x]
@@ -266,8 +277,18 @@ def test_watch_prints_every_frame_of_a_file_as_the_daemon_publishes_it(tmp_path)
     assert [e["event"] for e in events][0] == "stream_up" and events[-1]["event"] == "stream_ended"
     assert not any("frame" in e for e in events)
     assert f"{len(frames)} frame(s) processed" in out.stderr
+    crossings = sorted((e["label"], e["direction"]) for e in events if e["event"] == "line_cross")
+    assert crossings == sorted((c.label, c.direction) for c in sc.crossings)  # the config's line, its events
     with av.open(str(tmp_path / "out.mp4")) as c:
-        assert sum(1 for _ in c.decode(video=0)) == len(frames)
+        decoded = [f.to_ndarray(format="rgb24").astype(int) for f in c.decode(video=0)]
+    assert len(decoded) == len(frames)
+    from k2edge.drawing import LINE_COLOUR
+
+    band = decoded[0][5:235, int(x0) - 1:int(x0) + 3]  # the line, drawn (H.264 blurs its colour): each row has it
+    near = (np.abs(band - np.array(LINE_COLOUR)).max(axis=2) < 70).any(axis=1)
+    assert near.mean() > 0.9, near.mean()
+    bad = _watch(sc.path, "--config", config, "--stream", "nope", timeout=60)
+    assert bad.returncode == 1 and bad.stderr.strip().endswith("has no such stream; it has gate"), bad.stderr
 
 
 def test_watch_refuses_bad_sources_in_one_line(tmp_path):
@@ -276,3 +297,67 @@ def test_watch_refuses_bad_sources_in_one_line(tmp_path):
         out = _watch(*args, timeout=60)
         assert out.returncode in (1, 2) and "Traceback" not in out.stderr and "hunter2" not in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+# the stream's tracking across outages, its frame size and warnings ----------------------------------
+def _stream_with_zone(max_lost_s: float = 1.0):
+    from k2edge.streams.stream import Stream
+
+    reader = StreamReader("cam", parse_source("file:///nowhere.mp4"), Recorder())  # never started
+    zones = [("left", [(0, 0), (160, 0), (160, 240), (0, 240)]), ("far", [(1000, 1000), (1900, 1000), (1900, 1080)])]
+    return Stream("cam", "boxes", reader, zones, [("door", (160, 0), (160, 240))], max_lost_s=max_lost_s)
+
+
+def _frame(stream, index: int, captured: float, label: str = "7"):
+    """Track one 320x240 frame captured at ``captured`` (monotonic) with one digit at (80, 100)."""
+    from k2edge.streams.reader import Frame
+    from k2edge.streams.stream import StreamFrame
+
+    frame = Frame(index, index / 15, time.time(), captured, np.zeros((240, 320, 3), np.uint8))
+    detections = [{"index": 7, "label": label, "score": 0.9, "box": [70.0, 80.0, 90.0, 100.0]}]
+    return stream.track(StreamFrame(stream, frame, time.monotonic()), detections)
+
+
+def test_an_outage_longer_than_max_lost_ends_every_track_dated_when_the_stream_went_down():
+    """Down for longer than max_lost_s: the track inside the zone leaves, dated at the stream_down, with a
+    reason, before the next frame is tracked; the object seen after it is a new track. A short outage
+    keeps the track."""
+    s = _stream_with_zone(max_lost_s=1.0)
+    t0 = time.monotonic() - 50
+    for i in range(3):
+        tracked = _frame(s, i, t0 + i / 15)
+    assert [e["event"] for e in _frame(s, 3, t0 + 3 / 15).events] == [] and tracked.detections[0]["track_id"] == 1
+    s.on_state("up", "reconnecting", "no frame for 5.0 s (stalled)")
+    went_down = time.time()
+    s.on_state("reconnecting", "up", None)
+    after = _frame(s, 4, time.monotonic() + 0.01)
+    (leave,) = after.events
+    assert leave["event"] == "zone_leave" and leave["track_id"] == 1 and leave["zone"] == "left"
+    assert abs(leave["time"] - went_down) < 1.0 and "max_lost_s 1 s" in leave["reason"] and "stalled" in leave["reason"]
+    assert leave["frame"] == 3  # the last frame processed before the outage
+    assert after.detections[0]["track_id"] == 2  # a new object: tentative now, no zone_enter yet
+    assert [e["event"] for e in _frame(s, 5, time.monotonic()).events] == ["zone_enter"]
+
+    s = _stream_with_zone(max_lost_s=30.0)
+    t0 = time.monotonic() - 5
+    _frame(s, 0, t0)
+    _frame(s, 1, t0 + 0.1)
+    s.on_state("up", "reconnecting", "stalled")
+    s.on_state("reconnecting", "up", None)
+    short = _frame(s, 2, time.monotonic())
+    assert short.events == [] and short.detections[0]["track_id"] == 1
+
+
+def test_the_first_frame_fixes_the_frame_size_and_warns_of_zones_outside_it():
+    s = _stream_with_zone()
+    st = s.status()
+    assert st["frame_size"] is None and st["warnings"] == [] and st["frame_age_ms"] == {"p50": None, "p99": None, "samples": 0}
+    _frame(s, 0, time.monotonic())
+    for age in (0.010, 0.020, 0.030):
+        s.note_age(age)
+    st = s.status()
+    assert st["frame_size"] == [320, 240]
+    assert st["warnings"] == ["zone 'far' lies wholly outside the 320x240 frame ([1000, 1000], [1900, 1000], [1900, 1080]): "
+                              "it can never fire; was it drawn for another resolution?"]
+    assert st["frame_age_ms"] == {"p50": 20.0, "p99": 29.8, "samples": 3}
+    assert s.frame_age(now=time.monotonic() + 10)["samples"] == 0  # only the last 5 s count

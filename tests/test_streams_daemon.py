@@ -103,6 +103,39 @@ def _metric(port: int, line_start: str, want: float | None = None, timeout: floa
         time.sleep(0.2)
 
 
+def _check_snapshot(client: Client, event: dict) -> bool:
+    """The event's snapshot: published raw (image/jpeg, its event_id in a user property) and the same bytes as the
+    file the event names; it decodes with Pillow at the frame's size; True when the track's box is drawn where the
+    event says (most of its outline in the snapshot colour)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from k2edge.streams.evidence.snapshot import BOX_COLOUR
+
+    snap = event["snapshot"]
+    assert snap is not None, event
+    assert snap["topic"] == "k2edge/t1/streams/cam/snapshots" and (snap["width"], snap["height"]) == (320, 240)
+    with client._cond:
+        (published,) = [(b, ct) for t, b, ct, user in client.binary
+                        if t == snap["topic"] and user.get("event_id") == event["event_id"]]
+    data, content_type = published
+    assert content_type == "image/jpeg" and open(snap["path"], "rb").read() == data
+    img = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int32)
+    assert img.shape == (240, 320, 3)
+    r, g, b = (np.asarray(BOX_COLOUR) > 128)
+    assert r and b and not g  # the test reads magenta: red and blue well above green
+    magenta = (img[..., 0] - img[..., 1] > 60) & (img[..., 2] - img[..., 1] > 60)
+    x1, y1, x2, y2 = (int(round(v)) for v in event["box"])
+    # along each side of the box, a drawn pixel within 2 px of where the event says the side is (JPEG blurs a 2 px line)
+    sides = [magenta[max(0, y - 2):y + 3, x1 + 3:x2 - 2].any(axis=0) for y in (y1, y2)]
+    sides += [magenta[y1 + 3:y2 - 2, max(0, x - 2):x + 3].any(axis=1) for x in (x1, x2)]
+    drawn = np.concatenate(sides)
+    outside = magenta[y1 + 6:y2 - 5, x1 + 6:x2 - 5]  # inside the box, away from its outline: the frame itself
+    return bool(drawn.mean() >= 0.9 and (outside.size == 0 or outside.mean() < 0.1))
+
+
 def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_ground_truth(run_daemon, broker, crossing):
     """Every processed frame is published with tracked detections; the line crossings are the video's,
     with the right directions; status counts them; /metrics counts the frames; requests for the same
@@ -130,6 +163,11 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     events = _messages(client, "events")
     assert _crossings(events) == _expected(crossing)
     assert len({e["event_id"] for e in events}) == len(events)
+    tracked_events = [e for e in events if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    client.wait_for(lambda c: len(c.binary) >= len(tracked_events), 30)
+    judged = [_check_snapshot(client, e) for e in tracked_events]
+    print(f"{len(judged)} snapshots judged: the box drawn where the event says, on {sum(judged)} of them")
+    assert judged and all(judged)
     for e in events:
         if e["event"] == "line_cross":
             assert e["line"] == "door" and isinstance(e["track_id"], int) and isinstance(e["frame"], int)
@@ -140,7 +178,14 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
         return st.get("state") == "ended" and st["processed"] + st["dropped"] == st["decoded"]
 
     client.wait_for(final, 30)
+    live = [c["streams"]["cam"] for c in client.statuses if c.get("streams", {}).get("cam", {}).get("state") == "up"]
+    # republished with the telemetry while up, with live figures: not only when a state changes
+    assert len({(x["processed"], x["frame_age_ms"]["samples"]) for x in live}) >= 2, live
+    assert any(x["frame_age_ms"]["samples"] > 0 and x["frame_age_ms"]["p99"] >= x["frame_age_ms"]["p50"] > 0
+               and x["fps_processed"] > 0 for x in live), live
     st = client.statuses[-1]["streams"]["cam"]
+    assert st["frame_size"] == [320, 240] and st["warnings"] == []
+    assert st["snapshots"] == {"made": len(tracked_events), "failed": 0}
     frames = _messages(client, "detections")  # the last frame may have finished after stream_ended was sent
     assert st["source"] == crossing.path.as_uri() and st["reconnects"] == 0 and st["last_error"] is None
     assert st["processed"] == len(frames) and st["processed"] + st["dropped"] == st["decoded"] == len(crossing.truth.frames)
@@ -152,11 +197,19 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     assert _metric(port, processed, len(frames)) == len(frames)
     assert _metric(port, 'k2edge_stream_frame_age_seconds_count{stream="cam"}', len(frames)) == len(frames)
     assert _metric(port, 'k2edge_stream_up{stream="cam"}', 0) == 0  # ended
+    # frames are counted with the requests: every item run is in a batch, and has its latency
+    items = len(frames) + len(rids)
+    assert _metric(port, 'k2edge_batch_size_sum{model="boxes"}', items) == items
+    assert _metric(port, 'k2edge_latency_seconds_count{model="boxes",stage="total"}', items) == items
 
 
-def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(run_daemon, broker, crossing):
+def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(run_daemon, broker, crossing, tmp_path):
     """A camera nobody serves keeps reconnecting (status says why, with its password redacted) while the
-    file stream runs to its end and requests are answered; SIGTERM then drains and exits 0 promptly."""
+    file stream runs to its end and requests are answered; SIGTERM then drains and exits 0 promptly.
+    The media directory cannot be made (a file is in its place): every event goes out intact, saying
+    why it has no snapshot."""
+    (tmp_path / "state-t1").mkdir(exist_ok=True)
+    (tmp_path / "state-t1" / "media").write_text("in the way")
     dead = free_port()  # nothing listens: every open is refused
     client = Client(broker.port).connect()
     client.subscribe(STREAMS)
@@ -168,11 +221,17 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     client.wait_answers(len(rids), timeout=60)
     _wait_event(client, "stream_ended")
     assert _crossings(_messages(client, "events")) == _expected(crossing)
+    tracked_events = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    assert tracked_events and all(e["snapshot"] is None and e["snapshot_error"].startswith("no snapshot: ")
+                                  and "File exists" in e["snapshot_error"] for e in tracked_events)
+    assert not client.binary
+    client.wait_for(lambda c: ((c.statuses[-1].get("storage") or {}).get("degraded") or "").startswith("cannot write media"), 30)
     client.wait_for(lambda c: (c.statuses[-1].get("streams", {}).get("dead", {}).get("state") == "reconnecting"), 30)
     st = client.statuses[-1]["streams"]["dead"]
     assert st["last_error"] and st["reconnects"] == 0 and st["decoded"] == 0
     assert "hunter2" not in str(client.statuses) and st["source"] == f"rtsp://***@127.0.0.1:{dead}/cam"
-    assert not _messages(client, "events", "dead")  # never up, so never down either
+    (down,) = _messages(client, "events", "dead")  # its first open failed: one stream_down, none per retry
+    assert down["event"] == "stream_down" and down["reason"] and "hunter2" not in down["reason"]
     t0 = time.monotonic()
     assert d.terminate(timeout=60) == 0
     assert time.monotonic() - t0 < 30
@@ -181,10 +240,12 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
 
 def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(run_daemon, broker, crossing, tmp_path):
     """The broker restarts in the middle of the video: every crossing is delivered, and each crossing
-    has one event_id (a redelivery is byte-identical, never a second event)."""
+    has one event_id (a redelivery is byte-identical, never a second event). The media budget holds about
+    three snapshots: it is filled, the oldest snapshots go, and no event does."""
+    budget = 40_000
     client = Client(broker.port, client_id=f"watcher-{tmp_path.name[-8:]}", persistent=True).connect()
     client.subscribe(STREAMS)
-    run_daemon(models=[BOXES], streams=[_stream(crossing)])
+    run_daemon(models=[BOXES], streams=[_stream(crossing)], tables={"storage": {"max_bytes": budget}})
     _wait_event(client, "line_cross")  # the first crossing (frame ~36 of 90); the next two come within ~2 s
     broker.stop()
     # the outage itself: every crossing is raised while the broker is away, so the ones not yet delivered
@@ -204,6 +265,21 @@ def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(ru
     distinct = list(by_id.values())
     assert _crossings(distinct) == _expected(crossing)
     assert len({(e["track_id"], e["frame"]) for e in distinct}) == len(distinct)
+
+    # retention: every event is still in the store; the media hold the newest snapshots within the budget
+    stored = [e for kind in ("zone_enter", "zone_leave", "line_cross") for e in _stored_events(state, kind)]
+    published = {e["event_id"] for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")}
+    assert {e["event_id"] for e in stored} == published
+    with_media = [e for e in stored if e["snapshot"] is not None]
+    assert len(with_media) == len(stored)  # each had its snapshot when it was raised
+    files = sorted((state / "media").iterdir(), key=lambda p: p.stat().st_mtime)
+    kept = {p.stem for p in files}
+    assert sum(p.stat().st_size for p in files) <= budget and 0 < len(kept) < len(stored)
+    order = sorted(stored, key=lambda e: e["time"])  # the oldest events' snapshots went first
+    assert {e["event_id"] for e in order[-len(kept):]} == kept, (len(kept), len(stored))
+    client.wait_for(lambda c: (c.statuses[-1].get("storage") or {}).get("removed", {}).get("budget", 0)
+                    == len(stored) - len(kept), 30)
+    print(f"media budget {budget} bytes: {len(kept)} of {len(stored)} snapshots kept, every event stored")
     client.close()
 
 
@@ -265,7 +341,8 @@ def _timed(fn) -> float:
 
 def test_events_stored_before_a_crash_are_delivered_by_the_next_start(run_daemon, broker, crossing, tmp_path):
     """The broker goes away, crossings happen, the daemon is killed (SIGKILL): the events it stored are
-    published by the next start — the same bytes, even with the stream disabled meanwhile."""
+    published by the next start — the same bytes, even with the stream disabled meanwhile — each after its
+    snapshot."""
     import sqlite3
 
     store = tmp_path / "state-t1" / "events.sqlite"
@@ -300,4 +377,61 @@ def test_events_stored_before_a_crash_are_delivered_by_the_next_start(run_daemon
     for e in _events(client, "line_cross"):
         if e["event_id"] in stored:
             assert json.loads(stored[e["event_id"]]) == e  # the stored event, as it was
+    # and each one's snapshot, from its file, with its event_id
+    with client._cond:
+        snapshots = {user.get("event_id"): (data, ct) for _, data, ct, user in client.binary}
+    for event_id, payload in stored.items():
+        data, content_type = snapshots[event_id]
+        assert content_type == "image/jpeg" and data == open(json.loads(payload)["snapshot"]["path"], "rb").read()
     client.close()
+
+
+def test_clips_are_remuxed_around_each_event_and_announced(run_daemon, broker, crossing, tmp_path):
+    """clips = true on a video with a keyframe each second: every zone and line event gets a clip_ready whose
+    MP4 decodes with PyAV, starts at a keyframe no later than pre_s before the event, covers the event's
+    frame, and holds the source's own packets (remuxed, not re-encoded); the status reports the ring."""
+    import io
+
+    import av
+
+    fps = crossing.truth.fps
+    video = scenario_crossing(tmp_path / "gop.mp4", fps=fps, gop=fps)
+    with av.open(str(video.path)) as c:
+        source = [bytes(p) for p in c.demux(video=0) if p.size]
+    client = Client(broker.port).connect()
+    client.subscribe(STREAMS)
+    run_daemon(models=[BOXES], streams=[_stream(video, clips=True, pre_s=1.0, post_s=1.0)])
+    _wait_event(client, "stream_ended")
+    wanted = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    client.wait_for(lambda c: len(_events(c, "clip_ready")) >= len(wanted), 60)
+    ready = {e["for_event"]: e for e in _events(client, "clip_ready")}
+    assert set(ready) == {e["event_id"] for e in wanted}
+    judged = 0
+    for e in wanted:
+        clip = ready[e["event_id"]]["clip"]
+        assert clip is not None, ready[e["event_id"]]
+        assert clip["event_s"] == pytest.approx(e["frame"] / fps, abs=1e-3)
+        if clip["event_s"] >= 1.0:  # pre_s: from the keyframe at or before 1 s earlier
+            assert clip["start_s"] <= clip["event_s"] - 1.0 + 1e-6 and clip["note"] is None, clip
+        else:  # nothing that early: from the source's first keyframe, saying so
+            assert clip["start_s"] == 0.0 and "no keyframe that early" in clip["note"], clip
+        assert clip["end_s"] >= clip["event_s"]
+        data = open(clip["path"], "rb").read()
+        assert len(data) == clip["bytes"]
+        with av.open(io.BytesIO(data)) as c:
+            packets = [bytes(p) for p, key in ((p, p.is_keyframe) for p in c.demux(video=0) if p.size)]
+        with av.open(io.BytesIO(data)) as c:
+            first = next(c.demux(video=0))
+            assert first.is_keyframe
+        with av.open(io.BytesIO(data)) as c:
+            frames = sum(1 for _ in c.decode(video=0))
+        start = source.index(packets[0])
+        assert packets == source[start:start + len(packets)]  # the source's packets, in order: no re-encode
+        assert frames >= round((clip["event_s"] - clip["start_s"]) * fps) + 1  # up to the event's frame at least
+        judged += 1
+    print(f"{judged} clips judged")
+    assert judged == len(wanted) and judged >= 4
+    with client._cond:  # the ring as the status reported it while clips were made (the last may come after it)
+        rings = [s["streams"]["cam"]["clips"] for s in client.statuses if (s.get("streams", {}).get("cam") or {}).get("clips")]
+    st = next(r for r in reversed(rings) if r["made"])
+    assert 0 < st["made"] <= judged and st["failed"] == 0 and 0 < st["ring_bytes"] <= st["max_bytes"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from k2edge.streams.analytics import Analytics, Line, Zone
-from k2edge.streams.tracker import UNTRACKED, ByteTracker, TrackState, box_iou
+from k2edge.streams.analytics import Analytics, Line, Zone, frame_warnings
+from k2edge.streams.tracker import LABEL_WINDOW, RELABEL_GAP, UNTRACKED, ByteTracker, TrackState, box_iou
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,9 +27,10 @@ def _update(tracker: ByteTracker, *dets):
     return tracker.update(boxes, np.array([d[1] for d in dets]), [d[2] for d in dets])
 
 
-def _state(tid: int, x: float, y: float, label: str = "car", born: bool = False) -> TrackState:
+def _state(tid: int, x: float, y: float, label: str = "car", born: bool = False, confirmed: bool = True) -> TrackState:
     """A track whose anchor (bottom-centre) is at (x, y)."""
-    return TrackState(id=tid, label=label, box=(x - 5, y - 10, x + 5, y), anchor=(x, y), score=0.9, born=born)
+    return TrackState(id=tid, label=label, box=(x - 5, y - 10, x + 5, y), anchor=(x, y), score=0.9, born=born,
+                      confirmed=confirmed)
 
 
 # ----------------------------------------------------------------------------- tracker
@@ -36,7 +38,7 @@ def _state(tid: int, x: float, y: float, label: str = "car", born: bool = False)
 
 def test_ids_start_at_one_and_are_never_reused():
     """Two objects get ids 1 and 2; after both end, an object at the same place gets id 3."""
-    t = ByteTracker(max_lost=2)
+    t = ByteTracker(max_lost_s=2.5 / 30)  # updates without a time are 1/30 s apart
     u = _update(t, (_box(50, 50), 0.9, "a"), (_box(150, 50), 0.8, "b"))
     assert u.ids.tolist() == [1, 2] and u.ids.dtype == np.int64
     assert [s.id for s in u.active] == [1, 2] and all(s.born for s in u.active)
@@ -61,7 +63,7 @@ def test_a_track_follows_and_is_born_once():
 
 def test_a_lost_track_keeps_its_id_across_a_short_miss():
     """Missed for 5 frames while moving, found again where the Kalman filter expects it: same id, nothing removed."""
-    t = ByteTracker(max_lost=10)
+    t = ByteTracker(max_lost_s=10.5 / 30)
     for f in range(8):
         _update(t, (_box(20 + 5 * f, 60), 0.9, "a"))
     for f in range(8, 13):
@@ -71,9 +73,15 @@ def test_a_lost_track_keeps_its_id_across_a_short_miss():
     assert u.ids.tolist() == [1] and not u.active[0].born
 
 
-def test_a_lost_track_ends_after_max_lost():
-    """The track is reported removed on the (max_lost + 1)-th missed update, not before."""
-    t = ByteTracker(max_lost=3)
+def test_a_lost_track_ends_after_max_lost_seconds_whatever_the_frame_rate():
+    """max_lost_s is time: at 10 updates a second a track unseen for 0.3 s ends on the 4th missed
+    update; at 1 update a second, on the 1st; an update without a time is 1/30 s after the last."""
+    for step, want in ((0.1, [[], [], [], [1]]), (1.0, [[1], [], [], []])):
+        t = ByteTracker(max_lost_s=0.35)
+        t.update(np.array([_box(50, 50)]), np.array([0.9]), ["a"], t=0.0)
+        t.update(np.array([_box(50, 50)]), np.array([0.9]), ["a"], t=step)
+        assert [t.update(np.zeros((0, 4)), np.zeros(0), [], t=step * (k + 2)).removed for k in range(4)] == want
+    t = ByteTracker(max_lost_s=3.5 / 30)
     _update(t, (_box(50, 50), 0.9, "a"))
     _update(t, (_box(50, 50), 0.9, "a"))
     assert [_update(t).removed for _ in range(4)] == [[], [], [], [1]]
@@ -118,6 +126,41 @@ def test_the_label_is_the_most_frequent_ties_to_the_most_recent():
     assert seen == ["6", "5", "5", "6", "6", "5"]  # 1:0, 1:1 tie, 1:2, 2:2 tie, 3:2, 3:3 tie
 
 
+def test_the_label_is_over_the_last_detections_not_the_whole_life():
+    """Twenty detections as "7", then six as "5" on the same track: the label is "5" (window of 10)."""
+    t = ByteTracker()
+    for _ in range(20):
+        _update(t, (_box(50, 50), 0.9, "7"))
+    seen = [_update(t, (_box(50, 50), 0.9, "5")).active[0].label for _ in range(6)]
+    assert LABEL_WINDOW == 10 and seen == ["7"] * 4 + ["5"] * 2  # 5 of 10 is a tie, to the most recent
+
+
+def test_a_track_lost_a_while_is_found_again_only_under_a_recent_label():
+    """Missed for RELABEL_GAP updates, a "7" is not continued by a "5" where it was (that starts track 2),
+    but is by a "7"; missed once, a "5" continues it (two digits overlapping, the detector flickering)."""
+    t = ByteTracker()
+    for _ in range(5):
+        _update(t, (_box(50, 50), 0.9, "7"))
+    for _ in range(RELABEL_GAP):
+        _update(t)
+    assert _update(t, (_box(50, 50), 0.9, "5")).ids.tolist() == [2]
+    assert _update(t, (_box(50, 50), 0.9, "5"), (_box(50, 50), 0.9, "7")).ids.tolist()[1] == 1
+    t = ByteTracker()
+    for _ in range(5):
+        _update(t, (_box(50, 50), 0.9, "7"))
+    _update(t)
+    assert _update(t, (_box(50, 50), 0.9, "5")).ids.tolist() == [1]
+
+
+def test_a_tentative_track_is_not_confirmed_until_its_second_detection():
+    t = ByteTracker()
+    assert _update(t, (_box(50, 50), 0.9, "a")).active[0].confirmed  # the first update: confirmed at once
+    u = _update(t, (_box(50, 50), 0.9, "a"), (_box(200, 50), 0.9, "b"))
+    assert [s.confirmed for s in u.active] == [True, False]
+    u = _update(t, (_box(50, 50), 0.9, "a"), (_box(200, 50), 0.9, "b"))
+    assert [s.confirmed for s in u.active] == [True, True]
+
+
 def test_crossing_objects_keep_their_ids():
     """Two boxes crossing each other at constant speed (overlapping for a few frames) keep their ids."""
     t = ByteTracker()
@@ -131,7 +174,7 @@ def test_update_checks_shapes_and_the_constructor_its_values():
     with pytest.raises(ValueError, match="as many"):
         t.update(np.zeros((2, 4)), np.zeros(1), ["a", "b"])
     assert _update(t).ids.shape == (0,)
-    for kw in ({"low": 0.6, "high": 0.5}, {"high": 1.5}, {"max_lost": -1}, {"match_iou": 0.0}):
+    for kw in ({"low": 0.6, "high": 0.5}, {"high": 1.5}, {"max_lost_s": -1}, {"match_iou": 0.0}):
         with pytest.raises(ValueError):
             ByteTracker(**kw)
 
@@ -235,6 +278,43 @@ def test_born_inside_enters_and_removed_inside_leaves():
     assert a.update([], removed=[7]) == []  # removed twice, or never seen: nothing
 
 
+def test_a_tentative_track_raises_nothing_until_confirmed():
+    """Born inside a zone but tentative: no zone_enter; a tentative one that ends: no zone_leave; once
+    confirmed inside, it enters; a tentative track crossing a line counts nothing."""
+    a = Analytics(zones=[SQUARE], lines=[DOOR])
+    assert a.update([_state(4, 50, 50, born=True, confirmed=False)]) == []
+    assert a.update([], removed=[4]) == [] and a.counts()["zones"]["dock"]["entered"] == {}
+    assert a.update([_state(5, 50, 50, born=True, confirmed=False)]) == []
+    assert [e["event"] for e in a.update([_state(5, 60, 50)])] == ["zone_enter"]
+    assert a.update([_state(6, 130, 50, born=True, confirmed=False)]) == []
+    assert a.update([_state(6, 70, 150, confirmed=False)]) == [] and a.counts()["lines"]["door"]["in"] == {}
+
+
+def test_a_self_intersecting_zone_is_refused_naming_its_edges():
+    with pytest.raises(ValueError, match=r"intersects itself: edge \[0.0, 0.0\]-\[10.0, 10.0\] meets edge"):
+        Zone("bowtie", [(0, 0), (10, 10), (10, 0), (0, 10)])
+    with pytest.raises(ValueError, match="intersects itself"):
+        Zone("fold", [(0, 0), (10, 0), (5, 0), (5, 5)])  # an edge folding back onto the one before
+    with pytest.raises(ValueError, match="intersects itself"):
+        Zone("repeat", [(0, 0), (10, 0), (10, 0), (0, 10)])
+    Zone("concave", [(0, 0), (10, 0), (10, 10), (5, 3), (0, 10)])  # concave is fine
+
+
+def test_zones_and_lines_outside_the_frame_are_warnings():
+    """A zone drawn for 1080p on a 640x480 frame can never fire; one partly outside is a milder warning."""
+    far = Zone("far", [(1000, 1000), (1900, 1000), (1900, 1080), (1000, 1080)])
+    part = Zone("part", [(600, 400), (700, 400), (700, 470), (600, 470)])
+    inside = Zone("in", [(0, 0), (640, 0), (640, 480)])
+    lines = [Line("gone", (700, 0), (700, 480)), Line("across", (-10, 240), (650, 240)), Line("ok", (0, 0), (10, 10))]
+    got = frame_warnings([far, part, inside], lines, 640, 480)
+    assert len(got) == 4
+    assert got[0].startswith("zone 'far' lies wholly outside the 640x480 frame ([1000, 1000], [1900, 1000], [1900, 1080], "
+                             "[1000, 1080]): it can never fire")
+    assert got[1].startswith("zone 'part' has points outside the 640x480 frame ([700, 400], [700, 470])")
+    assert got[2].startswith("line 'gone' lies wholly outside") and got[3].startswith("line 'across' has points outside")
+    assert frame_warnings([inside], lines[2:], 640, 480) == []
+
+
 def test_events_come_in_a_stable_order():
     """By track id; per track zones (in order) then lines (in order); then the removed tracks' leaves."""
     a = Analytics(zones=[Zone("b", [(0, 0), (200, 0), (200, 200), (0, 200)]), SQUARE], lines=[DOOR])
@@ -267,18 +347,16 @@ def test_zone_and_line_validation():
 # ----------------------------------------------------------------------------- the detector on a video
 
 
-@pytest.fixture(scope="module")
-def detected_video(tmp_path_factory):
-    """The canonical crossing video, decoded with PyAV and run through the demo detector on the CPU:
+def _detect(folder: Path, make_scenario):
+    """A scenario's video, decoded with PyAV and run through the demo detector on the CPU:
     (scenario, per frame the boxes, scores and labels)."""
     pytest.importorskip("av")
     pytest.importorskip("scipy")
-    from stream_videos import DETECTOR, read_frames, scenario_crossing
+    from stream_videos import DETECTOR, read_frames
 
     from k2edge.engine.engine import Engine
 
-    folder = tmp_path_factory.mktemp("video")
-    scenario = scenario_crossing(folder / "crossing.mp4")
+    scenario = make_scenario(folder / "video.mp4")
     frames = []
     with Engine.build(DETECTOR / "model.onnx", "cpu-dev", cache_dir=folder / "cache") as engine:
         for image in read_frames(scenario.path):
@@ -288,6 +366,22 @@ def detected_video(tmp_path_factory):
                            np.array([d["score"] for d in dets]), [d["label"] for d in dets]))
     assert len(frames) == len(scenario.truth.frames) == 90
     return scenario, frames
+
+
+@pytest.fixture(scope="module")
+def detected_video(tmp_path_factory):
+    """The canonical crossing video through the demo detector."""
+    from stream_videos import scenario_crossing
+
+    return _detect(tmp_path_factory.mktemp("video"), scenario_crossing)
+
+
+@pytest.fixture(scope="module")
+def switch_video(tmp_path_factory):
+    """The identity-switch video (a "5" appears where a "7" vanished) through the demo detector."""
+    from stream_videos import scenario_identity_switch
+
+    return _detect(tmp_path_factory.mktemp("switch"), scenario_identity_switch)
 
 
 def _track_video(scenario, frames, **kw):
@@ -312,8 +406,9 @@ def _track_video(scenario, frames, **kw):
 # The measured figures (tests/support/stream_videos.py's crossing video, 5 digits, 90 frames, onnxruntime
 # CPU): new_track 0.5 (the default) MOTA 0.981, IDF1 0.991, 0 ID switches; new_track 0.25 (the
 # card's score threshold: every detection gets an id, so the low-score boxes of two overlapping
-# digits start short tracks) MOTA 0.960, IDF1 0.971, 6 ID switches. The floors leave a margin.
-@pytest.mark.parametrize("new_track, floors", [(0.5, (0.93, 0.93, 2)), (0.25, (0.90, 0.90, 10))])
+# digits start short tracks) MOTA 0.974, IDF1 0.894, 3 ID switches (before a lost track was found again
+# only under a recent label: MOTA 0.958, IDF1 0.903, 6 switches). The floors leave a margin.
+@pytest.mark.parametrize("new_track, floors", [(0.5, (0.93, 0.93, 2)), (0.25, (0.90, 0.85, 10))])
 def test_tracking_quality_on_a_rendered_video(detected_video, new_track, floors):
     import motmetrics as mm
 
@@ -343,3 +438,33 @@ def test_crossings_from_the_detector_match_the_ground_truth(detected_video, new_
     assert len(want) == 4 and sorted({c.direction for c in scenario.crossings}) == ["in", "out"]
     assert [g[:2] for g in sorted(got)] == [w[:2] for w in sorted(want)], (got, want)
     assert all(abs(g[2] - w[2]) <= 2 for g, w in zip(sorted(got), sorted(want))), (got, want)
+
+
+def test_an_object_appearing_where_another_vanished_raises_events_under_its_own_label(switch_video):
+    """The identity switch: a "5" appears where a "7" vanished 0.27 s before (max_lost_s 1). Every event
+    carries the label of the object that caused it (the ground-truth object its track's box overlaps most
+    at the event, or at its last sighting for a track that ended), and the line and zone counts equal the
+    ground truth."""
+    from stream_videos import SWITCH_ZONE, zone_entries
+
+    scenario, frames = switch_video
+    fps = scenario.truth.fps
+    tracker = ByteTracker(max_lost_s=1.0)
+    analytics = Analytics(zones=[Zone("left", SWITCH_ZONE)], lines=[Line("door", *scenario.line)])
+    last_seen: dict[int, tuple[int, tuple]] = {}
+    judged = []
+    for f, (boxes, scores, labels) in enumerate(frames):
+        u = tracker.update(boxes, scores, labels, t=f / fps)
+        last_seen.update({s.id: (f, s.box) for s in u.active})
+        for e in analytics.update(u.active, u.removed):
+            seen_at, box = last_seen[e["track_id"]]
+            truth = scenario.truth.frames[seen_at]
+            iou = box_iou(np.array([box]), np.array([b for _, _, b in truth]))[0]
+            judged.append((e["event"], e["label"], truth[int(np.argmax(iou))][1], f))
+    assert judged and all(label == cause for _, label, cause, _ in judged), judged
+    counts = analytics.counts()
+    crossed = {d: dict(sorted(Counter(c.label for c in scenario.crossings if c.direction == d).items())) for d in ("in", "out")}
+    assert crossed == {"in": {"7": 1}, "out": {"3": 1, "5": 1}}
+    assert counts["lines"]["door"] == crossed
+    assert counts["zones"]["left"]["entered"] == zone_entries(scenario.truth, SWITCH_ZONE) == {"3": 1, "5": 1, "7": 1}
+    print(f"{len(judged)} events judged, each under the label of the object that caused it")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 COMMAND = "doctor"
-HELP = "report backends, TensorRT/CUDA/L4T versions, DLA cores and the jtop service"
+HELP = "report backends, TensorRT/CUDA/L4T versions, DLA cores, the jtop service and the video backends"
 ORDER = 90
 
 from .common import add_json, print_json
@@ -15,8 +15,9 @@ def register(p) -> None:
 
 def run(args) -> int:
     from ..engine.probe import doctor_report
+    from ..streams.probe import video_report
 
-    r = doctor_report()
+    r = {**doctor_report(), "video": video_report()}
     if args.json:
         print_json(r)
         return 0
@@ -34,6 +35,17 @@ def run(args) -> int:
     jt = r["jtop"]
     state = "running" if jt["socket"] else "not running"
     print(f"jtop service {state}" + (f" (systemd: {jt['systemd']})" if jt["systemd"] else "") + (f"; {jt['hint']}" if "hint" in jt else ""))
+    av, gst = r["video"]["pyav"], r["video"]["gstreamer"]
+    print(f"PyAV         {av['version'] or 'not installed (pip install k2edge[streams])'}"
+          + (f" ({av['ffmpeg']}; H.264 decoder {'yes' if av['h264'] else 'no'})" if av["version"] else ""))
+    if gst["gi"] is None:
+        print("GStreamer    no gi (streams with backend = \"gstreamer\", csi:// and gst: need python3-gi; on a Jetson "
+              "make the venv with --system-site-packages)")
+    else:
+        print(f"GStreamer    {gst['version'] or 'gi without GStreamer 1.0 (apt-get install gir1.2-gstreamer-1.0)'}")
+        if gst["version"]:
+            found = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in gst["elements"].items())
+            print(f"NVDEC        {found}" + ("" if all(gst["elements"].values()) else " (a Jetson's JetPack has them)"))
     if r["dla_cores"] == 0:
         print("note: no DLA here; the ONNX Runtime backend runs each device of a plan as a CPU lane")
     return 0

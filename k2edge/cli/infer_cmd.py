@@ -132,7 +132,7 @@ def run(args) -> int:
                 record["int8_check"] = check
             if annotated is not None and not path.endswith(".npy"):
                 target = _annotated_path(annotated, Path(path), len(args.inputs) == 1)
-                from .annotate import annotate
+                from ..drawing import annotate
 
                 try:
                     annotate(Path(path), record["detections"], target)

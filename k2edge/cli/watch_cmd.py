@@ -33,6 +33,9 @@ def register(p) -> None:
     p.add_argument("--save-annotated", metavar="OUT.mp4", help="write the processed frames with their boxes and track ids")
     p.add_argument("--read-timeout", type=float, default=5.0, metavar="S",
                    help="a live source with no frame for this long is reconnected (default 5)")
+    p.add_argument("--config", metavar="FILE", help="a daemon config: with --stream, take that stream's zones, lines and "
+                   "max_lost_s (drawn in --save-annotated; their events printed)")
+    p.add_argument("--stream", metavar="NAME", help="the [[streams]] entry of --config whose zones and lines to use")
 
 
 class _Listener:
@@ -41,6 +44,7 @@ class _Listener:
     def __init__(self) -> None:
         self.wake = threading.Event()
         self.events: list[dict] = []
+        self.stream = None  # the Stream, told of state changes too (an outage ends its tracks)
         self._lock = threading.Lock()
 
     def on_frame(self, reader) -> None:
@@ -50,6 +54,8 @@ class _Listener:
         from ..streams.reader import state_event
 
         event = state_event(old, new, reason)
+        if self.stream is not None:
+            self.stream.on_state(old, new, reason)
         with self._lock:
             if event is not None:
                 self.events.append(event)
@@ -77,6 +83,23 @@ def _source(text: str):
         raise InputError(str(exc)) from None
 
 
+def _configured_stream(args) -> tuple[list, list, float]:
+    """The zones, lines and max_lost_s of ``--config``'s ``--stream`` (none without them)."""
+    if (args.config is None) != (args.stream is None):
+        raise InputError("--config and --stream go together: the config file and the name of its stream")
+    if args.config is None:
+        return [], [], 1.0
+    from ..config.schema import load_config
+
+    cfg = load_config(args.config)  # a ConfigError is one line naming the field
+    streams = {s.name: s for s in cfg.streams}
+    if args.stream not in streams:
+        raise InputError(f"--stream {args.stream!r}: {args.config} has no such stream; it has "
+                         f"{', '.join(sorted(streams)) or 'none'}")
+    s = streams[args.stream]
+    return ([(z.name, z.points) for z in s.zones], [(ln.name, ln.start, ln.end) for ln in s.lines], s.max_lost_s)
+
+
 def run(args) -> int:
     from ..streams.payload import detections_payload, event_payload
     from ..streams.reader import StreamReader
@@ -95,6 +118,7 @@ def run(args) -> int:
         backend = backend_for(spec)
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    zones, lines, max_lost_s = _configured_stream(args)
     engine = build_engine(args)
     if engine.card.task != "detection":
         raise InputError(f"watch tracks detections; this model's task is {engine.card.task!r} (a card with "
@@ -103,7 +127,7 @@ def run(args) -> int:
     pace = "realtime" if args.realtime else "every"
     reader = StreamReader(STREAM, spec, listener, backend=backend, pace=pace, fps=args.fps, read_timeout_s=args.read_timeout)
     model = Path(args.model).stem if Path(args.model).stem != "model" else Path(args.model).resolve().parent.name
-    stream = Stream(STREAM, model, reader)
+    stream = listener.stream = Stream(STREAM, model, reader, zones, lines, max_lost_s=max_lost_s)
     writer = None
     frames = 0
 
@@ -151,7 +175,7 @@ def run(args) -> int:
                 emit(tracked.events, item.frame.index)
                 if out is not None:
                     writer = writer or _Writer(out, args.fps or reader.source_fps or 25.0, item.frame.image.shape)
-                    writer.write(item.frame.image, tracked.detections)
+                    writer.write(item.frame.image, tracked.detections, stream.zones, stream.lines)
         except KeyboardInterrupt:
             pass
         finally:
@@ -183,12 +207,13 @@ class _Writer:
         self.h, self.w = shape[0] - shape[0] % 2, shape[1] - shape[1] % 2  # yuv420p needs even sizes
         self.stream.width, self.stream.height, self.stream.pix_fmt = self.w, self.h, "yuv420p"
 
-    def write(self, image, detections: list[dict]) -> None:
+    def write(self, image, detections: list[dict], zones=(), lines=()) -> None:
         from PIL import Image
 
-        from .annotate import draw_detections
+        from ..drawing import draw_detections, draw_zones_and_lines
 
-        img = draw_detections(Image.fromarray(image[: self.h, : self.w]), detections)
+        img = draw_zones_and_lines(Image.fromarray(image[: self.h, : self.w]), zones, lines)
+        img = draw_detections(img, detections)
         frame = self._av.VideoFrame.from_image(img)
         for packet in self.stream.encode(frame):
             self.container.mux(packet)

@@ -18,7 +18,7 @@ from ..profile.validation import describe_validation_error, model_keys
 from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
 from .deploy import DeploySettings, TrustSettings
-from .streams import StreamConfig
+from .streams import StorageSettings, StreamConfig
 from .tables import Strict as _Strict, topic_level as _topic_level
 from .thermal import ThermalSettings
 
@@ -158,6 +158,32 @@ class MetricsSettings(_Strict):
     host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 exposes it to the network")
 
 
+_LOOPBACK = ("localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    return host in _LOOPBACK or host.startswith("127.")
+
+
+class HttpSettings(_Strict):
+    """The local web app (``[http]``): the live view, its API, and ``/metrics``; present means on."""
+
+    port: int = Field(8080, ge=0, le=65535, description="0: any free port (tests)")
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind; any but loopback needs token_file or "
+                      "password_file")
+    token_file: Path | None = Field(None, description="a bearer token (Authorization: Bearer, or ?token= once in a "
+                                    "browser); never logged")
+    password_file: Path | None = Field(None, description="an HTTP Basic password (any user name); never logged")
+
+    @model_validator(mode="after")
+    def _guarded(self):
+        if not is_loopback(self.host) and self.token_file is None and self.password_file is None:
+            raise ValueError(f"host {self.host!r} exposes the live view beyond this machine: give token_file or "
+                             "password_file (or keep host = \"127.0.0.1\")")
+        return self
+
+
 class FleetConfig(_Strict):
     group: str | None = Field(None, description="shared-subscription group: also take work from $share/{group}/k2edge/pool/infer/{model}")
 
@@ -180,9 +206,11 @@ class DaemonConfig(_Strict):
     trust: TrustSettings | None = Field(None, description="signed model bundles: the trusted keys")
     deploy: DeploySettings = Field(default_factory=DeploySettings)
     metrics: MetricsSettings | None = Field(None, description="the Prometheus /metrics endpoint; without it none")
+    http: HttpSettings | None = Field(None, description="the local web app (live view, API, /metrics); without it none")
     models: tuple[ModelConfig, ...]
     streams: tuple[StreamConfig, ...] = Field((), description="video sources processed by a served detection model; "
                                                                 "read at start (a change takes effect at the next start)")
+    storage: StorageSettings = Field(default_factory=StorageSettings)
     source: Path | None = Field(None, exclude=True)
 
     @field_validator("device_id")
@@ -238,6 +266,7 @@ def _resolve(data: dict, base: Path) -> dict:
 
     fix(data.get("mqtt", {}), ("tls_ca_file", "tls_cert_file", "tls_key_file", "password_file"))
     fix(data.get("service", {}), ("cache_dir", "state_dir"))
+    fix(data.get("http", {}), ("token_file", "password_file"))
     fix(data.get("cloud", {}) if isinstance(data.get("cloud"), dict) else {}, ("api_key_file", "outbox_path"))
     fix(data.get("thermal", {}) if isinstance(data.get("thermal"), dict) else {}, ("trace", "sysfs_root"))
     fix(data.get("deploy", {}) if isinstance(data.get("deploy"), dict) else {}, ("ca_file",))

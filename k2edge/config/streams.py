@@ -23,15 +23,23 @@ Point = tuple[float, float]
 
 
 class ZoneConfig(_Strict):
-    """A polygon in source pixels; a track's anchor (its box's bottom-centre) inside it is in the zone."""
+    """A simple polygon in source pixels; a track's anchor (its box's bottom-centre) inside it is in the zone."""
 
     name: str
-    points: tuple[Point, ...] = Field(min_length=3, description="[[x, y], ...] in source pixels, at least 3")
+    points: tuple[Point, ...] = Field(min_length=3, description="[[x, y], ...] in source pixels, at least 3, in order "
+                                      "around the area (edges that cross are refused)")
 
     @field_validator("name")
     @classmethod
     def _check_name(cls, v):
         return _name(v, "zone name")
+
+    @model_validator(mode="after")
+    def _simple(self):
+        from ..streams.analytics import Zone
+
+        Zone(self.name, self.points)  # raises ValueError naming the edges that meet
+        return self
 
 
 class LineConfig(_Strict):
@@ -69,6 +77,14 @@ class StreamConfig(_Strict):
     read_timeout_s: float = Field(5.0, gt=0, le=3600, description="no decoded frame for this long is a stall: reconnect")
     open_timeout_s: float = Field(10.0, gt=0, le=3600, description="how long opening the source may take")
     password_file: Path | None = Field(None, description="the RTSP password (replaces one in the URI; never logged)")
+    max_lost_s: float = Field(1.0, ge=0, le=3600, description="a track unseen for longer ends (zone_leave); so does "
+                              "every track when the source comes back after an outage this long")
+    snapshots: bool = Field(True, description="each zone and line event gets a snapshot (JPEG, the box drawn), "
+                            "stored under the state directory and published on .../snapshots")
+    clips: bool = Field(False, description="each zone and line event gets an MP4 clip remuxed from the source's "
+                        "packets (PyAV sources), announced by a clip_ready event")
+    pre_s: float = Field(3.0, ge=0, le=60, description="clips: seconds before the event (from the keyframe at or before)")
+    post_s: float = Field(5.0, ge=0, le=60, description="clips: seconds after the event")
     zones: tuple[ZoneConfig, ...] = ()
     lines: tuple[LineConfig, ...] = ()
 
@@ -86,6 +102,13 @@ class StreamConfig(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _clips(self):
+        if self.clips and (self.backend == "gstreamer" or self.source.startswith(("csi:", "gst:"))):
+            raise ValueError("clips = true needs the pyav backend (its packet ring reads the source's encoded packets); "
+                             "GStreamer sources have no clips yet")
+        return self
+
+    @model_validator(mode="after")
     def _unique(self):
         for what, items in (("zone", self.zones), ("line", self.lines)):
             names = [i.name for i in items]
@@ -93,3 +116,11 @@ class StreamConfig(_Strict):
             if dup:
                 raise ValueError(f"{what} names must be unique within a stream, repeated: {dup}")
         return self
+
+
+class StorageSettings(_Strict):
+    """``[storage]``: the stream media (snapshots) under the state directory."""
+
+    max_bytes: int = Field(2 * 1024 ** 3, gt=0, description="the most the media may take; the oldest go first to make "
+                           "room (events are never removed)")
+    max_age_days: float = Field(30.0, gt=0, le=36500, description="media older than this are removed")

@@ -105,14 +105,17 @@ class Batcher:
         clients: in priority order: a batch takes what the first has waiting, then the next.
         cond: the condition the clients notify when they have something new.
         timeout: how long a holding client's batch may wait for companions (seconds; 0: never).
+        on_batch: told ``(model, size)`` once per batch run on the engines, every client's items
+            counted (requests and stream frames alike): the batch-size figures.
     """
 
     STUCK_AFTER_S = 30.0  # a batch in flight this long means a wedged lane: stop the heartbeat
     QUICK_S = 0.005  # a lone item is run by its caller's thread only on a model that answers it this fast
 
     def __init__(self, name: str, runtime: ModelRuntime, thermal, clients: list[BatchClient],
-                 cond: threading.Condition, timeout: float) -> None:
+                 cond: threading.Condition, timeout: float, on_batch=None) -> None:
         self.name = name
+        self.on_batch = on_batch
         self.thermal = thermal
         self.clients = list(clients)
         self.timeout = timeout
@@ -342,10 +345,11 @@ class Batcher:
         finally:  # after the items are concluded: every slot free means no batch left to conclude (a swap waits for that)
             slot.free()
 
-    @staticmethod
-    def _finish(rt: ModelRuntime, staged: list, outputs, started: float) -> None:
+    def _finish(self, rt: ModelRuntime, staged: list, outputs, started: float) -> None:
         """Each client finishes its items with its own rows (in batch order); one client's failure leaves
         the others' rows to them."""
+        if self.on_batch is not None and not isinstance(outputs, Exception):
+            self.on_batch(rt.name, sum(len(items) for _, items in staged))
         first, failure = 0, None
         for c, items in staged:
             rows = outputs if isinstance(outputs, Exception) else {k: v[first:first + len(items)] for k, v in outputs.items()}

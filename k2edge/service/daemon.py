@@ -26,9 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import __version__
-from ..config.schema import ConfigError, DaemonConfig, state_dir
+from ..config.schema import ConfigError, DaemonConfig, read_secret, state_dir
 from ..engine.check import refusal
 from ..errors import BuildError
+from ..streams.evidence import MediaStore
 from ..telemetry import thermal_sampler
 from . import topics
 from .answer_book import AnswerBook
@@ -41,6 +42,7 @@ from .replies import Replies
 from .request_path import Backlog, RequestPath, RequestQueue
 from .runtime import ModelRuntime
 from .sdnotify import Notifier
+from .live_view import LiveView
 from .stream_path import StreamPath
 from .transport import MqttTransport
 
@@ -71,6 +73,7 @@ class Daemon:
         "_close_answer_book",
         "_close_event_store",
         "_stop_metrics",
+        "_stop_http",
         "_deactivate_engines",
     )
 
@@ -90,6 +93,7 @@ class Daemon:
         self.transport = MqttTransport(cfg, "requests", self._request_filters(), self._will())
         self.control = MqttTransport(self._control_config(), "control", control_subscriptions(cfg))
         self.metrics = self._start_metrics()
+        http_secrets = self._http_secrets()
         self.stats = AnswerStats(self.metrics)
         self.book = AnswerBook(state, self.transport, retention_s=cfg.mqtt.session_expiry_s)
         self.replies = Replies(cfg, self.book, self.stats, self.thermal)
@@ -99,6 +103,7 @@ class Daemon:
         runtimes = self._build_models(versions)
         wakeups = {name: threading.Condition() for name in runtimes}
         self.streams = self._stream_path(runtimes, wakeups)
+        self.http = self._start_http(*http_secrets)
         s = cfg.service
         backlog = Backlog(s.queue_size, 2 * s.queue_size + 64, self.transport)
         decoders = ThreadPoolExecutor(s.staging_threads, thread_name_prefix="k2edge-decode") if s.staging_threads > 1 else None
@@ -106,7 +111,7 @@ class Daemon:
                   for name in runtimes}
         self.batchers = {name: Batcher(name, rt, self.thermal,
                                        [queues[name], *([self.streams.frames(name)] if self.streams else [])],
-                                       wakeups[name], s.batch_timeout_ms / 1e3)
+                                       wakeups[name], s.batch_timeout_ms / 1e3, on_batch=self.stats.batch)
                          for name, rt in runtimes.items()}
         self.path = RequestPath(cfg, queues, self.batchers, self.book, self.replies, backlog, self.transport,
                                 self._draining)
@@ -153,6 +158,22 @@ class Daemon:
         metrics.start(self.cfg.metrics.host, self.cfg.metrics.port)
         return metrics
 
+    def _http_secrets(self) -> tuple[str | None, str | None]:
+        """The web app's token and password (read before the engine builds: a missing file fails at once)."""
+        h = self.cfg.http
+        if h is None:
+            return None, None
+        token = read_secret(h.token_file, what="http.token_file") if h.token_file else None
+        password = read_secret(h.password_file, what="http.password_file") if h.password_file else None
+        return token, password
+
+    def _start_http(self, token: str | None, password: str | None) -> LiveView | None:
+        if self.cfg.http is None:
+            return None
+        view = LiveView(self.streams, self.metrics, token=token, password=password)
+        view.start(self.cfg.http.host, self.cfg.http.port)
+        return view
+
     def _build_models(self, versions: Versions) -> dict[str, ModelRuntime]:
         from ..dla.boards import DEFAULT_BOARD, detect_board
 
@@ -190,7 +211,9 @@ class Daemon:
                 raise ConfigError(f"{self.cfg.source or 'config'}: streams.{i}: model {s.model!r} is a {task} model; "
                                   "streams take detection models (tracking needs boxes)")
         return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
-                          on_change=self.publish_status)
+                          on_change=self.publish_status,
+                          media=MediaStore(store.parent / "media", self.cfg.storage.max_bytes,
+                                           self.cfg.storage.max_age_days * 86400))
 
     # the deploy lifecycle's host -------------------------------------------------------------------
     def build_runtime(self, m, version: str | None) -> ModelRuntime:
@@ -260,7 +283,9 @@ class Daemon:
             "trust": {"keys": len(trust.keys), "allow_unsigned": trust.allow_unsigned} if trust is not None else None,
             "deploy": self.lifecycle.status(),
             "streams": self.streams.status() if self.streams is not None else {},
+            "storage": self.streams.media.status() if self.streams is not None else None,
             "metrics": f"{self.cfg.metrics.host}:{self.metrics.port}" if self.metrics is not None and self.metrics.port else None,
+            "http": f"{self.cfg.http.host}:{self.http.port}" if self.http is not None and self.http.port else None,
             "time": time.time(),
         }).encode()
 
@@ -351,7 +376,8 @@ class Daemon:
                 self.transport.publish(topics.telemetry_topic(cfg.prefix), self.telemetry_payload(), qos=0)
                 last_telemetry = now
                 summary = self._status_summary()
-                if summary != last_summary:  # keep the retained status true: breaker, outbox, thermal
+                # keep the retained status true: breaker, outbox, thermal; a stream's live figures
+                if summary != last_summary or (self.streams is not None and self.streams.any_up()):
                     self.publish_status()
                     last_summary = summary
                 if self.escalation.bridge is not None and now - last_purge > 3600:
@@ -423,6 +449,10 @@ class Daemon:
     def _stop_metrics(self) -> None:
         if self.metrics is not None:
             self.metrics.stop()
+
+    def _stop_http(self) -> None:
+        if self.http is not None:
+            self.http.stop()
 
     def _deactivate_engines(self) -> None:
         for b in self.batchers.values():

@@ -9,6 +9,7 @@ Independent of ``[cloud]`` and its outbox.
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -60,6 +61,26 @@ class EventStore:
         """``(event_id, topic, payload)`` of every event not yet acknowledged, oldest first."""
         with self._lock:
             return self._db.execute("SELECT event_id, topic, payload FROM events WHERE delivered = 0 ORDER BY seq").fetchall()
+
+    def recent(self, limit: int = 50, stream: str | None = None) -> list[dict]:
+        """The newest ``limit`` events (of ``stream``), newest first, as their payloads."""
+        with self._lock:
+            rows = self._db.execute("SELECT payload FROM events ORDER BY seq DESC LIMIT ?",
+                                    (limit if stream is None else max(limit * 20, 1000),)).fetchall()
+        out = []
+        for (payload,) in rows:
+            body = json.loads(payload)
+            if stream is None or body.get("stream") == stream:
+                out.append(body)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def find(self, event_id: str) -> dict | None:
+        """One event's payload, or None."""
+        with self._lock:
+            row = self._db.execute("SELECT payload FROM events WHERE event_id = ?", (event_id,)).fetchone()
+        return json.loads(row[0]) if row else None
 
     def close(self) -> None:
         with self._lock:

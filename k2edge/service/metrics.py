@@ -75,7 +75,8 @@ class PrometheusMetrics:
     against FP32, as its task measures; ``verdict``: 1 passed, 0 inconclusive (too few check samples), -1 failed;
     ``judged``: the samples or FP32 boxes the verdict stands on; no series for a model without INT8 layers),
     ``stream_frames_total{stream,outcome}`` (``decoded``, ``processed``, ``dropped``), ``stream_up{stream}``,
-    ``stream_reconnects_total{stream}``, ``stream_frame_age_seconds{stream}`` (histogram, decoded to published).
+    ``stream_reconnects_total{stream}``, ``stream_frame_age_seconds{stream}`` (histogram, decoded to published);
+    ``media_bytes``, ``media_files``, ``media_degraded``, ``media_removed_total{reason}`` (``budget``, ``age``).
     """
 
     def __init__(self) -> None:
@@ -83,10 +84,10 @@ class PrometheusMetrics:
         r = self.registry
         self._requests = Counter("k2edge_requests", "Answers sent, by model, status (ok or error code) and source",
                                  ["model", "status", "source"], registry=r)
-        self._latency = Histogram("k2edge_latency_seconds", "Time an answer spent in each stage of the request path",
+        self._latency = Histogram("k2edge_latency_seconds", "Time an answer, or a processed stream frame, spent in each stage",
                                   ["model", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self._queue = Gauge("k2edge_queue_depth", "Requests accepted and not yet answered", registry=r)
-        self._batch = Histogram("k2edge_batch_size", "Requests per batch run on an engine", ["model"],
+        self._batch = Histogram("k2edge_batch_size", "Items (requests and stream frames) per batch run on an engine", ["model"],
                                 buckets=_BATCH_BUCKETS, registry=r)
         self._thermal = Enum("k2edge_thermal_state", "The thermal governor's state", states=list(THERMAL_STATES),
                              registry=r)
@@ -106,6 +107,12 @@ class PrometheusMetrics:
         self._stream_up = Gauge("k2edge_stream_up", "1 while a stream delivers frames", ["stream"], registry=r)
         self._stream_reconnects = Counter("k2edge_stream_reconnects", "Successful reopenings of each stream's source",
                                           ["stream"], registry=r)
+        self._media_bytes = Gauge("k2edge_media_bytes", "Bytes the stream media (snapshots) take", registry=r)
+        self._media_files = Gauge("k2edge_media_files", "Stream media files kept", registry=r)
+        self._media_degraded = Gauge("k2edge_media_degraded", "1 while media cannot be written (events go out "
+                                     "without them)", registry=r)
+        self._media_removed = Counter("k2edge_media_removed", "Media removed: budget (to make room) or age",
+                                      ["reason"], registry=r)
         self._frame_age = Histogram("k2edge_stream_frame_age_seconds", "A processed frame's age: decoded to published",
                                     ["stream"], buckets=_FRAME_AGE_BUCKETS, registry=r)
         self._totals: dict[tuple, float] = {}
@@ -163,6 +170,12 @@ class PrometheusMetrics:
         m = self._model_label(model)
         self._requests.labels(model=m, status=status if status in STATUSES else OTHER,
                               source=source if source in SOURCES else "none").inc()
+        self.observe_latency(model, latency_ms)
+
+    def observe_latency(self, model: str | None, latency_ms: Mapping[str, float] | None) -> None:
+        """One answer's or processed stream frame's latency by stage (milliseconds, keys outside
+        :data:`STAGES` and non-numbers ignored)."""
+        m = self._model_label(model)
         for stage, ms in (latency_ms or {}).items():
             if stage in STAGES and isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms >= 0:
                 self._latency.labels(model=m, stage=stage).observe(ms / 1000.0)
@@ -210,6 +223,14 @@ class PrometheusMetrics:
             delta, self._totals[key] = total - self._totals.get(key, 0), max(total, self._totals.get(key, 0))
         if delta > 0:
             counter.inc(delta)
+
+    def set_media(self, status: Mapping) -> None:
+        """The media store's figures (:meth:`MediaStore.status <k2edge.streams.evidence.MediaStore.status>`)."""
+        self._media_bytes.set(status["bytes"])
+        self._media_files.set(status["files"])
+        self._media_degraded.set(1 if status["degraded"] else 0)
+        for reason, total in status["removed"].items():
+            self._advance(self._media_removed.labels(reason=reason), ("media", reason), total)
 
     def observe_frame_age(self, stream: str, seconds: float) -> None:
         self._frame_age.labels(stream=stream).observe(max(0.0, seconds))

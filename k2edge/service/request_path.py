@@ -183,7 +183,6 @@ class RequestQueue(BatchClient):
             log.error("model %s: batch of %d failed: %s", rt.name, len(live), rows)
             self.replies.send([(w, self.replies.error(w, INTERNAL, f"inference failed: {first_line(rows)}")) for w in live])
             return
-        self.replies.stats.batch(rt.name, len(live))
         replies: list[tuple[RequestItem, dict]] = []
         results = rt.results(rows, [w.geometry for w in live], [w.req.top_k or rt.cfg.top_k for w in live])
         for w, result in zip(live, results):

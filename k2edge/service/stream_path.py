@@ -15,6 +15,11 @@ detections and events are what a processed frame is handed on to.
    (:meth:`Stream.track <k2edge.streams.stream.Stream.track>`), then publish: the detections at
    QoS 0; the events stored in the :class:`~k2edge.service.event_store.EventStore` first, then
    published at QoS 1 and marked delivered when the broker acknowledges them.
+6. **evidence** (:meth:`StreamPath.evidence`, on the :class:`~k2edge.streams.evidence.EvidenceWorker`'s
+   thread, never the batcher's): a frame's zone and line events wait there for their snapshots (drawn,
+   encoded, written to the :class:`~k2edge.streams.evidence.MediaStore`); then the events are stored,
+   each snapshot is published raw on ``.../snapshots`` and the events on ``.../events``. A snapshot that
+   cannot be made (the queue full, the disk full) leaves its event intact with ``snapshot_error``.
 
 Streams are read from the config at start; a changed ``[[streams]]`` takes effect at the next start.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import logging
 import threading
 import time
@@ -31,8 +37,10 @@ from ..config.schema import read_secret
 from ..config.streams import StreamConfig
 from ..deadline import clock
 from ..errors import InputError
+from ..streams.evidence import EvidenceWorker, MediaStore, render_snapshot
+from ..streams.evidence.clips import ClipInfo, PacketRing
 from ..streams.payload import detections_payload, event_payload
-from ..streams.reader import StreamReader, state_event
+from ..streams.reader import Frame, StreamReader, state_event
 from ..streams.source import backend_for, parse_source
 from ..streams.stream import Stream, StreamFrame
 from . import topics
@@ -53,11 +61,18 @@ class StreamPath:
         wakeups: each model's batcher condition, notified when one of its streams has a new frame.
         metrics: the Prometheus exporter, or None.
         on_change: called (no arguments) when a stream's state changed: republish the status.
+        media: where snapshots are written; None: no snapshots.
     """
 
     def __init__(self, configs: list[StreamConfig], prefix: str, publisher, events: EventStore,
-                 wakeups: dict[str, threading.Condition], metrics=None, on_change=None) -> None:
+                 wakeups: dict[str, threading.Condition], metrics=None, on_change=None,
+                 media: MediaStore | None = None) -> None:
         self.prefix, self.publisher, self.events, self.metrics = prefix, publisher, events, metrics
+        self.media = media
+        # clips being cut are written here, then moved into the media store; a crash's leftovers go at the start
+        self.spool = media.root / "cutting" if media is not None else None
+        if self.spool is not None:
+            shutil.rmtree(self.spool, ignore_errors=True)
         self.on_change = on_change
         self.wakeups = wakeups
         self.streams: dict[str, Stream] = {}
@@ -66,11 +81,15 @@ class StreamPath:
         for c in configs:
             password = read_secret(c.password_file, what=f"streams {c.name!r}: password_file") if c.password_file else None
             spec = parse_source(c.source, password)
+            ring = PacketRing(self.spool, c.pre_s, c.post_s) if c.clips and media is not None else None
             reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace="realtime", fps=c.fps,
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
-                                  open_timeout_s=c.open_timeout_s)
+                                  open_timeout_s=c.open_timeout_s, packets=ring)
             self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],
-                                          [(ln.name, ln.start, ln.end) for ln in c.lines])
+                                          [(ln.name, ln.start, ln.end) for ln in c.lines], max_lost_s=c.max_lost_s,
+                                          snapshots=c.snapshots and media is not None)
+        wanted = any(s.snapshots or s.reader.packets is not None for s in self.streams.values())
+        self.evidence = EvidenceWorker(self.evidence_step) if wanted else None
 
     # lifecycle ------------------------------------------------------------------------------------
     def frames(self, model: str) -> "StreamFrames":
@@ -78,9 +97,16 @@ class StreamPath:
         return StreamFrames(self, [s for s in self.streams.values() if s.model == model])
 
     def start(self) -> None:
-        """Republish events a previous run stored and never saw delivered, then start reading."""
+        """Republish events a previous run stored and never saw delivered (each after its snapshot, when its file is
+        still there), then start reading."""
         for event_id, topic, payload in self.events.pending():
+            snapshot = _snapshot_of(payload)
+            jpeg = self.media.read(event_id, "jpg") if snapshot is not None and self.media is not None else None
+            if jpeg is not None:
+                self.publisher.publish(snapshot["topic"], jpeg, qos=1, content_type="image/jpeg", user=(("event_id", event_id),))
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
+        if self.evidence is not None:
+            self.evidence.start()
         for s in self.streams.values():
             s.reader.start()
 
@@ -93,8 +119,13 @@ class StreamPath:
         for s in self.streams.values():
             if not s.reader.stop(max(0.1, end - time.monotonic())):
                 log.warning("stream %s: its reader did not stop in time (a backend read still blocks)", s.name)
+            elif s.reader.packets is not None:
+                s.reader.packets.close_capture()  # the reader is gone: its clips being written end here
         while any(s.in_flight for s in self.streams.values()) and time.monotonic() < end:
             time.sleep(0.01)
+        if self.evidence is not None and not self.evidence.stop(max(0.1, end - time.monotonic())):
+            log.warning("streams: %d frame(s) with events still wait for their snapshots; their events are lost",
+                        self.evidence.waiting)
 
     def close(self) -> None:
         """After the broker connection is gone: the last acknowledgements, then the event store."""
@@ -111,6 +142,7 @@ class StreamPath:
     def on_state(self, reader: StreamReader, old: str, new: str, reason: str | None) -> None:
         event = state_event(old, new, reason)
         stream = self.streams[reader.name]
+        stream.on_state(old, new, reason)
         self._observe(stream)
         if event is not None:
             self._publish_events(stream, [event], reader.last_index)
@@ -131,7 +163,8 @@ class StreamPath:
                                 exc if isinstance(exc, InputError) else repr(exc))
                 f.stream.release(f, failed=True)
                 continue
-            f.frame.picture = None  # the pixels are in the sample now
+            if not (f.stream.snapshots or f.stream.watched):
+                f.frame.picture = None  # the pixels are in the sample now (a snapshot or a viewer needs them later)
             f.timings["stage"] = (clock() - t0) * 1e3
             staged.append(f)
         return staged
@@ -166,19 +199,106 @@ class StreamPath:
             body = detections_payload(s.name, f.frame, rt.name, rt.version, tracked.detections, latency)
             if self.publisher.connected.is_set():  # QoS 0: while the broker is away there is no one to tell
                 self.publisher.publish(topics.stream_detections_topic(self.prefix, s.name), json.dumps(body).encode(), qos=0)
+            s.note_age(age)
             if self.metrics is not None:
                 self.metrics.observe_frame_age(s.name, age)
+                # the request path's stages: queue (decoded to taken), stage, infer, total (decoded to published)
+                self.metrics.observe_latency(rt.name, {"queue": latency["wait"], "stage": latency.get("stage"),
+                                                       "infer": latency["infer"], "total": latency["age"]})
             if tracked.events:
-                self._publish_events(s, tracked.events, f.frame.index)
+                self._raise(s, tracked.events, f.frame)
+            if s.watched and f.frame.picture is not None:
+                s.keep_latest(f.frame, tracked.detections)  # drawn by the live view, on its own thread
+            f.frame.picture = None
             if s.reader.state == "ended" and not s.reader.ready() and self.on_change is not None:
                 self.on_change()  # the file's last frame is out: the status' counts are final now
 
-    def _publish_events(self, stream: Stream, events: list[dict], frame: int | None) -> None:
-        topic = topics.stream_events_topic(self.prefix, stream.name)
+    def _raise(self, stream: Stream, events: list[dict], frame: Frame) -> None:
+        """A processed frame's events: to the evidence step for their snapshots, or out at once."""
+        if not stream.snapshots and stream.reader.packets is None:
+            self._publish_events(stream, events, frame.index)
+        elif not self.evidence.submit((stream, frame.image if stream.snapshots else None, frame.index, frame.pts, events)):
+            why = f"no snapshot: {self.evidence.size} frames already wait for theirs (the evidence queue is full)"
+            if stream.snapshots:
+                stream.count_snapshot(False)
+            self._publish_events(stream, events, frame.index, no_snapshot=why if stream.snapshots else None)
+
+    def evidence_step(self, job) -> None:
+        """The evidence thread: each event's snapshot written, then the events stored and published; a clip
+        asked for each (it is cut on the reader thread); or a finished clip written, then its clip_ready."""
+        if isinstance(job[1], ClipInfo):
+            return self._clip_ready(*job)
+        stream, image, frame, pts, events = job
+        snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
+        bodies, snapshots = [], {}
+        for e in events:
+            body = event_payload(stream.name, e, frame)
+            bodies.append(body)
+            if not stream.snapshots:
+                continue
+            if e.get("reason"):  # an outage ended the track: the frame after it does not show it
+                body.update(snapshot=None, snapshot_error="no snapshot: the track ended while the stream was down")
+                continue
+            try:
+                snap = render_snapshot(image, e, stream.zones, stream.lines)
+                path = self.media.write(body["event_id"], "jpg", snap.jpeg)
+            except Exception as exc:  # a full disk, a frame that cannot be drawn: the event goes out without
+                why = f"no snapshot: {exc if isinstance(exc, (OSError, ValueError)) else repr(exc)}"
+                log.warning("stream %s: %s", stream.name, why)
+                body.update(snapshot=None, snapshot_error=why)
+                stream.count_snapshot(False)
+                continue
+            body["snapshot"] = {"topic": snapshot_topic, "path": str(path), "width": snap.width, "height": snap.height}
+            snapshots[body["event_id"]] = snap.jpeg
+            stream.count_snapshot(True)
+        self._store_and_publish(stream, bodies, snapshots)
+        ring = stream.reader.packets
+        if ring is not None:
+            for body, e in zip(bodies, events):
+                if not e.get("reason"):  # an outage's leaves: no frame, no clip
+                    ring.request(body["event_id"], pts, functools.partial(self._clip_done, stream))
+
+    def _clip_done(self, stream: Stream, info: ClipInfo) -> None:
+        """The reader thread: a clip is complete; written and announced by the evidence thread."""
+        if self.evidence is None or not self.evidence.submit((stream, info)):
+            if info.path is not None:
+                info.path.unlink(missing_ok=True)
+            info = ClipInfo(info.event_id, None, 0, info.start_s, info.end_s, info.event_s, info.packets, info.cut_short,
+                            "no clip: the evidence queue is full")
+            self._clip_ready(stream, info)
+
+    def _clip_ready(self, stream: Stream, info: ClipInfo) -> None:
+        body = {"event": "clip_ready", "for_event": info.event_id}
+        if info.path is not None:
+            try:
+                path = self.media.adopt(info.event_id, "mp4", info.path)
+                body["clip"] = {"path": str(path), "bytes": info.size, "start_s": round(info.start_s, 6),
+                                "end_s": round(info.end_s, 6), "event_s": round(info.event_s, 6), "packets": info.packets,
+                                "cut_short": info.cut_short, "note": info.reason}
+            except (OSError, ValueError) as exc:
+                body.update(clip=None, clip_error=f"no clip: {exc}")
+        else:
+            body.update(clip=None, clip_error=info.reason or "no clip")
+        self._store_and_publish(stream, [event_payload(stream.name, body, None)], {})
+
+    def _publish_events(self, stream: Stream, events: list[dict], frame: int | None, no_snapshot: str | None = None) -> None:
         bodies = [event_payload(stream.name, e, frame) for e in events]
+        if no_snapshot is not None:
+            for b in bodies:
+                b.update(snapshot=None, snapshot_error=no_snapshot)
+        self._store_and_publish(stream, bodies, {})
+
+    def _store_and_publish(self, stream: Stream, bodies: list[dict], snapshots: dict[str, bytes]) -> None:
+        """Store the events (their snapshots are on disk already), then publish each event's snapshot and the event."""
+        topic = topics.stream_events_topic(self.prefix, stream.name)
         rows = [(b["event_id"], topic, json.dumps(b).encode()) for b in bodies]
         self.events.add(rows)
+        snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
         for event_id, _, payload in rows:
+            jpeg = snapshots.get(event_id)
+            if jpeg is not None:
+                self.publisher.publish(snapshot_topic, jpeg, qos=1, content_type="image/jpeg",
+                                       user=(("event_id", event_id),))
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
 
     def _on_delivered(self, event_id: str) -> None:
@@ -204,6 +324,10 @@ class StreamPath:
             s.reader.check(now)
             s.sample_rates(now)
             self._observe(s)
+        if self.media is not None:
+            self.media.purge()
+            if self.metrics is not None:
+                self.metrics.set_media(self.media.status())
 
     def _observe(self, s: Stream) -> None:
         if self.metrics is not None:
@@ -211,9 +335,22 @@ class StreamPath:
             self.metrics.set_stream(s.name, r.state == "up", {"decoded": r.decoded, "processed": s.processed,
                                                               "dropped": r.dropped}, r.reconnects)
 
+    def any_up(self) -> bool:
+        """Whether a stream is up (its figures change: the status is republished with the telemetry)."""
+        return any(s.reader.state == "up" for s in self.streams.values())
+
     def status(self) -> dict:
         """The ``streams`` object of the daemon's status, keyed by stream name."""
         return {name: s.status() for name, s in self.streams.items()}
+
+
+def _snapshot_of(payload: bytes) -> dict | None:
+    """A stored event's ``snapshot`` object, or None (none, or not an event of this version)."""
+    try:
+        snapshot = json.loads(payload).get("snapshot")
+    except (ValueError, AttributeError):
+        return None
+    return snapshot if isinstance(snapshot, dict) and isinstance(snapshot.get("topic"), str) else None
 
 
 class StreamFrames(BatchClient):

@@ -67,6 +67,11 @@ def stream_events_topic(prefix: str, stream: str) -> str:
     return f"{prefix}/streams/{stream}/events"
 
 
+def stream_snapshots_topic(prefix: str, stream: str) -> str:
+    """A stream's event snapshots: raw JPEG, content type ``image/jpeg``, the ``event_id`` in a user property (QoS 1)."""
+    return f"{prefix}/streams/{stream}/snapshots"
+
+
 def control_kind(topic: str) -> str | None:
     """``deploy`` or ``rollback`` for a model lifecycle topic (a device's or a group's), else None."""
     for kind in ("deploy", "rollback"):

@@ -62,7 +62,8 @@ class PublishProperties(Properties):
     _template = Properties(PacketTypes.PUBLISH).__dict__  # packetType and the name tables, shared and never changed
 
     @classmethod
-    def make(cls, content_type: str, correlation: bytes | None = None) -> "PublishProperties":
+    def make(cls, content_type: str, correlation: bytes | None = None,
+             user: tuple[tuple[str, str], ...] = ()) -> "PublishProperties":
         p = cls.__new__(cls)
         d = p.__dict__
         d.update(cls._template)
@@ -72,6 +73,11 @@ class PublishProperties(Properties):
         if correlation is not None:
             d["CorrelationData"] = correlation
             body += b"\x09" + len(correlation).to_bytes(2, "big") + correlation  # 9: Correlation Data, binary
+        if user:
+            d["UserProperty"] = list(user)
+            for key, value in user:  # 38: User Property, a UTF-8 string pair (paho packs them last, in order)
+                k, v = key.encode(), value.encode()
+                body += b"\x26" + len(k).to_bytes(2, "big") + k + len(v).to_bytes(2, "big") + v
         d["_packed"] = VariableByteIntegers.encode(len(body)) + body
         return p
 
@@ -471,10 +477,11 @@ class MqttTransport:
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                 correlation: bytes | None = None, content_type: str = "application/json",
-                on_delivered: Callable[[], None] | None = None):
+                on_delivered: Callable[[], None] | None = None, user: tuple[tuple[str, str], ...] = ()):
         """Queue a publish; ``on_delivered()`` runs once the broker acknowledged it (QoS 1/2), or
-        once it was written (QoS 0). Queued while disconnected, it goes out on reconnect."""
-        props = PublishProperties.make(content_type, correlation)
+        once it was written (QoS 0). Queued while disconnected, it goes out on reconnect. ``user``: MQTT 5
+        user properties, ``(key, value)`` pairs."""
+        props = PublishProperties.make(content_type, correlation, user)
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if qos == 0 and info.rc != mqtt.MQTT_ERR_SUCCESS:
             return info  # not sent (disconnected): paho calls back nothing for it, so nothing waits on its packet id

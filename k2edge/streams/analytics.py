@@ -3,8 +3,9 @@
 Everything is in source pixels (x right, y down) and anchored at a track's box bottom-centre
 (:attr:`TrackState.anchor`), where an object meets the ground.
 
-* A zone is a polygon; a track is inside when its anchor is (ray casting; a point on an edge may
-  fall either way, consistently). ``zone_enter`` when a track's anchor moves in, or when a track
+* A zone is a simple polygon (a self-intersecting one is refused: its inside is ambiguous); a
+  track is inside when its anchor is (ray casting; a point on an edge may fall either way,
+  consistently). ``zone_enter`` when a track's anchor moves in, or when a track
   starts inside; ``zone_leave`` when it moves out, or when a track inside ends.
 * A line is the segment from ``start`` to ``end``. With ``c = (end - start) x (anchor - start)``
   (the 2-D cross product), a track crosses it when ``c`` changes sign and the anchor's path
@@ -12,6 +13,10 @@ Everything is in source pixels (x right, y down) and anchored at a track's box b
   to positive, ``"out"`` the other way. ``c == 0`` (touching the line) keeps the side the track
   came from, so touching and going back is no crossing and touching then going on is one.
   A track first seen on the line takes its side from its first position off it.
+
+Only confirmed tracks (:attr:`TrackState.confirmed`) are followed: a tentative track, born this
+frame and perhaps a detector's one-frame mistake, raises nothing; once confirmed it is followed
+from its position then (a track confirmed inside a zone enters it).
 
 Events come out in a stable order: by track id; per track its zone events (zones in their given
 order) then its line crossings (lines in order); then the ``zone_leave`` of the tracks ended this
@@ -26,7 +31,7 @@ from typing import Iterable, Sequence
 
 from .tracker import TrackState
 
-__all__ = ["Analytics", "Line", "Zone", "segment_crossing"]
+__all__ = ["Analytics", "Line", "Zone", "frame_warnings", "segment_crossing"]
 
 Point = tuple[float, float]
 
@@ -44,7 +49,8 @@ class Zone:
     """A named polygon in source pixels.
 
     Raises:
-        ValueError: no name, fewer than 3 points, or a point that is not ``[x, y]``.
+        ValueError: no name, fewer than 3 points, a point that is not ``[x, y]``, or edges that cross
+            or touch each other (a self-intersecting polygon).
     """
 
     name: str
@@ -56,6 +62,12 @@ class Zone:
         pts = tuple(_point(p, f"zone {self.name!r}") for p in self.points)
         if len(pts) < 3:
             raise ValueError(f"zone {self.name!r} needs at least 3 points, got {len(pts)}")
+        crossing = _self_intersection(pts)
+        if crossing is not None:
+            i, j = crossing
+            n = len(pts)
+            raise ValueError(f"zone {self.name!r} intersects itself: edge {list(pts[i])}-{list(pts[(i + 1) % n])} "
+                             f"meets edge {list(pts[j])}-{list(pts[(j + 1) % n])} (list the points in order around the area)")
         object.__setattr__(self, "points", pts)
 
     def contains(self, p: Point) -> bool:
@@ -96,6 +108,79 @@ class Line:
         """``c = (end - start) x (p - start)``: < 0 one side, > 0 the other, 0 on the line."""
         (sx, sy), (ex, ey) = self.start, self.end
         return (ex - sx) * (p[1] - sy) - (ey - sy) * (p[0] - sx)
+
+
+def _cross(o: Point, a: Point, b: Point) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def _segments_meet(p1: Point, p2: Point, q1: Point, q2: Point) -> bool:
+    """Whether two closed segments share a point (touching and collinear overlap count)."""
+    d1, d2, d3, d4 = _cross(q1, q2, p1), _cross(q1, q2, p2), _cross(p1, p2, q1), _cross(p1, p2, q2)
+    if ((d1 > 0) != (d2 > 0) and d1 != 0 and d2 != 0) and ((d3 > 0) != (d4 > 0) and d3 != 0 and d4 != 0):
+        return True
+
+    def on(a: Point, b: Point, c: Point) -> bool:  # c on segment a-b, given collinear
+        return min(a[0], b[0]) <= c[0] <= max(a[0], b[0]) and min(a[1], b[1]) <= c[1] <= max(a[1], b[1])
+
+    return ((d1 == 0 and on(q1, q2, p1)) or (d2 == 0 and on(q1, q2, p2)) or (d3 == 0 and on(p1, p2, q1))
+            or (d4 == 0 and on(p1, p2, q2)))
+
+
+def _self_intersection(pts: tuple[Point, ...]) -> tuple[int, int] | None:
+    """The first pair of edges ``(i, j)`` (edge i runs from point i to point i + 1) that meet where they
+    should not: non-adjacent edges sharing any point, or adjacent ones folding back onto each other."""
+    n = len(pts)
+    edges = [(pts[i], pts[(i + 1) % n]) for i in range(n)]
+    for i in range(n):
+        if edges[i][0] == edges[i][1]:
+            return i, i  # a repeated point: a zero-length edge
+        for j in range(i + 1, n):
+            adjacent = j == i + 1 or (i == 0 and j == n - 1)
+            if not adjacent:
+                if _segments_meet(*edges[i], *edges[j]):
+                    return i, j
+            else:  # adjacent edges share one end; they must not overlap beyond it (a fold back)
+                (a, b), (c, d) = edges[i], edges[j]
+                shared = b if b == c else a
+                far_i, far_j = (a if shared == b else b), (d if shared == c else c)
+                if _cross(shared, far_i, far_j) == 0 and ((far_i[0] - shared[0]) * (far_j[0] - shared[0])
+                                                          + (far_i[1] - shared[1]) * (far_j[1] - shared[1])) > 0:
+                    return i, j
+    return None
+
+
+def frame_warnings(zones: Sequence[Zone], lines: Sequence[Line], width: int, height: int) -> list[str]:
+    """What is wrong with ``zones`` and ``lines`` on a ``width`` x ``height`` frame: one line each for a
+    zone or line with points outside it (wholly outside: it can never fire; partly: part of it can
+    never be reached), naming the points. Empty when everything lies in the frame."""
+
+    def outside(p: Point) -> bool:
+        return not (0 <= p[0] <= width and 0 <= p[1] <= height)
+
+    out = []
+    size = f"the {width}x{height} frame"
+    for what, name, pts in ([("zone", z.name, z.points) for z in zones]
+                            + [("line", ln.name, (ln.start, ln.end)) for ln in lines]):
+        off = [p for p in pts if outside(p)]
+        if not off:
+            continue
+        shown = ", ".join(f"[{p[0]:g}, {p[1]:g}]" for p in off[:4]) + (", ..." if len(off) > 4 else "")
+        if what == "zone":
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            whole = max(xs) < 0 or min(xs) > width or max(ys) < 0 or min(ys) > height
+        else:
+            whole = len(off) == 2 and not any(_segments_meet(pts[0], pts[1], a, b) for a, b in _frame_edges(width, height))
+        extent = "lies wholly outside" if whole else "has points outside"
+        out.append(f"{what} {name!r} {extent} {size} ({shown}): "
+                   + ("it can never fire; was it drawn for another resolution?" if whole
+                      else "that part can never be reached"))
+    return out
+
+
+def _frame_edges(width: int, height: int) -> list[tuple[Point, Point]]:
+    c = [(0.0, 0.0), (float(width), 0.0), (float(width), float(height)), (0.0, float(height))]
+    return [(c[i], c[(i + 1) % 4]) for i in range(4)]
 
 
 def segment_crossing(line: Line, p0: Point, p1: Point) -> bool:
@@ -154,7 +239,7 @@ class Analytics:
         """Follow the tracks matched this frame and forget those ended.
 
         Args:
-            active: the tracks matched this frame (:attr:`TrackUpdate.active`).
+            active: the tracks matched this frame (:attr:`TrackUpdate.active`); tentative ones are ignored.
             removed: ids of the tracks ended (:attr:`TrackUpdate.removed`).
 
         Returns:
@@ -164,7 +249,8 @@ class Analytics:
         """
         events: list[dict] = []
         for track in sorted(active, key=lambda t: t.id):
-            events += self._move(track)
+            if track.confirmed:  # a tentative track is not followed: it raises nothing
+                events += self._move(track)
         for tid in sorted(set(removed)):
             follow = self._follow.pop(tid, None)
             if follow is not None:

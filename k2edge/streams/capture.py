@@ -99,12 +99,21 @@ class PyAVCapture:
         rate = self.stream.average_rate or self.stream.guessed_rate
         self.fps = float(rate) if rate else None
         self._shown, self._read_timeout_s = spec.shown, read_timeout_s
+        self.on_packet = None  # told of each demuxed packet before it is decoded (a clip's packet ring)
+
+    def tap(self, ring, on_packet) -> None:
+        """Hand this capture's packets to ``ring`` (a :class:`~k2edge.streams.evidence.clips.PacketRing`)
+        through ``on_packet``; the ring takes this stream as its clips' template."""
+        ring.open(self._av, self.stream)
+        self.on_packet = on_packet
 
     def frames(self) -> Iterator[tuple[object, float]]:
         av, stream = self._av, self.stream
         base = float(stream.time_base) if stream.time_base else 0.0
         try:
             for packet in self.container.demux(stream):
+                if self.on_packet is not None:
+                    self.on_packet(packet)
                 try:
                     decoded = packet.decode()
                 except av.error.InvalidDataError:

@@ -20,8 +20,10 @@ def detections_payload(stream: str, frame: Frame, model: str, model_version: str
 
 def event_payload(stream: str, event: dict, frame: int | None, at: float | None = None) -> dict:
     """One event: ``{"event_id", "event", "stream", "time", "frame", ...}`` plus the event's own keys
-    (``track_id``, ``label``, ``zone`` | ``line``, ``direction``; ``reason`` for ``stream_down``).
-    ``event_id`` is new here and travels with the event's stored bytes, so it is stable."""
+    (``track_id``, ``label``, ``zone`` | ``line``, ``direction``; ``reason`` for ``stream_down`` and an
+    outage's ``zone_leave``); an event's own ``time`` or ``frame`` (an outage's zone leaves are dated when
+    the stream went down) replaces ``at`` or ``frame``. ``event_id`` is new here and travels with the
+    event's stored bytes, so it is stable."""
     return {"event_id": uuid.uuid4().hex, "event": event["event"], "stream": stream,
             "time": time.time() if at is None else at, "frame": frame,
             **{k: v for k, v in event.items() if k != "event"}}

@@ -71,10 +71,11 @@ class Frame:
 
 def state_event(old: str, new: str, reason: str | None) -> dict | None:
     """The event a state change is, if any: ``stream_up`` (the first frame after an open or a reopen),
-    ``stream_down`` (leaving ``up``: the first sign of loss, with its reason), ``stream_ended``."""
+    ``stream_down`` (leaving ``up``, the first sign of loss, or a first open that failed: a camera
+    misconfigured from the start; with its reason), ``stream_ended``."""
     if new == "up":
         return {"event": "stream_up"}
-    if old == "up" and new in ("reconnecting", "down"):
+    if old in ("up", "starting") and new in ("reconnecting", "down"):
         return {"event": "stream_down", "reason": reason}
     if new == "ended":
         return {"event": "stream_ended"}
@@ -102,17 +103,20 @@ class StreamReader:
         fps: frames per second to keep; the rest are dropped (counted). None: every frame.
         loop: a file starts again at its end.
         opener: opens a source (tests inject a failing one; default :func:`open_capture`).
+        packets: a :class:`~k2edge.streams.evidence.clips.PacketRing` fed every demuxed packet (clips;
+            PyAV captures only), or None.
     """
 
     def __init__(self, name: str, spec: SourceSpec, listener: ReaderListener, *, backend: str = "pyav",
                  pace: str = "live", fps: float | None = None, loop: bool = False, read_timeout_s: float = 5.0,
                  reconnect_max_s: float = 2.0, open_timeout_s: float = 10.0,
-                 opener: Callable[..., Capture] = open_capture) -> None:
+                 opener: Callable[..., Capture] = open_capture, packets=None) -> None:
         self.name, self.spec, self.listener = name, spec, listener
         self.backend, self.fps, self.loop = backend, fps, loop
         self.pace = "live" if spec.live else pace
         self.read_timeout_s, self.reconnect_max_s, self.open_timeout_s = read_timeout_s, reconnect_max_s, open_timeout_s
         self._open = opener
+        self.packets = packets
         self._cond = threading.Condition()
         self._frame: Frame | None = None
         self._generation = 0
@@ -204,6 +208,8 @@ class StreamReader:
                 cap = self._open(self.spec, self.backend, self.open_timeout_s, self.read_timeout_s)
                 self._capture = cap
                 self.source_fps = cap.fps or self.source_fps
+                if self.packets is not None and hasattr(cap, "tap"):
+                    cap.tap(self.packets, lambda p, gen=gen: self._current(gen) and self.packets.add(p))
                 self._read(gen, cap)
                 if not self._current(gen):
                     return
@@ -229,6 +235,8 @@ class StreamReader:
                         self._corrupt_closed += cap.corrupt
                         if self._capture is cap:
                             self._capture = None
+                    if self.packets is not None and self._current(gen):
+                        self.packets.close_capture()  # clips asked for or being written end with this capture
                     cap.close()
             if not self._current(gen):
                 return

@@ -5,10 +5,19 @@ the newest frame, runs the model on it, and hands the frame's detections to :met
 which gives every detection a ``track_id`` and returns the zone and line events it caused. One
 frame of a stream is in flight at a time, so tracking sees its frames in order and a frame's age
 is bounded by one batch.
+
+Tracking runs on the frames' capture times. When the source went down between two processed
+frames and they lie more than ``max_lost_s`` apart, every track ends before the new frame is
+tracked: a reconnected camera's objects are new objects. Their ``zone_leave`` events are dated
+when the stream went down (``time``; ``frame``: the last processed before it) and say why (``reason``).
+
+The first processed frame fixes the stream's frame size; zones and lines with points outside it
+are :attr:`Stream.warnings` (logged once, shown in the status).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -16,11 +25,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .analytics import Analytics, Line as CountLine, Zone
+from .analytics import Analytics, Line as CountLine, Zone, frame_warnings
 from .reader import Frame, StreamReader
 from .tracker import ByteTracker
 
-RATE_WINDOW_S = 5.0
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 5.0  # fps and frame age figures are over this many seconds
+WATCH_S = 5.0  # a live viewer's request keeps the stream's newest processed frame for this long
 
 
 @dataclass(slots=True)
@@ -57,18 +69,33 @@ class Stream:
         reader: its reader (not started).
         zones: ``(name, points)`` pairs in source pixels.
         lines: ``(name, start, end)`` triples in source pixels.
+        max_lost_s: a track unseen for longer ends; so does every track after an outage this long.
+        snapshots: its zone and line events get snapshots (the frame's pixels are kept until it is tracked).
     """
 
-    def __init__(self, name: str, model: str, reader: StreamReader, zones=(), lines=()) -> None:
+    def __init__(self, name: str, model: str, reader: StreamReader, zones=(), lines=(), max_lost_s: float = 1.0,
+                 snapshots: bool = True) -> None:
         self.name, self.model, self.reader = name, model, reader
-        self.tracker = ByteTracker()
+        self.zones, self.lines = tuple(zones), tuple(lines)
+        self.snapshots = snapshots and bool(self.zones or self.lines)  # only zone and line events have snapshots
+        self.tracker = ByteTracker(max_lost_s=max_lost_s)
         self.analytics = Analytics([Zone(n, p) for n, p in zones], [CountLine(n, s, e) for n, s, e in lines])
         self.processed = 0
         self.frame_errors = 0
+        self.frame_size: tuple[int, int] | None = None  # (width, height), from the first processed frame
+        self.warnings: list[str] = []
         self._in_flight = False
         self._lock = threading.Lock()
         self._rates: deque = deque()  # (monotonic, decoded, processed)
+        self._ages: deque = deque()   # (monotonic, age s) of the frames processed in the last RATE_WINDOW_S
         self._counts = self.analytics.counts()  # a snapshot for status (other threads), taken after each frame
+        self._last_captured: float | None = None  # the newest processed frame's capture time (monotonic)
+        self._last_index: int | None = None       # and its index
+        self._boxes: dict[int, list[float]] = {}  # track id -> its latest box (an event carries its track's box)
+        self._snapshots = {"made": 0, "failed": 0}
+        self._watched_until = 0.0  # monotonic: until then a live viewer wants the newest processed frame
+        self._latest: tuple | None = None  # (frame index, RGB image, detections), kept only while watched
+        self._down: tuple[float, float, str | None] | None = None  # (monotonic, unix, reason) it last went down
         self.accepting = True
 
     # the line's feed ----------------------------------------------------------------------------------
@@ -102,23 +129,105 @@ class Stream:
         if failed:
             self.reader.count_dropped()
 
+    def on_state(self, old: str, new: str, reason: str | None) -> None:
+        """The reader's state changed (its thread): remember when it went down, for :meth:`track`."""
+        if old == "up" and new != "up":
+            with self._lock:
+                self._down = (time.monotonic(), time.time(), reason)
+
     # after inference --------------------------------------------------------------------------------
     def track(self, item: StreamFrame, detections: list[dict]) -> Tracked:
         """Track ids for ``detections`` (``{"index", "label", "score", "box"}`` in source pixels) and
-        the zone/line events of this frame. Releases the frame."""
+        the zone/line events of this frame (an outage's ``zone_leave`` events first). Releases the frame."""
         try:
+            captured = item.frame.captured
+            if self.frame_size is None:
+                self._first_frame(item)
+            events = self._after_outage(captured)
             boxes = np.asarray([d["box"] for d in detections], dtype=np.float64).reshape(-1, 4)
             scores = np.asarray([d["score"] for d in detections], dtype=np.float64)
-            update = self.tracker.update(boxes, scores, [d["label"] for d in detections])
+            update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=captured)
             out = [{**d, "track_id": int(t)} for d, t in zip(detections, update.ids)]
-            events = self.analytics.update(update.active, update.removed)
+            self._boxes.update({a.id: [round(v, 2) for v in a.box] for a in update.active})
+            events += self._with_boxes(self.analytics.update(update.active, update.removed))
+            for tid in update.removed:
+                self._boxes.pop(tid, None)
             counts = self.analytics.counts()
             with self._lock:
                 self._counts = counts
+            self._last_captured, self._last_index = captured, item.frame.index
             self.processed += 1
             return Tracked(out, events)
         finally:
             self.release(item)
+
+    def _after_outage(self, captured: float) -> list[dict]:
+        """Every track ends when the source went down since the last processed frame and this one comes
+        more than ``max_lost_s`` after it; their zone leaves are dated when the stream went down."""
+        with self._lock:
+            down, last = self._down, self._last_captured
+            if down is None or down[0] > captured:
+                return []
+            self._down = None
+        if last is None or captured - last <= self.tracker.max_lost_s:
+            return []
+        gap = captured - last
+        why = f"the stream was down ({down[2]})" if down[2] else "the stream was down"
+        reason = f"{why}; no frame for {gap:.1f} s, longer than max_lost_s {self.tracker.max_lost_s:g} s: every track ended"
+        ended = self.tracker.end_all()
+        events = self._with_boxes(self.analytics.update([], ended))
+        for tid in ended:
+            self._boxes.pop(tid, None)
+        return [{**e, "time": down[1], "frame": self._last_index, "reason": reason} for e in events]
+
+    def _with_boxes(self, events: list[dict]) -> list[dict]:
+        """Each track event with its track's box: this frame's, or, for a track that ended, its last."""
+        return [{**e, "box": self._boxes.get(e["track_id"])} for e in events]
+
+    def _first_frame(self, item: StreamFrame) -> None:
+        geometry = item.geometry
+        if geometry is not None and getattr(geometry, "width", None):
+            size = (int(geometry.width), int(geometry.height))
+        else:
+            shape = item.frame.image.shape
+            size = (int(shape[1]), int(shape[0]))
+        self.frame_size = size
+        self.warnings = frame_warnings(self.analytics.zones, self.analytics.lines, *size)
+        for w in self.warnings:
+            log.warning("stream %s: %s", self.name, w)
+
+    # the live view ------------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """A live viewer asked for a frame: keep the newest processed frame for :data:`WATCH_S` seconds."""
+        self._watched_until = time.monotonic() + WATCH_S
+
+    @property
+    def watched(self) -> bool:
+        return time.monotonic() < self._watched_until
+
+    def keep_latest(self, frame: Frame, detections: list[dict]) -> None:
+        """A processed frame and its tracked detections, for the live view (a reference: nothing is copied)."""
+        latest = (frame.index, frame.image, detections) if self.watched else None
+        with self._lock:
+            self._latest = latest
+
+    def latest(self) -> tuple | None:
+        """``(frame index, RGB image, detections)`` of the newest processed frame while watched, else None."""
+        with self._lock:
+            return self._latest if self.watched else None
+
+    def count_snapshot(self, made: bool) -> None:
+        """One of its events got its snapshot (``made``), or went out without one (the event says why)."""
+        with self._lock:
+            self._snapshots["made" if made else "failed"] += 1
+
+    def note_age(self, age_s: float, now: float | None = None) -> None:
+        """A processed frame was ``age_s`` old when its results went out (for the status' percentiles)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._ages.append((now, age_s))
+            while self._ages and now - self._ages[0][0] > RATE_WINDOW_S:
+                self._ages.popleft()
 
     # numbers ------------------------------------------------------------------------------------------
     def sample_rates(self, now: float | None = None) -> None:
@@ -138,13 +247,27 @@ class Stream:
             (t0, d0, p0), (t1, d1, p1) = self._rates[0], self._rates[-1]
         return ((d1 - d0) / (t1 - t0), (p1 - p0) / (t1 - t0)) if t1 > t0 else (0.0, 0.0)
 
+    def frame_age(self, now: float | None = None) -> dict:
+        """``{"p50", "p99", "samples"}``: the age in ms of the frames processed in the last
+        :data:`RATE_WINDOW_S` seconds when their results went out (None without any)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            ages = [a for t, a in self._ages if now - t <= RATE_WINDOW_S]
+        if not ages:
+            return {"p50": None, "p99": None, "samples": 0}
+        p50, p99 = np.percentile(np.asarray(ages) * 1e3, [50, 99])
+        return {"p50": round(float(p50), 2), "p99": round(float(p99), 2), "samples": len(ages)}
+
     def status(self) -> dict:
         """The stream's entry in the daemon's status."""
         fps_in, fps_processed = self.rates()
         with self._lock:
-            counts = self._counts
+            counts, snapshots = self._counts, dict(self._snapshots)
         r = self.reader
         return {"state": r.state, "source": r.spec.shown, "model": self.model, "fps_in": round(fps_in, 2),
-                "fps_processed": round(fps_processed, 2), "decoded": r.decoded, "processed": self.processed,
-                "dropped": r.dropped, "corrupt": r.corrupt, "reconnects": r.reconnects, "last_error": r.last_error,
-                "counts": counts}
+                "fps_processed": round(fps_processed, 2), "frame_age_ms": self.frame_age(),
+                "frame_size": list(self.frame_size) if self.frame_size else None, "decoded": r.decoded,
+                "processed": self.processed, "dropped": r.dropped, "corrupt": r.corrupt, "reconnects": r.reconnects,
+                "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
+                "snapshots": snapshots if self.snapshots else None,
+                "clips": r.packets.status() if r.packets is not None else None}

@@ -179,6 +179,7 @@ class Client:
         self.statuses: list[dict] = []
         self.status_times: list[float] = []  # when each status arrived (time.monotonic)
         self.other: list[tuple[str, dict]] = []
+        self.binary: list[tuple[str, bytes, str | None, dict]] = []  # (topic, payload, content type, user properties)
         self.dups: list[bool] = []  # MQTT DUP flag of each answer: a broker retransmission, not a second answer
         self.raw: list[tuple[bytes, float]] = []  # each answer's exact bytes and when it arrived (time.monotonic)
         self._cond = threading.Condition()
@@ -230,6 +231,10 @@ class Client:
             body = json.loads(msg.payload)
         except ValueError:
             body = {"raw": msg.payload.decode(errors="replace")}
+            props = msg.properties
+            with self._cond:  # a binary payload (a snapshot): its exact bytes, content type and user properties
+                self.binary.append((msg.topic, bytes(msg.payload), getattr(props, "ContentType", None),
+                                    dict(getattr(props, "UserProperty", []) or [])))
         with self._cond:
             if msg.topic.endswith("/status"):
                 self.statuses.append(body)

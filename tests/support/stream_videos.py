@@ -154,9 +154,10 @@ def render_frame(objects: Sequence[MovingDigit], alphas: Sequence[np.ndarray], f
 
 
 def make_video(path: str | Path, *, size: tuple[int, int] = (320, 240), fps: int = 15, frames: int = 90,
-               objects: Sequence[MovingDigit] = (), seed: int = 0, crf: int = 20) -> GroundTruth:
+               objects: Sequence[MovingDigit] = (), seed: int = 0, crf: int = 20, gop: int | None = None) -> GroundTruth:
     """Write an H.264 MP4 (yuv420p) of ``objects`` moving over a light background with faint grain;
     later objects are drawn over earlier ones (the ground truth keeps an occluded object's full box).
+    ``gop``: a keyframe every ``gop`` frames exactly (default: libx264's choice, one at the start here).
 
     Raises:
         ValueError: an object leaves the frame (the ground truth would have to clip it).
@@ -174,7 +175,8 @@ def make_video(path: str | Path, *, size: tuple[int, int] = (320, 240), fps: int
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": str(crf), "preset": "veryfast"}
+        stream.options = {"crf": str(crf), "preset": "veryfast",
+                          **({"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0"} if gop else {})}
         for f in range(frames):
             noise = rng.normal(0, 2.0, (height, width, 1)).astype(np.float32)
             img, objs = render_frame(objects, alphas, f, size, noise)
@@ -225,10 +227,43 @@ CROSSING_OBJECTS = (
 
 
 def scenario_crossing(path: str | Path, *, seed: int = 0, objects: Sequence[MovingDigit] = CROSSING_OBJECTS,
-                      line=CROSSING_LINE, frames: int = 90, fps: int = 15) -> CrossingScenario:
+                      line=CROSSING_LINE, frames: int = 90, fps: int = 15, gop: int | None = None) -> CrossingScenario:
     """Write the canonical crossing video to ``path`` (320x240) and return what it should produce."""
-    truth = make_video(path, size=(320, 240), fps=fps, frames=frames, objects=objects, seed=seed)
+    truth = make_video(path, size=(320, 240), fps=fps, frames=frames, objects=objects, seed=seed, gop=gop)
     return CrossingScenario(Path(path), truth, line, truth.crossings(*line))
+
+
+# An identity switch (90 frames, 15 fps; the same line x = 200.25 and a zone, the frame's left part):
+#   1 "3" left -> right along the top, born in the zone, leaves it and crosses the line at about frame 62 (out);
+#   2 "7" right -> left, enters the zone and crosses at about frame 35 (in), and vanishes at frame 50 (x ~162);
+#   3 "5" appears at frame 54 where the 7 vanished (0.27 s later: within a 1 s max_lost, after more than
+#     the tracker's 2-update relabel gap), moves right and crosses at about frame 69 (out).
+# A track labelled by its whole life reports the 5's crossing as a "7" and never sees the 5 enter the zone.
+SWITCH_ZONE = ((0.0, 0.0), (200.25, 0.0), (200.25, 240.0), (0.0, 240.0))
+SWITCH_OBJECTS = (
+    MovingDigit("3", (40, 42), (2.6, 0.0), sprite=0),
+    MovingDigit("7", (292, 112), (-2.6, 0.0), sprite=0, last=50),
+    MovingDigit("5", (162, 112), (2.6, 0.0), sprite=0, first=54),
+)
+
+
+def scenario_identity_switch(path: str | Path, *, seed: int = 0, fps: int = 15) -> CrossingScenario:
+    """Write the identity-switch video (above) to ``path`` (320x240) and return what it should produce."""
+    return scenario_crossing(path, seed=seed, objects=SWITCH_OBJECTS, frames=90, fps=fps)
+
+
+def zone_entries(truth: GroundTruth, points) -> dict[str, int]:
+    """label -> how many objects' anchors were ever inside the polygon ``points`` (each enters once:
+    the scenarios here never leave a zone and come back)."""
+    from k2edge.streams.analytics import Zone
+
+    zone = Zone("truth", points)
+    labels = truth.labels()
+    out: dict[str, int] = {}
+    for oid, path in truth.anchors().items():
+        if any(zone.contains((x, y)) for _, x, y in path):
+            out[labels[oid]] = out.get(labels[oid], 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _make_sprites(per_class: int = 5, heights: Sequence[int] = (36, 52, 72)) -> None:

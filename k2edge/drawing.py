@@ -1,6 +1,7 @@
-"""Drawing answers on an image for ``k2edge infer --save-annotated`` and ``k2edge watch`` (Pillow, imported lazily): boxes
-and labels; a segmentation's masks tinted in; a pose's keypoints (visible ones) and skeleton-free
-dots; an obb's rotated boxes as polygons."""
+"""Drawing on an image (Pillow, imported lazily), for ``k2edge infer --save-annotated``, ``k2edge watch``,
+stream snapshots and the live view: answers (boxes and labels; a segmentation's masks tinted in; a
+pose's keypoints (visible ones) and skeleton-free dots; an obb's rotated boxes as polygons), and a
+stream's zones and lines."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def draw_detections(img, detections: list[dict]):
     from PIL import Image, ImageDraw
 
     if any("mask" in d for d in detections):
-        from ..tasks.segmentation import rle_decode
+        from .tasks.segmentation import rle_decode
 
         arr = np.asarray(img).copy()
         for d in detections:
@@ -59,4 +60,28 @@ def draw_detections(img, detections: list[dict]):
         top_y = y1 - (bottom - top) - 2 if y1 - (bottom - top) - 2 >= 0 else y1
         draw.rectangle((x1, top_y, x1 + (right - left) + 4, top_y + (bottom - top) + 2), fill=colour)
         draw.text((x1 + 2, top_y), text, fill=(0, 0, 0))
+    return img
+
+
+ZONE_COLOUR = (255, 200, 0)
+LINE_COLOUR = (0, 220, 255)
+HIGHLIGHT = (255, 120, 0)  # the zone or line an event is about (orange: apart from the snapshot box)
+
+
+def draw_zones_and_lines(img, zones, lines, highlight: str | None = None):
+    """``img`` (a PIL RGB image) with ``zones`` (``(name, points)``) outlined and ``lines`` (``(name, start,
+    end)``) drawn, each named; the one called ``highlight`` in :data:`HIGHLIGHT`."""
+    from PIL import ImageDraw
+
+    draw = ImageDraw.Draw(img)
+    width = max(1, round(max(img.size) / 320))
+    for name, points in zones:
+        colour = HIGHLIGHT if name == highlight else ZONE_COLOUR
+        pts = [tuple(map(float, p)) for p in points]
+        draw.line(pts + pts[:1], fill=colour, width=width)
+        draw.text((pts[0][0] + 3, pts[0][1] + 2), name, fill=colour)
+    for name, start, end in lines:
+        colour = HIGHLIGHT if name == highlight else LINE_COLOUR
+        draw.line([tuple(map(float, start)), tuple(map(float, end))], fill=colour, width=width + 1)
+        draw.text((float(start[0]) + 3, float(start[1]) + 2), name, fill=colour)
     return img

@@ -1,0 +1,79 @@
+"""The live view's web app on a real HTTP server without the daemon: who may see it (token, cookie,
+password), its JSON and errors; the [http] table's refusal to expose it unguarded."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from k2edge.config.schema import ConfigError, load_config
+from k2edge.service.live_view import LiveView
+
+
+def _get(url: str, headers: dict | None = None):
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+@pytest.fixture
+def app():
+    view = LiveView(None, token="s3cret-token", password="pa55")
+    host, port = view.start("127.0.0.1", 0)
+    yield f"http://{host}:{port}"
+    view.stop()
+
+
+def test_without_the_token_or_password_nothing_is_shown(app):
+    for path in ("/", "/api/streams", "/api/events", "/streams/cam/frame.jpg", "/events/" + "a" * 32 + "/snapshot.jpg"):
+        status, headers, body = _get(app + path)
+        assert status == 401 and "unauthorised" in json.loads(body)["error"] and "s3cret" not in body.decode()
+        assert headers["WWW-Authenticate"] == 'Basic realm="k2edge"'
+    assert _get(app + "/api/streams", {"Authorization": "Bearer wrong"})[0] == 401
+    assert _get(app + "/api/streams", {"Authorization": "Basic " + base64.b64encode(b"u:wrong").decode()})[0] == 401
+    assert _get(app + "/api/streams", {"Authorization": "Basic !!!"})[0] == 401
+
+
+def test_the_token_once_in_the_url_sets_a_cookie_and_bearer_and_basic_work(app):
+    status, headers, body = _get(app + "/?token=s3cret-token")
+    assert status == 200 and b"k2edge: streams" in body
+    cookie = headers["Set-Cookie"].split(";")[0]
+    assert "HttpOnly" in headers["Set-Cookie"] and cookie == "k2edge_token=s3cret-token"
+    assert _get(app + "/api/streams", {"Cookie": cookie})[0] == 200
+    assert json.loads(_get(app + "/api/streams", {"Authorization": "Bearer s3cret-token"})[2]) == {}
+    basic = "Basic " + base64.b64encode(b"anyone:pa55").decode()
+    assert json.loads(_get(app + "/api/events", {"Authorization": basic})[2]) == []
+
+
+def test_bad_requests_get_one_clear_json_error(app):
+    auth = {"Authorization": "Bearer s3cret-token"}
+    status, _, body = _get(app + "/api/events?limit=many", auth)
+    assert status == 400 and json.loads(body) == {"error": "limit must be a whole number"}
+    status, _, body = _get(app + "/streams/nope/frame.jpg", auth)
+    assert status == 404 and json.loads(body) == {"error": "stream 'nope': no such stream"}
+    status, _, body = _get(app + "/events/../../etc/passwd/snapshot.jpg", auth)
+    assert status == 404
+    status, _, body = _get(app + "/events/" + "a" * 32 + "/clip.mp4", auth)
+    assert status == 404 and "no clip" in json.loads(body)["error"]
+    assert _get(app + "/metrics", auth)[0] == 404  # no [metrics]: not served
+
+
+def test_a_live_view_beyond_loopback_needs_a_token_or_a_password(tmp_path):
+    base = 'device_id = "t"\n[[models]]\nname = "boxes"\nonnx = "m.onnx"\n[http]\nport = 8080\n'
+    p = tmp_path / "k.toml"
+    p.write_text(base + 'host = "0.0.0.0"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "http" in str(e.value) and "token_file or password_file" in str(e.value)
+    (tmp_path / "token").write_text("t0k\n")
+    p.write_text(base + 'host = "0.0.0.0"\ntoken_file = "token"\n')
+    assert load_config(p).http.token_file == tmp_path / "token"
+    p.write_text(base)
+    assert load_config(p).http.host == "127.0.0.1"
