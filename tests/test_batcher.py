@@ -75,7 +75,8 @@ def test_one_batch_takes_the_requests_first_then_the_frames_each_client_with_its
     assert requests.done.wait(20) and frames.done.wait(20)
     b.stop()
     assert requests.finished == [(["r0", "r1", "r2"], 3)]
-    assert frames.finished[0] == (["f0"], 1) and [t for tags, _ in frames.finished for t in tags] == ["f0", "f1"]
+    # the two batches may run at once on the lanes' workers and finish in either order
+    assert sorted(frames.finished) == [(["f0"], 1), (["f1"], 1)]
     assert not requests.failed and not frames.failed
 
 

@@ -18,9 +18,19 @@ from ..errors import EngineStateError, InputError
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """An input: its name, shape and dtype; with ``batch_axis`` the first dimension is the largest batch, and
+    any batch from 1 to it is taken."""
+
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    batch_axis: bool = False
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """True when an array of ``shape`` is a valid value for this input."""
+        if self.batch_axis:
+            return len(shape) == len(self.shape) and 1 <= shape[0] <= self.shape[0] and shape[1:] == self.shape[1:]
+        return shape == self.shape
 
 
 @dataclass(frozen=True)
@@ -106,8 +116,9 @@ class Backend(abc.ABC):
             arr = feeds[spec.name]
             if not isinstance(arr, np.ndarray):
                 raise InputError(f"input {spec.name!r}: expected a numpy array, got {type(arr).__name__}")
-            if arr.dtype != spec.dtype or tuple(arr.shape) != spec.shape:
-                raise InputError(f"input {spec.name!r}: expected {spec.dtype} {spec.shape}, got {arr.dtype} {tuple(arr.shape)}")
+            if arr.dtype != spec.dtype or not spec.fits(tuple(arr.shape)):
+                want = f"(1..{spec.shape[0]}, {', '.join(map(str, spec.shape[1:]))})" if spec.batch_axis else str(spec.shape)
+                raise InputError(f"input {spec.name!r}: expected {spec.dtype} {want}, got {arr.dtype} {tuple(arr.shape)}")
         return feeds
 
     def _require_active(self) -> None:

@@ -166,7 +166,7 @@ class Daemon:
             self.escalation.use(m.name, self._escalation_for(rt))
             versions.started(plan)
             if self.metrics is not None:
-                self.metrics.set_model(m.name, plan.version, rt.profile_name, rt.int8_check)
+                self.metrics.set_model(m.name, plan.version, rt.profile_name, rt.int8_check, rt.memory)
         return runtimes
 
     def _escalation_for(self, rt: ModelRuntime):
@@ -213,7 +213,7 @@ class Daemon:
         rt = self.batchers[name].next_runtime()
         self.escalation.use(name, self._escalation_for(rt))
         if self.metrics is not None:
-            self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check)
+            self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check, rt.memory)
         self.publish_status()
 
     # the thermal sampler's listener ----------------------------------------------------------------
@@ -224,7 +224,7 @@ class Daemon:
         for name, batcher in self.batchers.items():
             rt = batcher.follow_thermal()
             if self.metrics is not None:
-                self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check)
+                self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check, rt.memory)
         self.publish_status()
 
     # status and telemetry --------------------------------------------------------------------------
@@ -249,7 +249,7 @@ class Daemon:
             "version": __version__,
             # what the next batch runs on: a thermal switch just asked for is what the status tells
             "models": [{"name": name, "model_version": rt.version, "task": rt.task, "profile": rt.profile_name,
-                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": slots_for(rt),
+                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": slots_for(rt), "memory": rt.memory,
                         "warm_profile": rt.warm_profile, "cache": rt.cache,
                         "int8_check": rt.int8_check.to_dict() if rt.int8_check is not None else None}
                        for name, rt in self._running().items()],
