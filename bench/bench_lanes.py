@@ -15,7 +15,12 @@ of the two layouts, measured in the same rounds, is the figure to read. :func:`i
 ``workers`` layout at batch 1) is also what ``bench_streams.py overload`` reports as the machine's
 inference-only limit.
 
+With ``--memory`` it compares instead, for the ``workers`` layout on one session, ONNX Runtime's CPU memory
+arena and memory pattern (its defaults), the arena without the pattern, and neither: each in a process of its
+own running the batch sizes 1..4 on every worker, the process's RSS after, and CPU ms per sample, interleaved.
+
     python bench/bench_lanes.py [--rounds 3] [--seconds 8] [--json out.json]
+    python bench/bench_lanes.py --memory [--rounds 3]
 """
 
 from __future__ import annotations
@@ -47,10 +52,14 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def _session(path: Path, threads: int):
+MEMORY_KINDS = {"default": (True, True), "no pattern": (True, False), "neither": (False, False)}  # (arena, pattern)
+
+
+def _session(path: Path, threads: int, memory: str = "default"):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    opts.enable_cpu_mem_arena, opts.enable_mem_pattern = MEMORY_KINDS[memory]
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 4
@@ -117,16 +126,70 @@ def _models(cache: Path) -> list[tuple[str, Path, tuple[int, ...]]]:
     return out
 
 
+def memory_run(path: Path, shape: tuple[int, ...], memory: str, runs: int) -> dict:
+    """In this process: ``cores()`` workers each running batch sizes 1..4 ``runs`` times on one session; RSS after."""
+    session = _session(path, 1, memory)
+    name = session.get_inputs()[0].name
+    feeds = {b: {name: np.random.default_rng(b).random((b, *shape[1:]), dtype=np.float32)} for b in (1, 2, 3, 4)}
+    cpu0 = time.process_time()
+
+    def loop(order):
+        for _ in range(runs):
+            for b in order:
+                session.run(None, feeds[b])
+
+    threads = [threading.Thread(target=loop, args=((1, 2, 3, 4) if i % 2 == 0 else (4, 3, 2, 1),)) for i in range(cores())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    samples = runs * 10 * cores()
+    statm = Path("/proc/self/statm").read_text().split()
+    return {"rss_mib": int(statm[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20,
+            "cpu_ms_per_sample": (time.process_time() - cpu0) * 1e3 / samples, "samples": samples}
+
+
+def main_memory(args) -> int:
+    import subprocess
+
+    results = []
+    for name, path, shape in _models(args.cache):
+        runs = {k: [] for k in MEMORY_KINDS}
+        for _ in range(args.rounds):
+            for kind in MEMORY_KINDS:
+                out = subprocess.run([sys.executable, __file__, "--memory-child", str(path), ",".join(map(str, shape)), kind],
+                                     capture_output=True, text=True, check=True)
+                runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        med = {k: {m: statistics.median(r[m] for r in v) for m in ("rss_mib", "cpu_ms_per_sample")} for k, v in runs.items()}
+        results.append({"model": name, **med, "load_avg": os.getloadavg()[0]})
+        base = med["default"]["cpu_ms_per_sample"]
+        print(f"{name:14s} " + "; ".join(f"{k}: RSS {m['rss_mib']:.0f} MiB, {m['cpu_ms_per_sample']:.2f} CPU ms a sample "
+                                          f"({m['cpu_ms_per_sample'] / base:.2f}x)" for k, m in med.items())
+              + f"; load {os.getloadavg()[0]:.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--memory-child"]:
+        path, shape, memory = argv[1], tuple(int(x) for x in argv[2].split(",")), argv[3]
+        big = shape[-1] >= 320
+        print(json.dumps(memory_run(Path(path), shape, memory, 3 if big else 50)))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=8.0, help="per layout, model, batch and round")
     ap.add_argument("--batches", default="1,4", help="batch sizes, comma-separated")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "k2edge-bench")
+    ap.add_argument("--memory", action="store_true", help="compare ONNX Runtime's arena and memory pattern with neither")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     args.cache = args.cache_dir
     args.cache.mkdir(parents=True, exist_ok=True)
+    if args.memory:
+        return main_memory(args)
     n = cores()
     batches = [int(b) for b in args.batches.split(",")]
     results = []

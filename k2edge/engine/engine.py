@@ -179,10 +179,11 @@ class Engine:
             card_overrides: card keys that override the card (the daemon config's card table).
             check: a set to run the INT8 accuracy check on instead of the held-out calibration samples.
             progress: called as ``progress(what, done, total)`` during long steps (calibration, fallback).
-            max_batch: build one engine that runs every batch size from 1 to ``max_batch`` (a dynamic batch
-                axis, see :func:`k2edge.model.batch_axis.with_batch_axis`) instead of one at the profile's
-                ``batch_size``; a model exported with a fixed batch keeps it (``batch_size`` says which).
-                ONNX Runtime only.
+            max_batch: build one engine that runs every batch size up to ``max_batch`` (a dynamic batch axis,
+                see :func:`k2edge.model.batch_axis.with_batch_axis`) instead of one at the profile's ``batch_size``:
+                on ONNX Runtime any size from 1, on TensorRT those of
+                :func:`~k2edge.model.batch_axis.profile_batch_sizes` (GPU segments: one engine, a profile per
+                size; DLA segments: a static engine per size). A model exported with a fixed batch keeps it.
 
         Raises:
             K2EdgeError: any input problem, with one message naming it.
@@ -215,8 +216,6 @@ class Engine:
                           max_batch: int, started: float) -> "Engine":
         """:meth:`build` for every batch size up to ``max_batch``: the pipeline runs at two batch sizes
         (:data:`BATCH_AXIS_SIZES`), and the backend builds one engine from the pair."""
-        if backend != "onnxruntime":
-            raise BuildError(f"one engine for every batch size is built on onnxruntime only, not {backend}")
         hits: dict[str, bool] = {}
         built = []
         for b in BATCH_AXIS_SIZES:
@@ -231,15 +230,27 @@ class Engine:
         if _placement(plan) != _placement(plan2):
             raise BuildError(f"{small.normalised.source}: the plan differs between batch sizes "
                              f"{BATCH_AXIS_SIZES[0]} and {BATCH_AXIS_SIZES[1]}; build one engine per batch size")
+        graph = small.normalised.graph
+        name = graph.inputs[0]
+        shape = graph.shape(name)
+        if backend == "tensorrt":
+            from ..model.batch_axis import profile_batch_sizes
+            from .tensorrt_backend import create_backend
+
+            trt = create_backend(small.normalised, plan, quant, cache, profile,
+                                 (TensorSpec(name, shape, graph.tensors[name].dtype),), graph.outputs,
+                                 batch_sizes=profile_batch_sizes(max_batch),
+                                 other=(large.normalised, quant2, BATCH_AXIS_SIZES))
+            hits["engine"] = trt.build.cached
+            info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(trt.build.notes), int8_check)
+            return cls(trt, plan, small.normalised, profile, task.card, task.labels, info)
         from .onnxruntime_backend import OnnxRuntimeBackend, build_batch_axis_segments
 
         runner_build = build_batch_axis_segments((small.normalised, large.normalised), (plan, plan2), (quant, quant2),
                                                  BATCH_AXIS_SIZES, cache)
-        graph = small.normalised.graph
-        name = graph.inputs[0]
-        shape = graph.shape(name)
         dynamic = runner_build.batch_axis
-        spec = TensorSpec(name, (max_batch, *shape[1:]) if dynamic else shape, graph.tensors[name].dtype, batch_axis=dynamic)
+        spec = TensorSpec(name, (max_batch, *shape[1:]) if dynamic else shape, graph.tensors[name].dtype,
+                          tuple(range(1, max_batch + 1)) if dynamic else ())
         runner = OnnxRuntimeBackend(plan, runner_build, (spec,), graph.outputs, threads_per_lane,
                                     prefetch=profile.edge_runtime.dma_prefetch, spinning=spinning)
         hits["engine"] = runner_build.cached

@@ -77,6 +77,17 @@ def with_batch_axis(small: onnx.ModelProto, large: onnx.ModelProto, sizes: tuple
     return out
 
 
+def profile_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes an engine that needs a shape per size is built for: powers of two below ``max_batch``, and
+    ``max_batch`` (a batch is padded up to the next; padding wastes less than 2x)."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch)
+    return tuple(sizes)
+
+
 def has_batch_axis(model: onnx.ModelProto) -> bool:
     """True when the model's first input has a symbolic batch dimension (made by :func:`with_batch_axis`)."""
     dims = model.graph.input[0].type.tensor_type.shape.dim

@@ -23,13 +23,10 @@ log = logging.getLogger(__name__)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
-    """Engine batch sizes: powers of two up to ``max_batch``, plus ``max_batch`` (padding wastes < 2x)."""
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    sizes.append(max_batch)
-    return sizes
+    """Static engine batch sizes: powers of two up to ``max_batch``, plus ``max_batch`` (padding wastes < 2x)."""
+    from ..model.batch_axis import profile_batch_sizes
+
+    return list(profile_batch_sizes(max_batch))
 
 
 class RuntimeStateError(K2EdgeError):
@@ -92,7 +89,7 @@ class ModelRuntime:
         from ..engine.backends import resolve_backend
         from ..errors import BuildError, ModelError
 
-        if resolve_backend(self.cfg.backend) == "onnxruntime":
+        if resolve_backend(self.cfg.backend) in ("onnxruntime", "tensorrt"):
             try:
                 engine = self._engine(profile, board, cache_dir, max_batch=max_batch)
             except (BuildError, ModelError) as exc:
@@ -100,8 +97,8 @@ class ModelRuntime:
                 log.warning("model %s: one engine for every batch size cannot be built (%s); building one per batch size",
                             self.cfg.name, exc)
             else:
-                sizes = range(1, engine.batch_size + 1) if engine.backend.inputs[0].batch_axis else [engine.batch_size]
-                self._log_ready(profile, engine, f"batch {sizes[0]}..{sizes[-1]}")
+                sizes = engine.backend.inputs[0].batch_sizes or (engine.batch_size,)
+                self._log_ready(profile, engine, f"batch {', '.join(map(str, sizes))}")
                 return {b: engine for b in sizes}
         engines = {}
         for b in batch_sizes(max_batch):
