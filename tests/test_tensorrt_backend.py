@@ -561,7 +561,7 @@ def test_selftest_against_the_double(trt, cache_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "gpu:fp16 dla0:fp16 dla1:fp16" in out and "as planned" in out and "p50 ms" in out
-    for check in ("direct-io", "chw32-cuts", "event-flags"):
+    for check in ("direct-io", "chw32-cuts", "batch-profiles", "event-flags"):
         assert f"check {check}: ok" in out, out
     rc = _selftest().main(["--profiles", "c2", "--samples", "6", "--cache", str(cache_dir), "--tolerance", "0", "--skip-streams"])
     out = capsys.readouterr().out
