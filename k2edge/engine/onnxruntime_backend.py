@@ -183,6 +183,11 @@ class OnnxRuntimeBackend(Backend):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 4  # fatal only: errors reach the caller as InferenceError, once
+        if self.build.batch_axis:
+            # The memory pattern plans one block per input shape and the arena keeps each: with a batch axis that is a
+            # block per batch size seen. YOLOv8n at 640, batches 1..4 on two workers: 460 -> 308 MiB RSS for 1.04x the
+            # CPU a sample (bench/bench_lanes.py --memory; docs/performance.md)
+            opts.enable_mem_pattern = False
         if not self.spinning:
             # Idle intra-op threads spin by default: the lowest latency for one engine, but where many
             # engines and threads share a few cores (the daemon) the spinning eats the cores. Spinning
