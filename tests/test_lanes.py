@@ -72,8 +72,22 @@ def test_memory_metric_per_model_and_kind():
 
 
 def test_runtime_reports_the_memory_its_activation_took(demo_model):
-    """Before activation no figure; after, the host bytes activating the one engine and a run at batch 8 added."""
+    """Before activation no figure; after, the host bytes activating the one engine and its runs at batch 1 added."""
     rt = ModelRuntime(ModelConfig(name="m", onnx=demo_model), 8, None, None)
     assert rt.memory == {} and len({id(e) for e in rt.engines.values()}) == 1
     with rt:
         assert set(rt.memory) == {"host"} and rt.memory["host"] >= 0
+
+
+@pytest.mark.parametrize("alone, together, batch, want", [
+    (0.130, 0.578, 4, 1),    # YOLOv8n at 640 here: 1.11x the CPU a sample in a batch of 4
+    (0.00086, 0.0032, 4, 8),  # the digits model: a batch saves per-run cost
+    (0.010, 0.0416, 4, 8),   # 1.04x: within the margin, batches stay
+    (0.010, 0.042, 4, 1),    # 1.05x: at the margin, batches of one
+    (0.010, 0.050, 1, 8),    # nothing measured in a batch: no change
+])
+def test_batch_limit_from_the_measured_cpu(alone, together, batch, want):
+    """Batches of one where a sample costs more CPU in a batch than alone; otherwise the largest batch."""
+    from k2edge.service.runtime import batch_limit
+
+    assert batch_limit(alone, together, batch, 8) == want

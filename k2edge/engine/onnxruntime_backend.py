@@ -248,5 +248,6 @@ class OnnxRuntimeBackend(Backend):
     def describe(self) -> dict:
         return {"backend": self.name, "version": ort.__version__, "threads_per_lane": self.threads_per_lane,
                 "lane_workers": self.layout.workers, "lane_layout": self.layout.why, "batch_axis": self.build.batch_axis,
+                "engine_bytes": sum(a.path.stat().st_size for a in self.build.segments),
                 "lanes": [lane.__dict__ for lane in self.lanes()], "engine_key": self.build.key,
                 "notes": list(self.build.notes)}

@@ -235,6 +235,8 @@ class TensorRTBackend(Backend):
                               "placement": s.placement, "profile_batches": list(s.profile_batches)}
                              for s in self.build.segments],
                 "batch_sizes": list(self.store.batch_sizes),
+                "engine_bytes": sum((s.path / "engine.plan").stat().st_size for s in self.build.segments
+                                    if (s.path / "engine.plan").exists()),
                 "device_memory_bytes": self._device_bytes or None,
                 "prefetch": {"dma_prefetch": self.prefetch, "depth": self.depth,
                              "mode": "zero-copy" if self.zero_copy else "copy"},

@@ -29,6 +29,20 @@ def batch_sizes(max_batch: int) -> list[int]:
     return list(profile_batch_sizes(max_batch))
 
 
+BATCH_COST_MARGIN = 1.05
+"""Batches stay at one sample when a sample costs at least this much more CPU in a batch than alone."""
+
+
+def batch_limit(cpu_alone_s: float, cpu_batch_s: float, batch: int, max_batch: int) -> int:
+    """The largest batch worth forming on single-threaded CPU workers, from a measurement: ``cpu_alone_s`` the CPU one
+    sample took alone, ``cpu_batch_s`` what a batch of ``batch`` took. A batch saves the per-run cost; on a large
+    model that is nothing against a sample's own, and a batch's larger working set makes each sample dearer
+    (YOLOv8n at 640 here: 1.15x the CPU a sample at batch 4): then every worker runs batches of one."""
+    if batch < 2 or cpu_alone_s <= 0:
+        return max_batch
+    return 1 if cpu_batch_s / batch >= BATCH_COST_MARGIN * cpu_alone_s else max_batch
+
+
 class RuntimeStateError(K2EdgeError):
     """A runtime used out of order: run before activate, activated twice, deactivated twice."""
 
@@ -141,8 +155,9 @@ class ModelRuntime:
 
     @property
     def memory(self) -> dict[str, int]:
-        """Bytes the engines hold, by kind: ``host`` (the process's resident memory that activating them and one run
-        at the largest batch added) and, on TensorRT, ``device`` (the engines' own accounting). Empty before
+        """Bytes the engines hold, by kind: ``host`` (the process's resident memory that activating them and a run at
+        their smallest batch added: larger batches grow ONNX Runtime's arena from there) and, on TensorRT, ``device``
+        (the engines' own accounting: serialized engines and each execution context's memory). Empty before
         :meth:`activate`."""
         return dict(self._state["memory"])
 
@@ -151,8 +166,9 @@ class ModelRuntime:
         return self._state["active"]
 
     def activate(self) -> "ModelRuntime":
-        """Activate every engine and run it once at its largest batch (the first run of a session pays its set-up and
-        sizes its arena), measuring the memory that took; ``batch1_s`` is what one request took at batch 1.
+        """Activate every engine and run it at its smallest batch (the first run of a session pays its set-up), measuring
+        the memory that took; ``batch1_s`` is what one request took at batch 1. An engine for every batch size is not
+        run at its largest: its arena grows to the batches the load brings, not to ``max_batch``.
 
         Raises:
             RuntimeStateError: already active.
@@ -163,15 +179,16 @@ class ModelRuntime:
         device = 0
         for e in self._all():
             e.activate()
-            dtype = e.backend.inputs[0].dtype
-            e.infer({e.input_name: np.zeros(e.input_shape, dtype=dtype)})
-            if e is self.engines[1]:
-                one = {e.input_name: np.zeros((1, *e.input_shape[1:]) if e.backend.inputs[0].batch_axis else e.input_shape,
-                                              dtype=dtype)}
-                for _ in range(2):
-                    t0 = time.perf_counter()
-                    e.infer(one)
-                    self.batch1_s = time.perf_counter() - t0
+            spec = e.backend.inputs[0]
+            smallest = {e.input_name: np.zeros((min(spec.batch_sizes), *spec.shape[1:]) if spec.batch_axis else spec.shape,
+                                               dtype=spec.dtype)}
+            for _ in range(2):
+                t0 = time.perf_counter()
+                e.infer(smallest)
+                took = time.perf_counter() - t0
+            if e is self.engines[min(self.engines)]:
+                self.batch1_s = took
+            self._limit_batches(e, smallest)
             device += e.describe().get("device_memory_bytes") or 0
         memory = {"host": max(0, resident_bytes() - rss0)} if rss0 is not None else {}
         if device:
@@ -179,6 +196,30 @@ class ModelRuntime:
         self._state["memory"] = memory
         self._state["active"] = True
         return self
+
+    def _limit_batches(self, engine, one: dict) -> None:
+        """On single-threaded CPU workers (the run's CPU is its thread's), measure a sample alone and in a batch of up
+        to 4, and keep batches at one when batching costs CPU (:func:`batch_limit`): the engines then map batch 1 only."""
+        spec = engine.backend.inputs[0]
+        described = engine.describe()
+        if not spec.batch_axis or described.get("backend") != "onnxruntime" or described.get("threads_per_lane") != 1:
+            return
+        k = min(4, max(spec.batch_sizes))
+        if k < 2:
+            return
+        batch = {engine.input_name: np.zeros((k, *spec.shape[1:]), dtype=spec.dtype)}
+        alone = min(_thread_cpu(engine, one) for _ in range(3))
+        together = min(_thread_cpu(engine, batch) for _ in range(2))
+        limit = batch_limit(alone, together, k, max(spec.batch_sizes))
+        self._state.setdefault("batch_measure", {})[id(engine)] = {"alone_ms": alone * 1e3, "batch": k,
+                                                                    "batch_ms": together * 1e3, "limit": limit}
+        if limit < max(spec.batch_sizes):
+            log.info("model %s: a sample costs %.1f ms of CPU alone, %.1f ms in a batch of %d: batches of %d",
+                     self.name, alone * 1e3, together * 1e3 / k, k, limit)
+            for engines in (self.normal, self.warm or {}):
+                for b in [b for b, e in engines.items() if e is engine and b > limit]:
+                    del engines[b]
+            self.max_batch = max(self.engines)
 
     def deactivate(self) -> None:
         """Release every engine (of both profiles).
@@ -322,6 +363,13 @@ def image_size(data: bytes) -> tuple[int, int]:
             return img.size
     except (Image.DecompressionBombError, UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise image_error(exc) from None
+
+
+def _thread_cpu(engine, feeds: dict) -> float:
+    """CPU seconds this thread spent running ``feeds`` (the whole run, on a single-threaded session)."""
+    t0 = time.thread_time()
+    engine.infer(feeds)
+    return time.thread_time() - t0
 
 
 def resident_bytes() -> int | None:
