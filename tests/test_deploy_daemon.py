@@ -230,7 +230,9 @@ def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp
     assert daemon.terminate() == 0
     restarted = _daemon(cfg, tmp_path, broker)
     model = _status(broker.port)["models"][0]
-    assert model["model_version"] == "1.1.0" and model["cache"]["cached"] == model["cache"]["engines"] == 3, model
+    # one engine for every batch size up to max_batch 4, from the cache
+    assert model["model_version"] == "1.1.0" and model["cache"]["cached"] == model["cache"]["engines"] == 1, model
+    assert model["batch_sizes"] == [1, 2, 3, 4] and set(model["memory"]) == {"host"}, model
     answer = _ask(client, "after-restart")
     assert answer["model_version"] == "1.1.0" and answer["profile"] == "c2"
     load = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])

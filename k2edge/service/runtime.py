@@ -29,18 +29,20 @@ def batch_sizes(max_batch: int) -> list[int]:
     return list(profile_batch_sizes(max_batch))
 
 
-BATCH_COST_MARGIN = 1.05
-"""Batches stay at one sample when a sample costs at least this much more CPU in a batch than alone."""
+LARGE_SAMPLE_CPU_S = 0.010
+"""A sample this costly alone dwarfs what a batch saves in the daemon (its own per-batch work, about a millisecond)."""
 
 
 def batch_limit(cpu_alone_s: float, cpu_batch_s: float, batch: int, max_batch: int) -> int:
     """The largest batch worth forming on single-threaded CPU workers, from a measurement: ``cpu_alone_s`` the CPU one
-    sample took alone, ``cpu_batch_s`` what a batch of ``batch`` took. A batch saves the per-run cost; on a large
-    model that is nothing against a sample's own, and a batch's larger working set makes each sample dearer
-    (YOLOv8n at 640 here: 1.15x the CPU a sample at batch 4): then every worker runs batches of one."""
+    sample took alone, ``cpu_batch_s`` what a batch of ``batch`` took. A batch saves the per-run cost, in the engine
+    and in the daemon; where a sample alone costs :data:`LARGE_SAMPLE_CPU_S` or more and costs no less in a batch,
+    there is nothing to save and a batch's larger working set makes each sample dearer (YOLOv8n at 640 here: 1.01x
+    to 1.15x the CPU a sample at batch 4, the more so the busier the cores), holds its frames longer and grows the
+    arena: every worker then runs batches of one."""
     if batch < 2 or cpu_alone_s <= 0:
         return max_batch
-    return 1 if cpu_batch_s / batch >= BATCH_COST_MARGIN * cpu_alone_s else max_batch
+    return 1 if cpu_alone_s >= LARGE_SAMPLE_CPU_S and cpu_batch_s / batch >= cpu_alone_s else max_batch
 
 
 class RuntimeStateError(K2EdgeError):
