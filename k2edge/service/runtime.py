@@ -31,18 +31,21 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 LARGE_SAMPLE_CPU_S = 0.010
 """A sample this costly alone dwarfs what a batch saves in the daemon (its own per-batch work, about a millisecond)."""
+LEAST_BATCH_SAVING = 0.02
+"""On such a sample, a batch is worth its latency and memory only if it saves at least this share of a sample's CPU."""
 
 
 def batch_limit(cpu_alone_s: float, cpu_batch_s: float, batch: int, max_batch: int) -> int:
     """The largest batch worth forming on single-threaded CPU workers, from a measurement: ``cpu_alone_s`` the CPU one
     sample took alone, ``cpu_batch_s`` what a batch of ``batch`` took. A batch saves the per-run cost, in the engine
-    and in the daemon; where a sample alone costs :data:`LARGE_SAMPLE_CPU_S` or more and costs no less in a batch,
-    there is nothing to save and a batch's larger working set makes each sample dearer (YOLOv8n at 640 here: 1.01x
-    to 1.15x the CPU a sample at batch 4, the more so the busier the cores), holds its frames longer and grows the
-    arena: every worker then runs batches of one."""
+    and in the daemon; where a sample alone costs :data:`LARGE_SAMPLE_CPU_S` or more and a batch saves less than
+    :data:`LEAST_BATCH_SAVING` of it, there is nothing worth saving, and a batch's larger working set can make each
+    sample dearer (YOLOv8n at 640 here: 1.00x to 1.02x the CPU a sample at batch 2, 1.01x to 1.15x at batch 4, the
+    more so the busier the cores), holds its frames longer and grows the arena: every worker then runs batches of one."""
     if batch < 2 or cpu_alone_s <= 0:
         return max_batch
-    return 1 if cpu_alone_s >= LARGE_SAMPLE_CPU_S and cpu_batch_s / batch >= cpu_alone_s else max_batch
+    saves = 1.0 - cpu_batch_s / batch / cpu_alone_s
+    return 1 if cpu_alone_s >= LARGE_SAMPLE_CPU_S and saves < LEAST_BATCH_SAVING else max_batch
 
 
 class RuntimeStateError(K2EdgeError):
@@ -157,8 +160,8 @@ class ModelRuntime:
 
     @property
     def memory(self) -> dict[str, int]:
-        """Bytes the engines hold, by kind: ``host`` (the process's resident memory that activating them and a run at
-        their smallest batch added: larger batches grow ONNX Runtime's arena from there) and, on TensorRT, ``device``
+        """Bytes the engines hold, by kind: ``host`` (the process's resident memory that activating them and their runs at
+        activation added: batch 1, and 2 where batching is measured; larger batches grow ONNX Runtime's arena from there) and, on TensorRT, ``device``
         (the engines' own accounting: serialized engines and each execution context's memory). Empty before
         :meth:`activate`."""
         return dict(self._state["memory"])
@@ -200,13 +203,14 @@ class ModelRuntime:
         return self
 
     def _limit_batches(self, engine, one: dict) -> None:
-        """On single-threaded CPU workers (the run's CPU is its thread's), measure a sample alone and in a batch of up
-        to 4, and keep batches at one when batching costs CPU (:func:`batch_limit`): the engines then map batch 1 only."""
+        """On single-threaded CPU workers (the run's CPU is its thread's), measure a sample alone and in a batch of 2, and
+        keep batches at one when batching costs CPU (:func:`batch_limit`): the engines then map batch 1 only. A batch of
+        2 grows the arena no further than two workers at batch 1 do."""
         spec = engine.backend.inputs[0]
         described = engine.describe()
         if not spec.batch_axis or described.get("backend") != "onnxruntime" or described.get("threads_per_lane") != 1:
             return
-        k = min(4, max(spec.batch_sizes))
+        k = min(2, max(spec.batch_sizes))
         if k < 2:
             return
         batch = {engine.input_name: np.zeros((k, *spec.shape[1:]), dtype=spec.dtype)}
