@@ -1,6 +1,7 @@
 """Lanes sized to the cores: the layout ``threads_per_lane = 0`` / ``"auto"`` chooses, workers of one device running
 batches at once on one set of sessions, and the memory a model's engines hold reported per kind."""
 
+import os
 import threading
 
 import numpy as np
@@ -14,13 +15,15 @@ from k2edge.service.runtime import ModelRuntime
 
 
 @pytest.mark.parametrize("cores, devices, threads, prefetch, want", [
-    (2, 1, None, False, (2, 1)),   # one device: a single-threaded worker per core
+    (2, 1, 0, False, (2, 1)),      # auto, one device: a single-threaded worker per core
     (8, 1, 0, False, (8, 1)),
-    (4, 1, None, True, (3, 1)),    # the prefetch ring's staging thread keeps a core
-    (1, 1, None, True, (1, 1)),
-    (6, 3, None, False, (1, 2)),   # a plan naming devices keeps a lane per device, the cores shared
-    (2, 3, None, False, (1, 1)),
+    (4, 1, 0, True, (3, 1)),       # the prefetch ring's staging thread keeps a core
+    (1, 1, 0, True, (1, 1)),
+    (6, 3, 0, False, (1, 2)),      # a plan naming devices keeps a lane per device, the cores shared
+    (2, 3, 0, False, (1, 1)),
     (8, 1, 2, False, (1, 2)),      # an explicit threads_per_lane keeps its meaning
+    (4, 1, None, False, (1, 4)),   # the Engine API's default: one worker, the device's share of the cores
+    (4, 2, None, True, (1, 1)),
 ])
 def test_lane_layout(cores, devices, threads, prefetch, want):
     """Workers and intra-op threads per lane for each kind of plan and setting."""
@@ -72,11 +75,13 @@ def test_memory_metric_per_model_and_kind():
 
 
 def test_runtime_reports_the_memory_its_activation_took(demo_model):
-    """Before activation no figure; after, the host bytes activating the one engine and its runs at batch 1 added."""
-    rt = ModelRuntime(ModelConfig(name="m", onnx=demo_model), 8, None, None)
+    """Before activation no figure; after, the host bytes activating the one engine and its runs added; the lanes are
+    the auto layout's (a worker per core)."""
+    rt = ModelRuntime(ModelConfig(name="m", onnx=demo_model), 8, None, None, threads_per_lane=0)
     assert rt.memory == {} and len({id(e) for e in rt.engines.values()}) == 1
     with rt:
         assert set(rt.memory) == {"host"} and rt.memory["host"] >= 0
+        assert len(rt.lanes()) == len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize("alone, together, batch, want", [

@@ -158,9 +158,10 @@ class OnnxRuntimeBackend(Backend):
         inputs / outputs: the model's input specs and output names.
         spinning: let intra-op threads spin-wait between runs (ONNX Runtime's default). Off, they
             still spin within a run (fast hand-offs between an operator's parts) but stop at its end.
-        threads_per_lane: intra-op threads of each session; None or 0 chooses from the process's CPU
-            affinity (:func:`~k2edge.engine.pipeline.lane_layout`: a one-device plan runs one single-threaded
-            worker per core on one set of sessions). A prefetch staging thread keeps a core for itself.
+        threads_per_lane: intra-op threads of each session; 0 chooses from the process's CPU affinity
+            (:func:`~k2edge.engine.pipeline.lane_layout`: a one-device plan runs one single-threaded worker per
+            core on one set of sessions); None gives each device's one worker its share of the cores. A prefetch
+            staging thread keeps a core for itself.
     """
 
     name = "onnxruntime"

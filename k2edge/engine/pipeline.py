@@ -167,15 +167,20 @@ class LaneLayout:
 def lane_layout(cores: int, devices: int, threads_per_lane: int | None, prefetch: bool) -> LaneLayout:
     """The lanes for ``cores`` CPU cores (the process's affinity) and a plan over ``devices`` devices.
 
-    ``threads_per_lane`` > 0 keeps its meaning: one worker per device with that many intra-op threads. None or 0
-    chooses: a one-device plan gets one single-threaded worker per core (batches run concurrently on the one
-    engine), because on a shared CPU a run's own threads cost more CPU per frame than they save (the
-    measurement is in docs/performance.md, "Lanes sized to the cores"); a plan that names several devices keeps
-    one lane per device, the cores shared between them. A prefetch ring's staging thread takes a core first.
+    ``threads_per_lane`` > 0 keeps its meaning: one worker per device with that many intra-op threads. 0 (the
+    daemon's ``"auto"``) chooses: a one-device plan gets one single-threaded worker per core (batches run
+    concurrently on the one engine), because on a shared CPU a run's own threads cost more CPU per frame than they
+    save (the measurement is in docs/performance.md, "Lanes sized to the cores"); a plan that names several
+    devices keeps one lane per device, the cores shared between them. None (the :class:`~k2edge.Engine` API's
+    default, where one caller's ``infer`` wants the lowest latency) gives each device's one worker its share of
+    the cores. A prefetch ring's staging thread takes a core first.
     """
     usable = max(1, cores - (1 if prefetch else 0))
     if threads_per_lane:
         return LaneLayout(1, threads_per_lane, cores, f"threads_per_lane = {threads_per_lane}")
+    if threads_per_lane is None:
+        threads = max(1, usable // devices)
+        return LaneLayout(1, threads, cores, f"one lane per device, {threads} thread(s) each on {cores} core(s)")
     if devices == 1:
         return LaneLayout(usable, 1, cores, f"auto: {usable} single-threaded worker(s) on {cores} core(s)")
     threads = max(1, usable // devices)

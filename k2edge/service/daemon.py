@@ -199,7 +199,7 @@ class Daemon:
         log.info("model %s%s: building engines (profile %s, board %s)", m.name, f" {version}" if version else "",
                  m.profile, self._board)
         s = self.cfg.service
-        rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane or None)
+        rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane)
         self._escalation_for(rt)
         if self.cfg.trust is not None and self.cfg.trust.require_int8_check:
             why = refusal([e.info.int8_check for e in (rt.normal[1], *((rt.warm[1],) if rt.warm else ()))])
