@@ -117,3 +117,20 @@ def test_runtime_falls_back_to_engines_per_batch_size(tmp_path):
         samples = [np.full((3, 8, 8), i, np.float32) for i in range(3)]
         out = rt.infer(samples)["y"]
         assert out.shape[0] == 4 and np.array_equal(out[:3], np.stack(samples) + 1)
+
+
+def test_plan_footprint_counts_dla_weights_per_batch_size():
+    """c1 on the demo detector: ONNX Runtime holds each segment's weights once; TensorRT the GPU segments' once and
+    the DLA segments' once per batch size 1, 2, 4, 8; FP16 layers at 2 bytes a weight."""
+    from k2edge.dla.planner import plan_partition
+    from k2edge.engine.footprint import plan_footprint
+
+    nm = normalise(ROOT / "models" / "detector" / "model.onnx")
+    plan = plan_partition(nm, load_profile("c1"))
+    fp = plan_footprint(plan, nm.graph, 8)
+    floats = sum(int(np.prod(t.dims)) for t in nm.model.graph.initializer if t.data_type == TensorProto.FLOAT)
+    assert fp.batch_sizes == (1, 2, 4, 8) and fp.onnxruntime_bytes == sum(fp.segment_bytes)
+    assert floats * 2 <= fp.onnxruntime_bytes < floats * 2 + 4096  # every float weight once, in FP16 (+ int shapes)
+    dla = sum(n for s, n in zip(plan.segments, fp.segment_bytes) if s.device.startswith("dla"))
+    assert dla > 0 and fp.tensorrt_dla_bytes == 4 * dla and fp.tensorrt_gpu_bytes == fp.onnxruntime_bytes - dla
+    assert any("4 static engines each" in line for line in fp.lines())
