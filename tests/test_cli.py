@@ -49,8 +49,10 @@ def test_plan_json_with_ratio_and_board():
     assert data["requested_gpu_share"] == 0.5 and abs(data["gpu_flop_share"] - 0.5) <= 0.05
     assert {s["device"] for s in data["segments"]} == {"gpu", "dla0"}
     assert all({"device", "nodes", "flops", "precision", "inputs", "outputs"} <= set(s) for s in data["segments"])
+    assert data["memory"]["batch_sizes"] == [1, 2, 4, 8] and data["memory"]["tensorrt_dla_weight_bytes"] > 0
     text = k2edge("plan", MODEL, "-p", "c1").stdout
     assert "requested GPU share 0.350" in text and "note:" in text
+    assert "memory: weights for batches up to 8: onnxruntime" in text and "4 static engines each" in text
 
 
 def test_infer_json_and_save_output(tmp_path):
@@ -133,6 +135,7 @@ def test_doctor_runs_here():
     (["eval", MODEL, "-p", "cpu-dev", "--dataset", "nowhere/"], ["dataset 'nowhere/' does not exist"]),
     (["build", MODEL, "-p", "c2", "--calib", "models/digits/labels.txt"], ["expected a directory of images or an .npz"]),
     (["plan", MODEL, "--offload-ratio", "x", "--partition", "layer-wise"], ["invalid float value"]),
+    (["plan", MODEL, "-p", "c1", "--max-batch", "0"], ["--max-batch must be at least 1, got 0"]),
     (["frobnicate"], ["invalid choice"]),
     (["inspect", "models"], ["'models' is a directory; expected an ONNX model file"]),
     (["infer", MODEL, "-p", "cpu-dev", "models"], ["input 'models' is a directory"]),

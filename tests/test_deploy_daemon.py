@@ -230,7 +230,9 @@ def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp
     assert daemon.terminate() == 0
     restarted = _daemon(cfg, tmp_path, broker)
     model = _status(broker.port)["models"][0]
-    assert model["model_version"] == "1.1.0" and model["cache"]["cached"] == model["cache"]["engines"] == 3, model
+    # one engine for every batch size up to max_batch 4, from the cache
+    assert model["model_version"] == "1.1.0" and model["cache"]["cached"] == model["cache"]["engines"] == 1, model
+    assert model["batch_sizes"] == [1, 2, 3, 4] and set(model["memory"]) == {"host"}, model
     answer = _ask(client, "after-restart")
     assert answer["model_version"] == "1.1.0" and answer["profile"] == "c2"
     load = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])
@@ -253,7 +255,8 @@ def test_a_thermal_switch_while_requests_flow_keeps_the_version_and_loses_nothin
         "thermal": {"source": "sysfs", "sysfs_root": str(tmp_path / "sysfs"), "sample_interval_ms": 50}})
     _daemon(cfg, tmp_path, broker)
     before = _status(broker.port)["models"][0]
-    assert (before["profile"], before["slots"]) == ("cpu-dev", 1)
+    cores = len(os.sched_getaffinity(0))  # cpu-dev: a single-threaded worker per core (threads_per_lane 0)
+    assert (before["profile"], before["slots"]) == ("cpu-dev", 1 if cores == 1 else cores + 1)
     client = Client(broker.port).connect()
     stop, sent = threading.Event(), []
 

@@ -212,6 +212,8 @@ def test_the_daemons_metrics_count_the_answers_it_sent_over_mqtt(run_daemon, bro
     batches = _sample(samples, "k2edge_batch_size_count", model="digits")
     assert 1 <= batches <= 7 and _sample(samples, "k2edge_batch_size_sum", model="digits") == 7
     assert _sample(samples, "k2edge_model_info", model="digits", version="unversioned", profile="cpu-dev") == 1
+    host = _sample(samples, "k2edge_model_memory_bytes", model="digits", kind="host")
+    assert host is not None and host >= 0
     assert _sample(samples, "k2edge_queue_depth") == 0
     assert _sample(samples, "k2edge_thermal_state", k2edge_thermal_state="unknown") == 1
     assert all(a.get("model_version", "missing") is None for a in answers)  # a bare onnx has no version

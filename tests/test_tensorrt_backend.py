@@ -561,7 +561,7 @@ def test_selftest_against_the_double(trt, cache_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "gpu:fp16 dla0:fp16 dla1:fp16" in out and "as planned" in out and "p50 ms" in out
-    for check in ("direct-io", "chw32-cuts", "event-flags"):
+    for check in ("direct-io", "chw32-cuts", "batch-profiles", "event-flags"):
         assert f"check {check}: ok" in out, out
     rc = _selftest().main(["--profiles", "c2", "--samples", "6", "--cache", str(cache_dir), "--tolerance", "0", "--skip-streams"])
     out = capsys.readouterr().out
@@ -804,3 +804,51 @@ def test_selftest_stream_check_says_what_it_needs():
     checks = _selftest().stream_checks([])
     assert len(checks) == 1 and checks[0][0] == "nvdec-decode" and not checks[0][1]
     assert "gi" in checks[0][2] or "nvv4l2decoder" in checks[0][2]
+
+
+# ------------------------------------------------------------------------------------------------
+# one engine for every batch size
+
+def test_every_batch_size_gpu_profiles_dla_engines_per_size(trt, cache_dir):
+    """c1 (GPU, DLA0, DLA1, GPU) for batches up to 8: each GPU segment is one engine with a static profile per batch
+    size 1, 2, 4, 8 and one execution context per profile; each DLA segment is one static engine per size; every
+    size computes what the static engine of that size computes."""
+    with build("c1", cache_dir, max_batch=8) as one:
+        spec = one.backend.inputs[0]
+        assert spec.batch_sizes == (1, 2, 4, 8) and spec.shape == (8, 1, 32, 32)
+        gpu = [b for b in trt.builds if b["default_device"] == "GPU"]
+        dla = [b for b in trt.builds if b["default_device"] == "DLA"]
+        assert len(gpu) == 2 and all([p["input" if b["network"] == "segment0_gpu" else next(iter(p))][0][0]
+                                      for p in b["profiles"]] == [[1, 1, 32, 32][0], 2, 4, 8] for b in gpu)
+        assert len(dla) == 8 and all(len(b["profiles"]) == 1 for b in dla)
+        for b in gpu + dla:
+            for prof in b["profiles"]:
+                assert all(lo == opt == hi for lo, opt, hi in prof.values())
+        selected = trt.find("context.set_optimization_profile_async")
+        assert sorted((c[1], c[2]) for c in selected if c[1] == "segment0_gpu") == [("segment0_gpu", k) for k in range(4)]
+        assert sorted(c[2] for c in selected if c[1] == "segment1_dla0") == [0, 0, 0, 0]
+        assert one.describe()["device_memory_bytes"] > 0
+        assert any("dla0: 4 static engine(s)" in n for n in one.info.notes)
+        for size in (1, 2, 4, 8):
+            x = np.random.default_rng(size).standard_normal((size, 1, 32, 32)).astype(np.float32)
+            with build(profile("layer-wise", 0.35, batch_size=size), cache_dir) as static:
+                assert static.backend.inputs[0].batch_sizes == ()
+                want = static.infer({"input": x})["logits"]
+            got = one.infer({"input": x})["logits"]
+            assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_every_batch_size_engines_have_keys_of_their_own(trt, cache_dir):
+    """The profile engines' cache keys differ from the static engines' (an old cache is never taken for them)."""
+    static = build("c1", cache_dir)
+    one = build("c1", cache_dir, max_batch=4)
+    assert {s.key for s in one.backend.build.segments}.isdisjoint(s.key for s in static.backend.build.segments)
+    assert not one.backend.build.cached
+
+
+def test_too_many_dla_engines_for_a_core_fail_clearly(trt, cache_dir):
+    """Batches up to 65536 are 17 sizes, so 17 static engines on each DLA core of c1: refused, before any is built,
+    with the reason."""
+    with pytest.raises(BuildError, match="dla0 would hold 17 engines .* more than the 16 loadables a DLA core holds"):
+        build("c1", cache_dir, max_batch=2**16)
+    assert trt.builds == []

@@ -51,6 +51,9 @@ def run(args) -> int:
         line = mostly_not_int8(engine.plan)
         if line:
             print(f"  note: {line}")
+    if d.get("engine_bytes"):
+        print(f"  memory: engine files {d['engine_bytes'] / 2**20:.2f} MiB (weights; a running daemon reports what its "
+              f"activated engines hold: status `memory`, metric k2edge_model_memory_bytes)")
     for note in list(engine.plan.notes) + d["notes"]:
         print(f"  note: {note}")
     _print_fallback(engine)

@@ -22,6 +22,8 @@ def register(p) -> None:
                    "beside the model): shows the layers that build's INT8 check kept out of INT8")
     p.add_argument("--check", metavar="DATA", help="the --check set that build used, if any")
     p.add_argument("--cache", metavar="DIR", help="engine cache directory (default: ~/.cache/k2edge)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="the largest batch the engines run, for the weights they hold (default 8, the daemon's max_batch)")
     add_json(p)
 
 
@@ -54,7 +56,13 @@ def run(args) -> int:
         # INT8 check moved to fp16 (from the cache)
         card = model_card(Path(args.model), nm, the_card)
         plan, check = _with_int8(plan, nm, card, profile, cache, args)
+    if args.max_batch < 1:
+        raise K2EdgeError(f"--max-batch must be at least 1, got {args.max_batch}")
+    from ..engine.footprint import plan_footprint
+
+    footprint = plan_footprint(plan, nm.graph, args.max_batch)
     data = plan.to_dict()
+    data["memory"] = footprint.to_dict()
     data["int8_check"] = check.to_dict() if check is not None else None
     data["profile"] = profile.name
     data["model"] = nm.source
@@ -72,6 +80,8 @@ def run(args) -> int:
     print(table(rows, ["seg", "device", "nodes", "FLOPs / share", "precision", "span", "inputs"]))
     for note in plan.notes[1:]:
         print(f"note: {note}")
+    for line in footprint.lines():
+        print(f"memory: {line}")
     for f in plan.int8_fallback:
         if f.get("sensitivity") is not None:
             print(f"{f['precision']}: {f['node']} on {f['device']} (INT8 check; sensitivity {f['sensitivity']:.3f} of the output error)")

@@ -140,10 +140,17 @@ class ServiceConfig(_Strict):
                                   description="an answer larger than this (task = \"tensor\" outputs) is refused with payload_too_large")
     staging_threads: int = Field(1, ge=1, le=64, description="threads decoding a batch's images; 1: the model's batcher decodes them")
     threads_per_lane: int = Field(
-        1, ge=0, le=256,
-        description="ONNX Runtime intra-op threads of each CPU lane's session; 0: the cores left after one, shared by the "
-                    "lanes. The daemon's own parallelism is its lanes and batches: one thread per run wakes no sleeping "
-                    "pool threads (no millisecond tails on shared cores); TensorRT engines ignore it")
+        0, ge=0, le=256,
+        description="ONNX Runtime intra-op threads of each CPU lane's session; 0 or \"auto\": chosen from the cores the "
+                    "daemon may run on (its CPU affinity): a one-device profile runs one single-threaded lane per core "
+                    "on one engine, a profile naming several devices one lane per device sharing the cores. TensorRT "
+                    "engines ignore it")
+
+    @field_validator("threads_per_lane", mode="before")
+    @classmethod
+    def _auto_threads(cls, v):
+        return 0 if v == "auto" else v
+
     telemetry_interval_s: float = Field(5.0, gt=0)
     default_deadline_ms: float | None = Field(None, ge=1, le=3_600_000, description="deadline for requests that give none")
     drain_timeout_s: float = Field(30.0, gt=0)

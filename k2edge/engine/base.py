@@ -18,9 +18,24 @@ from ..errors import EngineStateError, InputError
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """An input: its name, shape and dtype. ``batch_sizes``: the batch sizes one engine takes (the first dimension
+    of ``shape`` is then the largest); empty: ``shape`` exactly."""
+
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    batch_sizes: tuple[int, ...] = ()
+
+    @property
+    def batch_axis(self) -> bool:
+        """True when the engine takes several batch sizes."""
+        return bool(self.batch_sizes)
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """True when an array of ``shape`` is a valid value for this input."""
+        if self.batch_sizes:
+            return len(shape) == len(self.shape) and shape[0] in self.batch_sizes and shape[1:] == self.shape[1:]
+        return shape == self.shape
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,13 @@ class LaneInfo:
     precision: str
     request_share: float | None = None
     runs: int = 0  # segments run on this lane through submit()/stream()
+
+
+def _sizes(sizes: tuple[int, ...]) -> str:
+    """``1..8`` for a run of sizes, ``1|2|4|8`` otherwise."""
+    if sizes == tuple(range(sizes[0], sizes[-1] + 1)):
+        return f"{sizes[0]}..{sizes[-1]}"
+    return "|".join(map(str, sizes))
 
 
 class Backend(abc.ABC):
@@ -106,8 +128,10 @@ class Backend(abc.ABC):
             arr = feeds[spec.name]
             if not isinstance(arr, np.ndarray):
                 raise InputError(f"input {spec.name!r}: expected a numpy array, got {type(arr).__name__}")
-            if arr.dtype != spec.dtype or tuple(arr.shape) != spec.shape:
-                raise InputError(f"input {spec.name!r}: expected {spec.dtype} {spec.shape}, got {arr.dtype} {tuple(arr.shape)}")
+            if arr.dtype != spec.dtype or not spec.fits(tuple(arr.shape)):
+                want = (f"({_sizes(spec.batch_sizes)}, {', '.join(map(str, spec.shape[1:]))})" if spec.batch_axis
+                        else str(spec.shape))
+                raise InputError(f"input {spec.name!r}: expected {spec.dtype} {want}, got {arr.dtype} {tuple(arr.shape)}")
         return feeds
 
     def _require_active(self) -> None:

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BATCH_AXIS_SIZES = (2, 3)
+"""The two batch sizes a model is normalised at to find what follows its batch (neither is 1: a batch of 1
+would pass for any constant 1 in the graph)."""
+
 
 @dataclass(frozen=True)
 class BuildInfo:
@@ -149,6 +153,7 @@ class Engine:
         card_overrides: ModelCard | dict | None = None,
         check: str | os.PathLike | Dataset | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        max_batch: int | None = None,
     ) -> "Engine":
         """Normalise, plan, calibrate and build ``model`` under ``profile``; every step is cached.
 
@@ -174,6 +179,11 @@ class Engine:
             card_overrides: card keys that override the card (the daemon config's card table).
             check: a set to run the INT8 accuracy check on instead of the held-out calibration samples.
             progress: called as ``progress(what, done, total)`` during long steps (calibration, fallback).
+            max_batch: build one engine that runs every batch size up to ``max_batch`` (a dynamic batch axis,
+                see :func:`k2edge.model.batch_axis.with_batch_axis`) instead of one at the profile's ``batch_size``:
+                on ONNX Runtime any size from 1, on TensorRT those of
+                :func:`~k2edge.model.batch_axis.profile_batch_sizes` (GPU segments: one engine, a profile per
+                size; DLA segments: a static engine per size). A model exported with a fixed batch keeps it.
 
         Raises:
             K2EdgeError: any input problem, with one message naming it.
@@ -184,6 +194,10 @@ class Engine:
         backend = resolve_backend(backend)
         profile = _checked_profile(profile, precision)
         cache = EngineCache(cache_dir)
+        if max_batch is not None:
+            return cls._build_batch_axis(model, profile, calib, precision, board, backend, cache, input_shapes, labels,
+                                         threads_per_lane, spinning, card, card_overrides, check, progress, max_batch,
+                                         started)
         loaded = load_model(model, cache, profile.edge_runtime.batch_size, input_shapes, card, card_overrides)
         plan = plan_partition(loaded.normalised, profile, board, precision)
         task = _resolve_task(loaded, card_overrides, labels)
@@ -195,6 +209,53 @@ class Engine:
         hits["engine"] = runner.build.cached
         info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes), int8_check)
         return cls(runner, plan, loaded.normalised, profile, task.card, task.labels, info)
+
+    @classmethod
+    def _build_batch_axis(cls, model, profile: Profile, calib, precision, board, backend: str, cache: EngineCache,
+                          input_shapes, labels, threads_per_lane, spinning, card, card_overrides, check, progress,
+                          max_batch: int, started: float) -> "Engine":
+        """:meth:`build` for every batch size up to ``max_batch``: the pipeline runs at two batch sizes
+        (:data:`BATCH_AXIS_SIZES`), and the backend builds one engine from the pair."""
+        hits: dict[str, bool] = {}
+        built = []
+        for b in BATCH_AXIS_SIZES:
+            shapes = {k: (b, *tuple(v)[1:]) for k, v in input_shapes.items()} if input_shapes else None
+            loaded = load_model(model, cache, b, shapes, card, card_overrides)
+            plan = plan_partition(loaded.normalised, profile, board, precision)
+            task = _resolve_task(loaded, card_overrides, labels)
+            step = cls._int8_step(loaded.normalised, plan, calib, check, loaded.path, profile, task.labels, task.card,
+                                  task.preprocess, cache, profile.edge_runtime, progress, precision, hits)
+            built.append((loaded, task, step))
+        (small, task, (quant, plan, int8_check, calib_source)), (large, _, (quant2, plan2, _, _)) = built
+        if _placement(plan) != _placement(plan2):
+            raise BuildError(f"{small.normalised.source}: the plan differs between batch sizes "
+                             f"{BATCH_AXIS_SIZES[0]} and {BATCH_AXIS_SIZES[1]}; build one engine per batch size")
+        graph = small.normalised.graph
+        name = graph.inputs[0]
+        shape = graph.shape(name)
+        if backend == "tensorrt":
+            from ..model.batch_axis import profile_batch_sizes
+            from .tensorrt_backend import create_backend
+
+            trt = create_backend(small.normalised, plan, quant, cache, profile,
+                                 (TensorSpec(name, shape, graph.tensors[name].dtype),), graph.outputs,
+                                 batch_sizes=profile_batch_sizes(max_batch),
+                                 other=(large.normalised, quant2, BATCH_AXIS_SIZES))
+            hits["engine"] = trt.build.cached
+            info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(trt.build.notes), int8_check)
+            return cls(trt, plan, small.normalised, profile, task.card, task.labels, info)
+        from .onnxruntime_backend import OnnxRuntimeBackend, build_batch_axis_segments
+
+        runner_build = build_batch_axis_segments((small.normalised, large.normalised), (plan, plan2), (quant, quant2),
+                                                 BATCH_AXIS_SIZES, cache)
+        dynamic = runner_build.batch_axis
+        spec = TensorSpec(name, (max_batch, *shape[1:]) if dynamic else shape, graph.tensors[name].dtype,
+                          tuple(range(1, max_batch + 1)) if dynamic else ())
+        runner = OnnxRuntimeBackend(plan, runner_build, (spec,), graph.outputs, threads_per_lane,
+                                    prefetch=profile.edge_runtime.dma_prefetch, spinning=spinning)
+        hits["engine"] = runner_build.cached
+        info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner_build.notes), int8_check)
+        return cls(runner, plan, small.normalised, profile, task.card, task.labels, info)
 
     @staticmethod
     def _int8_step(normalised: NormalisedModel, plan: PartitionPlan, calib, check, model_path: Path | None,
@@ -417,6 +478,12 @@ def _backend_step(backend: str, normalised: NormalisedModel, plan: PartitionPlan
     built = build_segments(normalised, plan, quant, cache)
     return OnnxRuntimeBackend(plan, built, inputs, graph.outputs, threads_per_lane,
                               prefetch=profile.edge_runtime.dma_prefetch, spinning=spinning)
+
+
+def _placement(plan: PartitionPlan) -> list[tuple]:
+    """Where and how each segment runs: what must be the same at every batch size for one engine to serve them."""
+    return [(s.device, s.nodes, s.inputs, s.outputs, sorted(s.layer_precision.items()), s.request_share)
+            for s in plan.segments]
 
 
 def _report_check(check, precision: str | None) -> None:

@@ -13,7 +13,6 @@ session); the build notes say so.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +27,13 @@ from ..model.extract import extract_submodel
 from ..model.ingest import NormalisedModel
 from .base import Backend, LaneInfo, TensorSpec
 from .cache import EngineCache, digest
-from .pipeline import LaneSet
+from .pipeline import LaneSet, available_cores, lane_layout
 from .quantize import QuantArtefacts, to_fp16
 
 log = logging.getLogger(__name__)
 ort = LazyModule("onnxruntime", "pip install onnxruntime")
 
-BACKEND_VERSION = "1"
+BACKEND_VERSION = "2"  # 2: segment models may carry a dynamic batch axis
 
 
 @dataclass(frozen=True)
@@ -50,6 +49,7 @@ class BuildResult:
     segments: tuple[SegmentArtefact, ...]
     notes: tuple[str, ...]
     cached: bool
+    batch_axis: bool = False  # the segments take any batch size (else the one they were normalised at)
 
 
 def _executed_precision(layer_precision: dict[str, str]) -> str:
@@ -61,6 +61,36 @@ def _executed_precision(layer_precision: dict[str, str]) -> str:
     return "fp32"
 
 
+def _segment_models(model: NormalisedModel, plan: PartitionPlan, quant: QuantArtefacts | None):
+    """Per segment of ``plan``: ``(segment, executed precision, sub-model, notes)``, converted to the precision it runs in."""
+    qdq_models: dict[Path, onnx.ModelProto] = {}  # a model-wise plan's GPU and DLA engines have their own
+
+    def qdq_for(device: str) -> onnx.ModelProto:
+        path = quant.for_device(device).qdq_model
+        if path not in qdq_models:
+            qdq_models[path] = onnx.load(str(path))
+        return qdq_models[path]
+
+    for seg in plan.segments:
+        precision = _executed_precision(seg.layer_precision)
+        name = f"segment{seg.index}_{seg.device}"
+        notes = []
+        if precision == "int8":
+            sub = extract_submodel(qdq_for(seg.device), seg.inputs, seg.outputs, name)
+            fp16_layers = [n for n, p in seg.layer_precision.items() if p == "fp16"]
+            if fp16_layers:
+                notes.append(f"segment {seg.index}: {len(fp16_layers)} FP16 layer(s) of an INT8 segment compute in FP32 on the cpu lane "
+                             f"(the outputs of layers the INT8 check moved are rounded to FP16)")
+        else:
+            sub = extract_submodel(model.model, seg.inputs, seg.outputs, name)
+            if precision == "fp16":
+                keep32 = [n for n, p in seg.layer_precision.items() if p == "fp32"]
+                from onnxruntime.transformers.float16 import convert_float_to_float16
+
+                sub = convert_float_to_float16(sub, keep_io_types=True, node_block_list=keep32) if keep32 else to_fp16(sub)
+        yield seg, precision, sub, notes
+
+
 def build_segments(model: NormalisedModel, plan: PartitionPlan, quant: QuantArtefacts | None,
                    cache: EngineCache) -> BuildResult:
     """Extract (and convert) one sub-model per segment, through the engine cache."""
@@ -68,41 +98,55 @@ def build_segments(model: NormalisedModel, plan: PartitionPlan, quant: QuantArte
                  quant.keys if quant else "")
 
     def build(tmp: Path) -> dict:
-        qdq_models: dict[Path, onnx.ModelProto] = {}  # a model-wise plan's GPU and DLA engines have their own
-
-        def qdq_for(device: str) -> onnx.ModelProto:
-            path = quant.for_device(device).qdq_model
-            if path not in qdq_models:
-                qdq_models[path] = onnx.load(str(path))
-            return qdq_models[path]
-
-        notes = []
-        executed = []
-        for seg in plan.segments:
-            precision = _executed_precision(seg.layer_precision)
-            name = f"segment{seg.index}_{seg.device}"
-            if precision == "int8":
-                sub = extract_submodel(qdq_for(seg.device), seg.inputs, seg.outputs, name)
-                fp16_layers = [n for n, p in seg.layer_precision.items() if p == "fp16"]
-                if fp16_layers:
-                    notes.append(f"segment {seg.index}: {len(fp16_layers)} FP16 layer(s) of an INT8 segment compute in FP32 on the cpu lane "
-                                 f"(the outputs of layers the INT8 check moved are rounded to FP16)")
-            else:
-                sub = extract_submodel(model.model, seg.inputs, seg.outputs, name)
-                if precision == "fp16":
-                    keep32 = [n for n, p in seg.layer_precision.items() if p == "fp32"]
-                    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-                    sub = convert_float_to_float16(sub, keep_io_types=True, node_block_list=keep32) if keep32 else to_fp16(sub)
+        notes, executed = [], []
+        for seg, precision, sub, seg_notes in _segment_models(model, plan, quant):
             onnx.save(sub, str(tmp / f"segment{seg.index}.onnx"))
             executed.append(precision)
+            notes.extend(seg_notes)
         (tmp / "plan.json").write_text(plan.to_json())
         return {"executed_precision": executed, "notes": notes}
 
     entry = cache.get_or_build("onnxruntime", key, build, what=f"{len(plan.segments)} segment(s) of {model.source}")
+    return _result(entry, plan, key, batch_axis=False)
+
+
+def build_batch_axis_segments(models: tuple[NormalisedModel, NormalisedModel], plans: tuple[PartitionPlan, PartitionPlan],
+                              quants: tuple, sizes: tuple[int, int], cache: EngineCache) -> BuildResult:
+    """One sub-model per segment that runs every batch size: each segment as :func:`build_segments` makes it at the
+    two batch ``sizes``, joined by :func:`~k2edge.model.batch_axis.with_batch_axis`; through the engine cache, under
+    a key of its own (an engine of one batch size is never taken for it, nor it for one).
+
+    Raises:
+        ModelError: a segment's computation depends on the batch in a way no batch axis expresses.
+    """
+    from ..model.batch_axis import has_batch_axis, with_batch_axis
+
+    key = digest("onnxruntime-batch-axis", BACKEND_VERSION, ort.__version__, repr(sizes),
+                 *(m.sha256 for m in models), *(p.to_json() for p in plans), *((q.keys if q else "") for q in quants))
+
+    def build(tmp: Path) -> dict:
+        notes, executed, dynamic = [], [], []
+        pairs = zip(_segment_models(models[0], plans[0], quants[0]), _segment_models(models[1], plans[1], quants[1]))
+        for (seg, precision, small, seg_notes), (_, _, large, _) in pairs:
+            joined = with_batch_axis(small, large, sizes, f"{models[0].source} segment {seg.index}")
+            onnx.save(joined, str(tmp / f"segment{seg.index}.onnx"))
+            executed.append(precision)
+            dynamic.append(has_batch_axis(joined))
+            notes.extend(seg_notes)
+        if not all(dynamic):
+            notes.append("the model's batch is fixed by its export: the engine runs that batch size only")
+        (tmp / "plan.json").write_text(plans[0].to_json())
+        return {"executed_precision": executed, "notes": notes, "batch_axis": all(dynamic)}
+
+    entry = cache.get_or_build("onnxruntime", key, build,
+                               what=f"{len(plans[0].segments)} segment(s) of {models[0].source}, every batch size")
+    return _result(entry, plans[0], key, batch_axis=entry.meta["batch_axis"])
+
+
+def _result(entry, plan: PartitionPlan, key: str, batch_axis: bool) -> BuildResult:
     segs = tuple(SegmentArtefact(s.index, entry.file(f"segment{s.index}.onnx"), p)
                  for s, p in zip(plan.segments, entry.meta["executed_precision"]))
-    return BuildResult(key, segs, tuple(entry.meta.get("notes", ())), entry.hit)
+    return BuildResult(key, segs, tuple(entry.meta.get("notes", ())), entry.hit, batch_axis)
 
 
 class OnnxRuntimeBackend(Backend):
@@ -114,9 +158,10 @@ class OnnxRuntimeBackend(Backend):
         inputs / outputs: the model's input specs and output names.
         spinning: let intra-op threads spin-wait between runs (ONNX Runtime's default). Off, they
             still spin within a run (fast hand-offs between an operator's parts) but stop at its end.
-        threads_per_lane: intra-op threads of each session. Default: the cores left after one for the
-            prefetch staging thread (when ``prefetch``), shared between the lanes, at least 1. On a
-            Jetson the GPU and DLAs leave the CPU to staging; CPU lanes must leave it a core.
+        threads_per_lane: intra-op threads of each session; 0 chooses from the process's CPU affinity
+            (:func:`~k2edge.engine.pipeline.lane_layout`: a one-device plan runs one single-threaded worker per
+            core on one set of sessions); None gives each device's one worker its share of the cores. A prefetch
+            staging thread keeps a core for itself.
     """
 
     name = "onnxruntime"
@@ -127,8 +172,8 @@ class OnnxRuntimeBackend(Backend):
         super().__init__(inputs, outputs)
         self.plan = plan
         self.build = build
-        cores = max(1, (os.cpu_count() or 1) - (1 if prefetch else 0))
-        self.threads_per_lane = threads_per_lane or max(1, cores // len(plan.devices))
+        self.layout = lane_layout(available_cores(), len(plan.devices), threads_per_lane, prefetch)
+        self.threads_per_lane = self.layout.threads
         self.spinning = spinning
         self._sessions: list = []
         self._lanes: LaneSet | None = None
@@ -139,6 +184,11 @@ class OnnxRuntimeBackend(Backend):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 4  # fatal only: errors reach the caller as InferenceError, once
+        if self.build.batch_axis:
+            # The memory pattern plans one block per input shape and the arena keeps each: with a batch axis that is a
+            # block per batch size seen. YOLOv8n at 640, batches 1..4 on two workers: 460 -> 308 MiB RSS for 1.04x the
+            # CPU a sample (bench/bench_lanes.py --memory; docs/performance.md)
+            opts.enable_mem_pattern = False
         if not self.spinning:
             # Idle intra-op threads spin by default: the lowest latency for one engine, but where many
             # engines and threads share a few cores (the daemon) the spinning eats the cores. Spinning
@@ -148,7 +198,7 @@ class OnnxRuntimeBackend(Backend):
         self._sessions = [self._session(a, opts) for a in self.build.segments]
         self._segment_outputs = [list(s.outputs) for s in self.plan.segments]
         self._segment_inputs = [list(s.inputs) for s in self.plan.segments]
-        self._lanes = LaneSet(self.plan.routing, self._run_segment, self.outputs)
+        self._lanes = LaneSet(self.plan.routing, self._run_segment, self.outputs, self.layout.workers)
         self._lanes.start()
 
     @staticmethod
@@ -186,14 +236,19 @@ class OnnxRuntimeBackend(Backend):
     def lanes(self) -> tuple[LaneInfo, ...]:
         out = []
         runs = self._lanes.runs() if self._lanes is not None else {}
+        workers = self.layout.workers
         for device in self.plan.devices:
             segs = tuple(s.index for s in self.plan.segments if s.device == device)
             precs = sorted({self.build.segments[i].executed_precision for i in segs})
             share = next((s.request_share for s in self.plan.segments if s.device == device), None)
-            out.append(LaneInfo(device, f"{device} (cpu lane)", segs, "+".join(precs), share, runs.get(device, 0)))
+            for k, done in enumerate(runs.get(device, [0] * workers)):
+                label = f"{device} (cpu lane{f' {k + 1}/{workers}' if workers > 1 else ''})"
+                out.append(LaneInfo(device, label, segs, "+".join(precs), share, done))
         return tuple(out)
 
     def describe(self) -> dict:
         return {"backend": self.name, "version": ort.__version__, "threads_per_lane": self.threads_per_lane,
+                "lane_workers": self.layout.workers, "lane_layout": self.layout.why, "batch_axis": self.build.batch_axis,
+                "engine_bytes": sum(a.path.stat().st_size for a in self.build.segments),
                 "lanes": [lane.__dict__ for lane in self.lanes()], "engine_key": self.build.key,
                 "notes": list(self.build.notes)}

@@ -132,8 +132,12 @@ def dla_support(config, spec: SegmentBuildSpec, layers) -> tuple[list[str], list
 
 
 def build_segment_engine(trt, logger, spec: SegmentBuildSpec, model: onnx.ModelProto, out: Path,
-                         calibration_cache: bytes | None = None, batch_size: int = 1) -> dict:
+                         calibration_cache: bytes | None = None, batch_size: int = 1,
+                         profile_batches: tuple[int, ...] = ()) -> dict:
     """Parse ``model``, apply ``spec``, build, save ``engine.plan`` and the placement report in ``out``.
+
+    With ``profile_batches`` the model's inputs have a dynamic batch axis, and the engine gets one optimization
+    profile per batch size, each static (min = opt = max): profile k runs batch ``profile_batches[k]``.
 
     Returns:
         metadata for the cache manifest: placement summary and notes.
@@ -150,15 +154,31 @@ def build_segment_engine(trt, logger, spec: SegmentBuildSpec, model: onnx.ModelP
         raise BuildError(f"TensorRT cannot parse segment {spec.index}: {'; '.join(errors[:3]) or 'unknown parser error'}")
     nodes = [n.name for n in model.graph.node]
     want = dict(spec.input_shapes)
+    inputs = {}
     for i in range(network.num_inputs):
         t = network.get_input(i)
         shape = tuple(int(d) for d in t.shape)
-        if any(d < 0 for d in shape) or (t.name in want and shape != tuple(want[t.name])):
-            raise BuildError(f"segment {spec.index}: input {t.name!r} has shape {shape}, expected static {want.get(t.name)}")
+        fixed = shape[1:] if profile_batches else shape  # the batch axis is the only dynamic one
+        expected = tuple(want[t.name])[1:] if profile_batches and t.name in want else want.get(t.name)
+        if any(d < 0 for d in fixed) or (t.name in want and fixed != tuple(expected)):
+            raise BuildError(f"segment {spec.index}: input {t.name!r} has shape {shape}, expected static {want.get(t.name)}"
+                             + (" but for its batch" if profile_batches else ""))
+        inputs[t.name] = shape
     config = builder.create_builder_config()
+    profiles = []
+    for b in profile_batches:
+        profile = builder.create_optimization_profile()
+        for name, shape in inputs.items():
+            static = (b, *shape[1:])
+            profile.set_shape(name, static, static, static)
+        config.add_optimization_profile(profile)
+        profiles.append(profile)
     layers = map_layers(network, set(nodes))
     calibrator = make_cache_calibrator(trt, calibration_cache, batch_size) if spec.int8_source == "calibration-cache" else None
     apply_spec(trt, config, network, spec, layers, calibrator)
+    if calibrator is not None and profiles:
+        # a network with run-time dimensions calibrates under a profile; the cache holds the ranges already
+        config.set_calibration_profile(profiles[0])
     cannot, could = dla_support(config, spec, layers)
     if cannot and not spec.gpu_fallback:
         raise BuildError(f"segment {spec.index} ({spec.device}): TensorRT cannot run {', '.join(cannot[:3])} on the DLA "
@@ -180,7 +200,8 @@ def build_segment_engine(trt, logger, spec: SegmentBuildSpec, model: onnx.ModelP
     disagreements = report.disagreements()
     for note in report.notes():
         log.log(logging.WARNING if note in disagreements else logging.INFO, "%s", note)
-    return {"placement": {**report.summary(), "precision": precision}, "notes": report.notes(), "bytes": len(data)}
+    return {"placement": {**report.summary(), "precision": precision}, "notes": report.notes(), "bytes": len(data),
+            "profile_batches": list(profile_batches)}
 
 
 def inspect_engine(trt, logger, data: bytes, spec: SegmentBuildSpec) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,7 +50,9 @@ class BoundTensor:
 
 @dataclass
 class LoadedSegment:
-    """A deserialised segment engine and its execution context."""
+    """A deserialised segment engine and its execution context; with ``by_batch``, the engine and context that run each
+    batch size (batch size -> ``(engine, context, optimization profile index)``: a GPU segment's one engine has a
+    context per profile, a DLA segment an engine per batch size), and ``engine``/``context`` are the largest's."""
 
     index: int
     device: str
@@ -58,6 +60,7 @@ class LoadedSegment:
     context: object
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    by_batch: dict[int, tuple[object, object, int]] = field(default_factory=dict)
 
 
 class StreamPipeline:
@@ -122,8 +125,19 @@ class StreamPipeline:
             self._seg_done = [{i: cuda.Event(ordering) for i in self._segments} for _ in range(self.slots)]
             self._done = [cuda.Event(waited) for _ in range(self.slots)]
             for seg in self._segments.values():
-                for n in seg.inputs:
-                    seg.context.set_input_shape(n, self._tensors[n].shape)
+                if not seg.by_batch:
+                    for n in seg.inputs:
+                        seg.context.set_input_shape(n, self._tensors[n].shape)
+                for b, (_, context, profile) in seg.by_batch.items():
+                    # each context keeps its profile and shapes: set once, here, on the segment's own stream
+                    stream = self._streams[seg.device]
+                    if not context.set_optimization_profile_async(profile, stream.handle):
+                        raise InferenceError(f"TensorRT refused optimization profile {profile} for segment {seg.index}")
+                    stream.synchronize()
+                    for n in seg.inputs:
+                        context.set_input_shape(n, (b, *self._tensors[n].shape[1:]))
+            self._batches = sorted({b for s in self._segments.values() for b in s.by_batch})
+            self._slot_rows = [None] * self.slots
         for k in range(self.slots):
             self._free.put(k)
         self._thread = threading.Thread(target=self._complete, name="k2edge-trt-completion", daemon=True)
@@ -168,8 +182,14 @@ class StreamPipeline:
         # A staging slot is rewritten only once the copy (or zero-copy read) of its previous request is done.
         self._host_free[h].synchronize()
         host = self._host_in[h]
+        rows = None  # a static engine: every input is its whole buffer
+        if self._batches:
+            rows = len(feeds[self._inputs[0]])
+            if rows not in self._batches:
+                raise InferenceError(f"batch of {rows}: the engines take batches of {', '.join(map(str, self._batches))}")
+        self._slot_rows[slot] = rows
         for n in self._inputs:
-            host[n][...] = feeds[n]
+            host[n][:rows] = feeds[n]
         if release is not None:
             release()  # the caller's buffer has been copied into page-locked memory
         r = self._chooser.pick() if self._chooser else 0
@@ -183,23 +203,24 @@ class StreamPipeline:
         else:
             copy = self._copy_in or self._streams[self._segments[route[0]].device]
             for n in self._inputs:
-                cuda.memcpy_htod_async(dev[n], host[n], copy)
+                cuda.memcpy_htod_async(dev[n], host[n][:rows], copy)
             ready = self._host_free[h].record(copy)
         for step, i in enumerate(route):
             seg = self._segments[i]
             stream = self._streams[seg.device]
             if ready is not None:
                 stream.wait_for_event(ready)
+            context = seg.by_batch[rows][1] if rows is not None else seg.context
             for n in (*seg.inputs, *seg.outputs):
-                seg.context.set_tensor_address(n, addr[n])
-            if not seg.context.execute_async_v3(stream.handle):
+                context.set_tensor_address(n, addr[n])
+            if not context.execute_async_v3(stream.handle):
                 raise InferenceError(f"TensorRT could not enqueue segment {i} on {seg.device}")
             ready = self._seg_done[slot][i].record(stream)
             if self.zero_copy and step == input_step:
                 self._host_free[h].record(stream)
         self._copy_out.wait_for_event(ready)
         for n in self._outputs:
-            cuda.memcpy_dtoh_async(self._host_out[slot][n], dev[n], self._copy_out)
+            cuda.memcpy_dtoh_async(self._host_out[slot][n][:rows], dev[n], self._copy_out)
         self._done[slot].record(self._copy_out)
 
     def _complete(self) -> None:
@@ -211,7 +232,8 @@ class StreamPipeline:
                 slot, fut = item
                 try:
                     self._done[slot].synchronize()
-                    result = {n: np.array(self._host_out[slot][n], copy=True) for n in self._outputs}
+                    rows = self._slot_rows[slot]
+                    result = {n: np.array(self._host_out[slot][n][:rows], copy=True) for n in self._outputs}
                 except Exception as exc:  # pycuda raises LaunchError/LogicError/RuntimeError for device faults
                     self._free.put(slot)
                     fut.set_exception(InferenceError(f"TensorRT request failed on the device: {exc}"))

@@ -36,7 +36,7 @@ from ..errors import BuildError
 from ..model.graph import Graph
 from .cache import digest
 
-BACKEND_VERSION = "1"
+BACKEND_VERSION = "2"  # 2: the key names the batch sizes of the engine's optimization profiles
 """Bumped whenever the way engines are built changes, so cached engines are rebuilt."""
 
 POOLS = {"managed_sram": "DLA_MANAGED_SRAM", "local_dram": "DLA_LOCAL_DRAM", "global_dram": "DLA_GLOBAL_DRAM"}
@@ -216,15 +216,16 @@ def expected_placement(seg: Segment) -> dict[str, str]:
 
 
 def engine_key(segment_sha256: str, spec: SegmentBuildSpec, segment_plan: str, facts: TargetFacts,
-               calibration_sha256: str = "") -> str:
+               calibration_sha256: str = "", profile_batches: tuple[int, ...] = ()) -> str:
     """The cache key of one segment engine.
 
     An engine runs only on the TensorRT version and device that built it, so the key covers the
     segment model, its part of the plan, the builder settings (precision, DLA core, pools, formats),
-    the calibration data, the TensorRT version, the L4T release and the GPU's compute capability.
+    the calibration data, the TensorRT version, the L4T release, the GPU's compute capability and the batch sizes
+    of its optimization profiles (empty: static shapes).
     """
     return digest("tensorrt", BACKEND_VERSION, segment_sha256, segment_plan, spec.to_json(), calibration_sha256,
-                  facts.tensorrt, facts.l4t or "no-l4t", facts.compute_capability, spec.device)
+                  facts.tensorrt, facts.l4t or "no-l4t", facts.compute_capability, spec.device, repr(tuple(profile_batches)))
 
 
 def trt_version_code(version: str) -> int:
@@ -243,3 +244,34 @@ def tensor_nbytes(shape: tuple[int, ...], bytes_per_component: int, vectorized_d
     for d in dims:
         n *= d
     return n * bytes_per_component
+
+
+DLA_LOADABLES_PER_CORE = 16
+"""Loadables a DLA core holds at once [TensorRT "DLA Supported Layers and Restrictions"]."""
+
+
+def engine_batches(spec: SegmentBuildSpec, batch_sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The engines a segment needs to run ``batch_sizes``, each as the batch sizes its optimization profiles fix.
+
+    A GPU segment is one engine with one profile per batch size (min = opt = max each): the profiles share the
+    engine's weights, and each has its own execution context. A DLA segment is one engine per batch size: the DLA
+    takes no dynamic dimensions (a profile's min, opt and max must be equal, and run-time shapes must be the built
+    ones), and a DLA loadable is compiled, weights included, for the shapes it was built at, so nothing of it is
+    shared between batch sizes; each counts against the 16 loadables a core holds. Empty ``batch_sizes`` (a
+    model whose batch is fixed): one engine at its static shapes, ``((),)``.
+    """
+    if not batch_sizes:
+        return ((),)
+    if spec.is_dla:
+        return tuple((b,) for b in batch_sizes)
+    return (tuple(batch_sizes),)
+
+
+def dla_loadables(specs: tuple[SegmentBuildSpec, ...], batch_sizes: tuple[int, ...]) -> dict[int, int]:
+    """DLA core -> engines it holds for ``batch_sizes`` (each at least one loadable; GPU fallback inside a segment
+    splits it into more)."""
+    out: dict[int, int] = {}
+    for spec in specs:
+        if spec.is_dla:
+            out[spec.dla_core] = out.get(spec.dla_core, 0) + len(engine_batches(spec, batch_sizes))
+    return out

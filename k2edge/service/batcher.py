@@ -279,8 +279,9 @@ class Batcher:
 
     def take_idle(self) -> bool:
         """Take the engine for one item when nothing waits or runs and the model is quick (called by a
-        client's thread, which then runs the item itself with :meth:`run`: no hand-off)."""
-        if not (self.inline and self.quick):
+        client's thread, which then runs the item itself with ``run(groups, inline=True)``: no hand-off, even to a
+        lane's worker, since every worker is idle)."""
+        if not self.quick:
             return False
         with self._cond:
             if (any(c.ready() for c in self.clients) or not self._at_rest() or self._stopping
@@ -292,12 +293,13 @@ class Batcher:
             return True
 
     # running a batch ------------------------------------------------------------------------------
-    def run(self, groups: list[tuple[BatchClient, list]]) -> None:
+    def run(self, groups: list[tuple[BatchClient, list]], inline: bool = False) -> None:
         """Run a batch whose room was taken, in the calling thread; never raises, never leaves an item
-        unconcluded. ``groups``: (client, its items), in the order their rows are in the batch."""
+        unconcluded. ``groups``: (client, its items), in the order their rows are in the batch. ``inline``: infer in
+        this thread even where the engine has lanes (a lone item taken with :meth:`take_idle`)."""
         slot = Slot(self)
         try:
-            self._run(groups, slot)
+            self._run(groups, slot, inline or self.inline)
         except Exception as exc:  # one bad batch never stops the batcher
             self._fail(groups, exc)
             slot.free()
@@ -307,7 +309,7 @@ class Batcher:
                 if self._next is not None:
                     self._cond.notify_all()
 
-    def _run(self, groups: list[tuple[BatchClient, list]], slot: Slot) -> None:
+    def _run(self, groups: list[tuple[BatchClient, list]], slot: Slot, inline: bool) -> None:
         rt = self.runtime
         staged = [(c, c.stage(rt, items)) for c, items in groups]
         staged = [(c, items) for c, items in staged if items]
@@ -316,7 +318,7 @@ class Batcher:
             return
         started = clock()
         samples = [it.sample for _, items in staged for it in items]
-        if self.inline:
+        if inline:
             try:
                 outputs = rt.infer(samples)
             except Exception as exc:

@@ -187,7 +187,7 @@ class Daemon:
             self.escalation.use(m.name, self._escalation_for(rt))
             versions.started(plan)
             if self.metrics is not None:
-                self.metrics.set_model(m.name, plan.version, rt.profile_name, rt.int8_check)
+                self.metrics.set_model(m.name, plan.version, rt.profile_name, rt.int8_check, rt.memory)
         return runtimes
 
     def _escalation_for(self, rt: ModelRuntime):
@@ -222,7 +222,7 @@ class Daemon:
         log.info("model %s%s: building engines (profile %s, board %s)", m.name, f" {version}" if version else "",
                  m.profile, self._board)
         s = self.cfg.service
-        rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane or None)
+        rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane)
         self._escalation_for(rt)
         if self.cfg.trust is not None and self.cfg.trust.require_int8_check:
             why = refusal([e.info.int8_check for e in (rt.normal[1], *((rt.warm[1],) if rt.warm else ()))])
@@ -236,7 +236,7 @@ class Daemon:
         rt = self.batchers[name].next_runtime()
         self.escalation.use(name, self._escalation_for(rt))
         if self.metrics is not None:
-            self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check)
+            self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check, rt.memory)
         self.publish_status()
 
     # the thermal sampler's listener ----------------------------------------------------------------
@@ -247,7 +247,7 @@ class Daemon:
         for name, batcher in self.batchers.items():
             rt = batcher.follow_thermal()
             if self.metrics is not None:
-                self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check)
+                self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check, rt.memory)
         self.publish_status()
 
     # status and telemetry --------------------------------------------------------------------------
@@ -272,7 +272,7 @@ class Daemon:
             "version": __version__,
             # what the next batch runs on: a thermal switch just asked for is what the status tells
             "models": [{"name": name, "model_version": rt.version, "task": rt.task, "profile": rt.profile_name,
-                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": slots_for(rt),
+                        "lanes": rt.lanes(), "batch_sizes": sorted(rt.engines), "slots": slots_for(rt), "memory": rt.memory,
                         "warm_profile": rt.warm_profile, "cache": rt.cache,
                         "int8_check": rt.int8_check.to_dict() if rt.int8_check is not None else None}
                        for name, rt in self._running().items()],

@@ -104,6 +104,10 @@ class PrometheusMetrics:
         self._stream_frames = Counter("k2edge_stream_frames", "Frames of each stream: decoded, processed, or dropped "
                                       "(decoded and never processed, fps throttling included)", ["stream", "outcome"],
                                       registry=r)
+        self._memory = Gauge("k2edge_model_memory_bytes", "Memory each served model's engines hold, by kind: host (resident "
+                             "memory their activation added) and device (TensorRT's own accounting)", ["model", "kind"],
+                             registry=r)
+        self._memory_series: dict[str, list[tuple[str, str]]] = {}
         self._stream_up = Gauge("k2edge_stream_up", "1 while a stream delivers frames", ["stream"], registry=r)
         self._stream_reconnects = Counter("k2edge_stream_reconnects", "Successful reopenings of each stream's source",
                                           ["stream"], registry=r)
@@ -127,11 +131,18 @@ class PrometheusMetrics:
 
     # -- what the daemon observes -------------------------------------------------------------
 
-    def set_model(self, model: str, version: str | None, profile: str | None, int8_check=None) -> None:
+    def set_model(self, model: str, version: str | None, profile: str | None, int8_check=None,
+                  memory: Mapping[str, int] | None = None) -> None:
         """Register a served model (or its new version after a deploy, a rollback or a thermal switch), with
-        its engines' INT8 check (an :class:`~k2edge.engine.check.Int8Check`; None without INT8 layers)."""
+        its engines' INT8 check (an :class:`~k2edge.engine.check.Int8Check`; None without INT8 layers) and the
+        bytes its engines hold by kind (``host``, ``device``; see :attr:`ModelRuntime.memory`)."""
         with self._lock:
             self._models.add(model)
+            for labels in self._memory_series.pop(model, []):
+                self._memory.remove(*labels)
+            self._memory_series[model] = [(model, kind) for kind in (memory or {})]
+            for kind, value in (memory or {}).items():
+                self._memory.labels(model, kind).set(float(value))
             for labels in self._int8_series.pop(model, []):
                 self._int8.remove(*labels)
             if int8_check is not None:
@@ -148,6 +159,8 @@ class PrometheusMetrics:
         """A model no longer served: its info series goes; its counters stay (they are history)."""
         with self._lock:
             self._models.discard(model)
+            for labels in self._memory_series.pop(model, []):
+                self._memory.remove(*labels)
         try:
             self._model.remove(model)
         except KeyError:

@@ -299,6 +299,6 @@ class RequestPath:
             return
         queue = self.queues[model]
         if not self.broker.input_pending() and batcher.take_idle():
-            batcher.run([(queue, [w])])  # alone, and the engine idle and quick: replied to here, no hand-off to wait for
+            batcher.run([(queue, [w])], inline=True)  # alone, the engine idle and quick: replied to here, no hand-off
         else:
             queue.put(w)

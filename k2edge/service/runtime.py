@@ -1,5 +1,6 @@
-"""A served model: engines at the batch sizes the batcher uses, its card's preprocessing and the
-answer its task gives (top-k, detections or raw tensors)."""
+"""A served model: one engine for every batch size the batcher uses (per batch size where the backend or the
+model needs static shapes), its card's preprocessing and the answer its task gives (top-k, detections or raw
+tensors)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,29 @@ log = logging.getLogger(__name__)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
-    """Engine batch sizes: powers of two up to ``max_batch``, plus ``max_batch`` (padding wastes < 2x)."""
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    sizes.append(max_batch)
-    return sizes
+    """Static engine batch sizes: powers of two up to ``max_batch``, plus ``max_batch`` (padding wastes < 2x)."""
+    from ..model.batch_axis import profile_batch_sizes
+
+    return list(profile_batch_sizes(max_batch))
+
+
+LARGE_SAMPLE_CPU_S = 0.010
+"""A sample this costly alone dwarfs what a batch saves in the daemon (its own per-batch work, about a millisecond)."""
+LEAST_BATCH_SAVING = 0.02
+"""On such a sample, a batch is worth its latency and memory only if it saves at least this share of a sample's CPU."""
+
+
+def batch_limit(cpu_alone_s: float, cpu_batch_s: float, batch: int, max_batch: int) -> int:
+    """The largest batch worth forming on single-threaded CPU workers, from a measurement: ``cpu_alone_s`` the CPU one
+    sample took alone, ``cpu_batch_s`` what a batch of ``batch`` took. A batch saves the per-run cost, in the engine
+    and in the daemon; where a sample alone costs :data:`LARGE_SAMPLE_CPU_S` or more and a batch saves less than
+    :data:`LEAST_BATCH_SAVING` of it, there is nothing worth saving, and a batch's larger working set can make each
+    sample dearer (YOLOv8n at 640 here: 1.00x to 1.02x the CPU a sample at batch 2, 1.01x to 1.15x at batch 4, the
+    more so the busier the cores), holds its frames longer and grows the arena: every worker then runs batches of one."""
+    if batch < 2 or cpu_alone_s <= 0:
+        return max_batch
+    saves = 1.0 - cpu_batch_s / batch / cpu_alone_s
+    return 1 if cpu_alone_s >= LARGE_SAMPLE_CPU_S and saves < LEAST_BATCH_SAVING else max_batch
 
 
 class RuntimeStateError(K2EdgeError):
@@ -36,10 +53,14 @@ class RuntimeStateError(K2EdgeError):
 
 
 class ModelRuntime:
-    """Engines of one model, one per batch size, all built through the engine cache.
+    """The engines of one model, built through the engine cache: ``engines`` maps every batch size the batcher
+    may form to the engine that runs it.
 
-    The DLA needs static shapes, so a dynamic batch becomes a few static engines; the batcher
-    pads a batch up to the next size. ``version`` is the bundle version these engines were built
+    On ONNX Runtime that is one engine with a dynamic batch axis for every size from 1 to ``max_batch`` (one
+    session per segment: the weights and the arena are held once) and a batch runs at its own size. Where one
+    engine cannot take every size (TensorRT here; a graph whose computation depends on the batch) there is one
+    static engine per size of :func:`batch_sizes` and the batcher pads a batch up to the next. ``memory`` is
+    what the engines hold, measured at activation (:meth:`activate`). ``version`` is the bundle version these engines were built
     from (None for a bare ONNX file); ``cache`` counts the engines the cache had ready.
 
     Lifecycle: ``activate()`` once, then ``infer``/``submit``, then ``deactivate()`` once (or use
@@ -56,6 +77,7 @@ class ModelRuntime:
         self.name = cfg.name
         self.version = version
         self.cache = {"engines": 0, "cached": 0}
+        self._keys: dict[str, object] = {}  # engine key -> engine: a warm profile's identical engine is the normal one
         base: Profile = load_profile(cfg.profile)
         self.normal_profile = base.name
         self.normal = self._build(base, max_batch, board, cache_dir)
@@ -67,7 +89,8 @@ class ModelRuntime:
             self.warm = self._build(warm, max_batch, board, cache_dir)
         self.engines = self.normal
         self.profile_name = self.normal_profile
-        self._state = {"active": False}  # shared with the with_profile() views of this version
+        # shared with the with_profile() views of this version
+        self._state = {"active": False, "memory": {}}
         first = self.engines[1]
         self.card = first.card
         self.task = first.card.task
@@ -77,28 +100,52 @@ class ModelRuntime:
         self.input_name = first.input_name
         self.sample_shape = tuple(first.input_shape[1:])
         self.input_dtype = first.backend.inputs[0].dtype
-        self.max_batch = max_batch
+        self.max_batch = max(self.engines)
         self.batch1_s = float("inf")  # measured by activate()
 
     def _build(self, profile: Profile, max_batch: int, board, cache_dir) -> dict:
-        from ..engine.engine import Engine
+        """Batch size -> engine under ``profile``: one engine for every size where the backend and the model allow it."""
+        from ..engine.backends import resolve_backend
+        from ..errors import BuildError, ModelError
 
+        if resolve_backend(self.cfg.backend) in ("onnxruntime", "tensorrt"):
+            try:
+                engine = self._engine(profile, board, cache_dir, max_batch=max_batch)
+            except (BuildError, ModelError) as exc:
+                # the model's computation depends on its batch in a way a batch axis cannot carry
+                log.warning("model %s: one engine for every batch size cannot be built (%s); building one per batch size",
+                            self.cfg.name, exc)
+            else:
+                sizes = engine.backend.inputs[0].batch_sizes or (engine.batch_size,)
+                self._log_ready(profile, engine, f"batch {', '.join(map(str, sizes))}")
+                return {b: engine for b in sizes}
         engines = {}
         for b in batch_sizes(max_batch):
             er = profile.edge_runtime.model_copy(update={"batch_size": b})
-            p = profile.model_copy(update={"edge_runtime": er})
-            # several engines per model plus staging, batching and network threads share the cores:
-            # idle ONNX Runtime threads must sleep, not spin (and with one thread a lane, none sleeps)
-            engine = Engine.build(self.cfg.onnx, p, self.cfg.calib, board=board, backend=self.cfg.backend,
-                                  cache_dir=cache_dir, labels=self.cfg.labels, spinning=False,
-                                  threads_per_lane=self.threads_per_lane, **self.cfg.card_args())
-            engines[b] = engine
-            self.cache["engines"] += 1
-            self.cache["cached"] += all(engine.info.cache_hits.values())
-            log.info("model %s%s: %s engine for batch %d ready (%s)", self.cfg.name, f" {self.version}" if self.version else "",
-                     profile.name, b,
-                     ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
+            engines[b] = self._engine(profile.model_copy(update={"edge_runtime": er}), board, cache_dir)
+            self._log_ready(profile, engines[b], f"batch {b}")
         return engines
+
+    def _engine(self, profile: Profile, board, cache_dir, max_batch: int | None = None):
+        from ..engine.engine import Engine
+
+        # several models plus staging, batching and network threads share the cores:
+        # idle ONNX Runtime threads must sleep, not spin (and with one thread a lane, none sleeps)
+        engine = Engine.build(self.cfg.onnx, profile, self.cfg.calib, board=board, backend=self.cfg.backend,
+                              cache_dir=cache_dir, labels=self.cfg.labels, spinning=False,
+                              threads_per_lane=self.threads_per_lane, max_batch=max_batch, **self.cfg.card_args())
+        key = engine.describe().get("engine_key")
+        if key is not None:
+            if key in self._keys:
+                return self._keys[key]  # the warm profile plans the same engine: its sessions are the normal ones
+            self._keys[key] = engine
+        self.cache["engines"] += 1
+        self.cache["cached"] += all(engine.info.cache_hits.values())
+        return engine
+
+    def _log_ready(self, profile: Profile, engine, sizes: str) -> None:
+        log.info("model %s%s: %s engine for %s ready (%s)", self.cfg.name, f" {self.version}" if self.version else "",
+                 profile.name, sizes, ", ".join(f"{k} {'cached' if v else 'built'}" for k, v in engine.info.cache_hits.items()))
 
     @property
     def int8_check(self):
@@ -107,32 +154,78 @@ class ModelRuntime:
         return self.engines[1].info.int8_check
 
     def _all(self):
-        return [*self.normal.values(), *(self.warm.values() if self.warm else ())]
+        """Every distinct engine of both profiles, each once."""
+        engines = [*self.normal.values(), *(self.warm.values() if self.warm else ())]
+        return list({id(e): e for e in engines}.values())
+
+    @property
+    def memory(self) -> dict[str, int]:
+        """Bytes the engines hold, by kind: ``host`` (the process's resident memory that activating them and their runs at
+        activation added: batch 1, and 2 where batching is measured; larger batches grow ONNX Runtime's arena from there) and, on TensorRT, ``device``
+        (the engines' own accounting: serialized engines and each execution context's memory). Empty before
+        :meth:`activate`."""
+        return dict(self._state["memory"])
 
     @property
     def active(self) -> bool:
         return self._state["active"]
 
     def activate(self) -> "ModelRuntime":
-        """Activate every engine and run each once (the first run of a session pays its set-up);
-        ``batch1_s`` is what the batch-1 engine took for one request.
+        """Activate every engine and run it at its smallest batch (the first run of a session pays its set-up), measuring
+        the memory that took; ``batch1_s`` is what one request took at batch 1. An engine for every batch size is not
+        run at its largest: its arena grows to the batches the load brings, not to ``max_batch``.
 
         Raises:
             RuntimeStateError: already active.
         """
         if self._state["active"]:
             raise RuntimeStateError(f"model {self.name} {self.version or ''}: already active".replace("  ", " "))
+        rss0 = resident_bytes()
+        device = 0
         for e in self._all():
             e.activate()
-            feeds = {e.input_name: np.zeros(e.input_shape, dtype=e.backend.inputs[0].dtype)}
+            spec = e.backend.inputs[0]
+            smallest = {e.input_name: np.zeros((min(spec.batch_sizes), *spec.shape[1:]) if spec.batch_axis else spec.shape,
+                                               dtype=spec.dtype)}
             for _ in range(2):
                 t0 = time.perf_counter()
-                e.infer(feeds)
+                e.infer(smallest)
                 took = time.perf_counter() - t0
-            if e is self.engines[1]:
+            if e is self.engines[min(self.engines)]:
                 self.batch1_s = took
+            self._limit_batches(e, smallest)
+            device += e.describe().get("device_memory_bytes") or 0
+        memory = {"host": max(0, resident_bytes() - rss0)} if rss0 is not None else {}
+        if device:
+            memory["device"] = device
+        self._state["memory"] = memory
         self._state["active"] = True
         return self
+
+    def _limit_batches(self, engine, one: dict) -> None:
+        """On single-threaded CPU workers (the run's CPU is its thread's), measure a sample alone and in a batch of 2, and
+        keep batches at one when batching costs CPU (:func:`batch_limit`): the engines then map batch 1 only. A batch of
+        2 grows the arena no further than two workers at batch 1 do."""
+        spec = engine.backend.inputs[0]
+        described = engine.describe()
+        if not spec.batch_axis or described.get("backend") != "onnxruntime" or described.get("threads_per_lane") != 1:
+            return
+        k = min(2, max(spec.batch_sizes))
+        if k < 2:
+            return
+        batch = {engine.input_name: np.zeros((k, *spec.shape[1:]), dtype=spec.dtype)}
+        alone = min(_thread_cpu(engine, one) for _ in range(3))
+        together = min(_thread_cpu(engine, batch) for _ in range(2))
+        limit = batch_limit(alone, together, k, max(spec.batch_sizes))
+        self._state.setdefault("batch_measure", {})[id(engine)] = {"alone_ms": alone * 1e3, "batch": k,
+                                                                    "batch_ms": together * 1e3, "limit": limit}
+        if limit < max(spec.batch_sizes):
+            log.info("model %s: a sample costs %.1f ms of CPU alone, %.1f ms in a batch of %d: batches of %d",
+                     self.name, alone * 1e3, together * 1e3 / k, k, limit)
+            for engines in (self.normal, self.warm or {}):
+                for b in [b for b, e in engines.items() if e is engine and b > limit]:
+                    del engines[b]
+            self.max_batch = max(self.engines)
 
     def deactivate(self) -> None:
         """Release every engine (of both profiles).
@@ -212,7 +305,7 @@ class ModelRuntime:
     def _batch(self, samples: list[np.ndarray]):
         n = len(samples)
         engines = self.engines
-        size = next(b for b in sorted(engines) if b >= n)
+        size = next(b for b in sorted(engines) if b >= n)  # n itself on an engine for every size
         batch = np.empty((size, *self.sample_shape), dtype=self.input_dtype)
         for i in range(size):
             batch[i] = samples[min(i, n - 1)]
@@ -276,6 +369,24 @@ def image_size(data: bytes) -> tuple[int, int]:
             return img.size
     except (Image.DecompressionBombError, UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise image_error(exc) from None
+
+
+def _thread_cpu(engine, feeds: dict) -> float:
+    """CPU seconds this thread spent running ``feeds`` (the whole run, on a single-threaded session)."""
+    t0 = time.thread_time()
+    engine.infer(feeds)
+    return time.thread_time() - t0
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (Linux ``/proc/self/statm``); None elsewhere."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def release_memory() -> None:

@@ -26,6 +26,12 @@ tests:
   build; INT8 I/O without a calibrator fails as TensorRT does;
 * DLA memory pools: not a power of two of at least 4 KiB fails the loadable compilation; a managed SRAM
   pool above Orin's 1 MiB per core is accepted as an upper bound and only 1 MiB is used (``effective_pools``);
+* optimization profiles: an input whose ONNX dimension is symbolic parses as -1; a network with one needs at
+  least one profile (``Builder.create_optimization_profile``, ``set_shape``, ``add_optimization_profile``), a DLA
+  build refuses a profile whose min, opt and max differ (the DLA takes no dynamic dimensions); the engine
+  reports its profiles (``get_tensor_profile_shape``), a context runs the profile selected with
+  ``set_optimization_profile_async`` and refuses an input shape outside it; ``device_memory_size_v2`` is the
+  double's own sum of the I/O bytes at the largest profile (TensorRT's figure is its activation memory);
 * one logger: a builder or runtime made with a different logger than the first gets TensorRT's warning;
 * pycuda's context stack is per thread: a CUDA call in a thread where no context was pushed raises
   ``LogicError: ... invalid device context``, ``Context.pop()`` with nothing pushed raises, and
@@ -643,7 +649,8 @@ def _make_tensorrt(d: "TrtDouble"):
             g = model.graph
             rec("parser.parse", g.name)
             inits = {t.name for t in g.initializer}
-            shapes = {v.name: tuple(x.dim_value for x in v.type.tensor_type.shape.dim) for v in list(g.input) + list(g.output)}
+            shapes = {v.name: tuple(x.dim_value if x.HasField("dim_value") else -1 for x in v.type.tensor_type.shape.dim)
+                      for v in list(g.input) + list(g.output)}
             net = self.network
             net.model, net.name = model, g.name
             net.inputs = [ITensor(v.name, shapes[v.name]) for v in g.input if v.name not in inits]
@@ -659,9 +666,21 @@ def _make_tensorrt(d: "TrtDouble"):
         def get_error(self, i):
             return self.errors[i]
 
+    class IOptimizationProfile:
+        def __init__(self):
+            self.shapes = {}
+
+        def set_shape(self, input, min, opt, max):  # noqa: A002 - TensorRT's parameter names
+            rec("profile.set_shape", input, tuple(min), tuple(opt), tuple(max))
+            self.shapes[input] = (tuple(min), tuple(opt), tuple(max))
+
+        def get_shape(self, input):  # noqa: A002
+            return list(self.shapes.get(input, ()))
+
     class IBuilderConfig:
         def __init__(self):
             self.flags, self.pools, self.device_types = set(), {}, {}
+            self.profiles, self.calibration_profile = [], None
             self._default, self._core, self._calibrator = trt.DeviceType.GPU, 0, None
             self.profiling_verbosity = trt.ProfilingVerbosity.LAYER_NAMES_ONLY
 
@@ -705,6 +724,18 @@ def _make_tensorrt(d: "TrtDouble"):
             rec("config.set_memory_pool_limit", pool.name, int(size))
             self.pools[pool.name] = int(size)
 
+        def add_optimization_profile(self, profile):
+            rec("config.add_optimization_profile", len(self.profiles))
+            self.profiles.append(profile)
+            return len(self.profiles) - 1
+
+        num_optimization_profiles = property(lambda self: len(self.profiles))
+
+        def set_calibration_profile(self, profile):
+            rec("config.set_calibration_profile", self.profiles.index(profile) if profile in self.profiles else -1)
+            self.calibration_profile = profile
+            return True
+
         @property
         def int8_calibrator(self):
             return self._calibrator
@@ -737,6 +768,9 @@ def _make_tensorrt(d: "TrtDouble"):
         def create_builder_config(self):
             return IBuilderConfig()
 
+        def create_optimization_profile(self):
+            return IOptimizationProfile()
+
         def build_serialized_network(self, network, config):
             rec("builder.build_serialized_network", network.name)
             dla = config.default_device_type == trt.DeviceType.DLA
@@ -752,6 +786,21 @@ def _make_tensorrt(d: "TrtDouble"):
             if any(dev == "DLA" for _, _, dev in placement) and not config.flags & {"FP16", "INT8"}:
                 self.logger.log(ILogger.Severity.ERROR, "DLA requires FP16 or INT8 precision")
                 return None
+            dynamic = [t.name for t in network.inputs if any(x < 0 for x in t.shape)]
+            if dynamic and not config.profiles:
+                self.logger.log(ILogger.Severity.ERROR, f"Network has dynamic or shape inputs ({dynamic[0]}), but no "
+                                "optimization profile has been defined.")
+                return None
+            for k, prof in enumerate(config.profiles):
+                for name in dynamic:
+                    if name not in prof.shapes:
+                        self.logger.log(ILogger.Severity.ERROR, f"optimization profile {k} has no shape for {name}")
+                        return None
+                    lo, opt, hi = prof.shapes[name]
+                    if dla and not lo == opt == hi:
+                        self.logger.log(ILogger.Severity.ERROR, f"DLA does not support dynamic dimensions: profile {k} of "
+                                        f"{name} has min {lo}, opt {opt}, max {hi}")
+                        return None
             fail = self._check_io_and_pools(network, config, placement)
             if fail:
                 self.logger.log(ILogger.Severity.ERROR, fail)
@@ -779,6 +828,7 @@ def _make_tensorrt(d: "TrtDouble"):
                        for t in network.inputs + network.outputs},
                 "calibration_cache": cache.decode() if cache is not None else None, "effective_pools": effective,
                 "reformats": self._reformats,
+                "profiles": [{n: [list(s) for s in prof.shapes[n]] for n in dynamic} for prof in config.profiles],
                 "placement": placement, "serialization_version": d.serialization_version,
                 "verbosity": config.profiling_verbosity.name,
             }
@@ -883,6 +933,22 @@ def _make_tensorrt(d: "TrtDouble"):
             self.session = onnxruntime.InferenceSession(model_bytes, sess_options=opts, providers=["CPUExecutionProvider"])
 
         num_io_tensors = property(lambda self: len(self.names))
+        num_optimization_profiles = property(lambda self: max(1, len(self.header.get("profiles", []))))
+
+        def get_tensor_profile_shape(self, name, profile_index):
+            return [tuple(s) for s in self.header["profiles"][profile_index][name]]
+
+        @property
+        def device_memory_size_v2(self):
+            largest = {}
+            for prof in self.header.get("profiles", []):
+                for n, (_, _, hi) in prof.items():
+                    largest[n] = max(largest.get(n, 0), int(hi[0]))
+            total = 0
+            for n, io in self.io.items():
+                shape = [largest.get(n, max(largest.values(), default=1)) if x < 0 else x for x in io["shape"]]
+                total += int(np.prod(shape)) * np.dtype(_NP[DataType[io["dtype"]]]).itemsize
+            return total
 
         def get_tensor_name(self, i):
             return self.names[i]
@@ -916,12 +982,33 @@ def _make_tensorrt(d: "TrtDouble"):
 
     class IExecutionContext:
         def __init__(self, engine):
-            self.engine, self.addresses, self.shapes = engine, {}, {}
+            self.engine, self.addresses, self.shapes, self.profile = engine, {}, {}, 0
+
+        def set_optimization_profile_async(self, profile_index, stream_handle):
+            rec("context.set_optimization_profile_async", self.engine.header["network"], int(profile_index), stream_handle)
+            if not 0 <= profile_index < self.engine.num_optimization_profiles:
+                return False
+            self.profile = int(profile_index)
+            return True
+
+        active_optimization_profile = property(lambda self: self.profile)
 
         def set_input_shape(self, name, shape):
             rec("context.set_input_shape", self.engine.header["network"], name, tuple(shape))
+            profiles = self.engine.header.get("profiles", [])
+            if profiles and name in profiles[self.profile]:
+                lo, _, hi = profiles[self.profile][name]
+                if not all(a <= s <= b for a, s, b in zip(lo, shape, hi)):
+                    return False  # TensorRT logs the error and refuses the shape
             self.shapes[name] = tuple(shape)
             return True
+
+        def get_tensor_shape(self, name):
+            if name in self.shapes:
+                return self.shapes[name]
+            shape = self.engine.io[name]["shape"]
+            batch = next((s[0] for s in self.shapes.values()), -1)  # the double's outputs follow the inputs' batch
+            return tuple(batch if x < 0 else x for x in shape)
 
         def set_tensor_address(self, name, ptr):
             rec("context.set_tensor_address", self.engine.header["network"], name, int(ptr))
@@ -935,15 +1022,19 @@ def _make_tensorrt(d: "TrtDouble"):
             if stream is None or set(engine.names) - set(self.addresses):
                 return False
             addresses = dict(self.addresses)  # captured at enqueue time, as TensorRT does
+            shapes = dict(self.shapes)
+            if any(x < 0 for n in engine.names if engine.io[n]["mode"] == "INPUT" for x in shapes.get(n, engine.io[n]["shape"])):
+                return False  # run-time dimensions never set
 
             def run():
                 feeds = {}
                 for t in engine.session.get_inputs():
                     io = engine.io[t.name]
                     dtype = _NP[DataType[io["dtype"]]]
-                    n = int(np.prod(io["shape"]))
+                    shape = shapes.get(t.name, io["shape"])
+                    n = int(np.prod(shape))
                     feeds[t.name] = gpu.view(addresses[t.name])[: n * np.dtype(dtype).itemsize].view(dtype) \
-                        .reshape(io["shape"]).astype(np.float32)
+                        .reshape(shape).astype(np.float32)
                 names = [o.name for o in engine.session.get_outputs()]
                 for out_name, value in zip(names, engine.session.run(names, feeds)):
                     io = engine.io[out_name]
