@@ -52,6 +52,8 @@ std = [0.229, 0.224, 0.225]
 """
 # sizes: calibration (every fifth held out for the check), evaluation
 SIZES = {"yolov8n": (500, 100), "cls": (1280, 400), "dbnet": (150, 40)}
+INT8 = ROOT / "tests" / "fixtures" / "int8"  # the public models' cards and the packages' file manifest
+MANIFEST = json.loads((INT8 / "models.json").read_text())
 
 
 def load() -> str:
@@ -60,10 +62,9 @@ def load() -> str:
 
 def models(tmp: Path) -> dict:
     """Each public model: its file, card, labels, and calibration and evaluation sets made from the packages."""
-    import public_sets as ps
-    from test_int8_fixtures import INT8, MANIFEST
-
     import importlib.util
+
+    import public_sets as ps
 
     def packaged(package: str, resource: str) -> Path:
         spec = importlib.util.find_spec(package)
