@@ -63,7 +63,10 @@ def test_a_score_under_the_threshold_is_a_strict_miss_not_a_relaxed_one():
     check = Int8Check("detection", "failed", "held-out", 1, m, {"strict_recall": 0.9})
     assert not meets(m, {"strict_recall": 0.9}) and meets(m, {"recall": 0.97, "precision": 0.97})
     assert "at the threshold recall 1/2 0.500, precision 1/1 1.000" in check.line()
-    assert load_profile({"edge_runtime": {"int8_tolerance": {"strict_recall": 0.9}}}).edge_runtime.int8_tolerance
+    profile = load_profile({"edge_runtime": {"int8_tolerance": {"strict_recall": 0.9}}})
+    assert tolerance_for("detection", profile.edge_runtime.int8_tolerance)[0]["strict_recall"] == 0.9
+    with pytest.raises(BuildError, match="got 'strict_recall'"):
+        tolerance_for("classification", {"strict_recall": 0.9})
 
 
 def test_segmentation_pose_and_obb_add_their_own_measure_of_the_matched_boxes():

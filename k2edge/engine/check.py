@@ -50,6 +50,8 @@ DEFAULT_TOLERANCE = {
     "detection": {"recall": 0.97, "precision": 0.97, "score_ratio": 0.9},
     "tensor": {"cosine": 0.999},
 }
+# box measures a tolerance may name beyond the defaults: matched as a user sees the boxes (see the module docstring)
+OPTIONAL_BOX_MEASURES = ("strict_recall", "strict_precision")
 PAIR_MEASURE = {"segmentation": "mask_iou", "pose": "keypoint_error", "obb": "rotated_iou"}
 # measure -> (its count of hits, its count of items): a share of n items cannot tell 1 - t from 1 with fewer
 # than 1 / (1 - t) items
@@ -118,11 +120,12 @@ def tolerance_for(task: str, *layers: Mapping[str, float] | None) -> tuple[dict[
         BuildError: a layer names a measure the task does not have.
     """
     tol = dict(DEFAULT_TOLERANCE["detection"] if task in BOX_TASKS else DEFAULT_TOLERANCE.get(task, DEFAULT_TOLERANCE["tensor"]))
+    known = list(tol) + (list(OPTIONAL_BOX_MEASURES) if task in BOX_TASKS else [])
     explicit = False
     for layer in layers:
         for k, v in (layer or {}).items():
-            if k not in tol:
-                raise BuildError(f"int8 tolerance: {task} has measures {', '.join(tol)}; got {k!r}")
+            if k not in known:
+                raise BuildError(f"int8 tolerance: {task} has measures {', '.join(known)}; got {k!r}")
             tol[k] = float(v)
             explicit = True
     return tol, explicit
