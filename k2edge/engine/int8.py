@@ -5,7 +5,8 @@ calibration set, and cached by what it depends on -- not by the batch size -- so
 daemon builds shares it: the same layers fall back at every batch size.
 
 1. statistics: one streaming pass over the calibration samples (:func:`~.quantize.calibration_statistics`);
-2. ranges: per tensor from the statistics by the calibration method, with the DLA's ties on DLA layers only;
+2. ranges: per tensor from the statistics by the calibration method (``auto``: ``max``, and ``percentile`` when the
+   check of ``max`` misses; the closer to FP32 kept), with the DLA's ties on DLA layers only;
 3. Q/DQ artefacts: one all-INT8 model per set of devices (:func:`_bases`), each fallback a graph edit of it;
 4. check: FP32 and the INT8 Q/DQ emulation (every artefact of the plan: a model-wise plan's GPU and DLA ones) run
    on the check samples (every fifth calibration sample, or a ``--check`` set) and are compared by the card's
