@@ -139,6 +139,7 @@ class OnnxRuntimeBackend(Backend):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 4  # fatal only: errors reach the caller as InferenceError, once
+        opts.add_session_config_entry("session.disable_quant_qdq", "1")  # INT8 as Q/DQ: see calibration.session
         if not self.spinning:
             # Idle intra-op threads spin by default: the lowest latency for one engine, but where many
             # engines and threads share a few cores (the daemon) the spinning eats the cores. Spinning
