@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 # 4: ties only for DLA layers, fused Sigmoid/HardSigmoid->Mul gates, streaming statistics, held-out check samples;
 # 5: a decoupled detection head's branches (YOLOv8's Detect cv2/cv3) kept in float with the decoding
 # 6: only the decoding in float; fallback by sensitivity, learned layers with their quantisers; exact tolerance
-# 7: the calibration method picked per model by the check (``auto``)
-QUANT_VERSION = "7"
+# 7: the calibration method picked per model by the check (``auto``); 8: the emulation keeps Q/DQ unfused (a
+# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8)
+QUANT_VERSION = "8"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
