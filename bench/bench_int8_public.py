@@ -52,6 +52,8 @@ std = [0.229, 0.224, 0.225]
 """
 # sizes: calibration (every fifth held out for the check), evaluation
 SIZES = {"yolov8n": (500, 100), "cls": (1280, 400), "dbnet": (150, 40)}
+INT8 = ROOT / "tests" / "fixtures" / "int8"  # the public models' cards and the packages' file manifest
+MANIFEST = json.loads((INT8 / "models.json").read_text())
 
 
 def load() -> str:
@@ -60,10 +62,9 @@ def load() -> str:
 
 def models(tmp: Path) -> dict:
     """Each public model: its file, card, labels, and calibration and evaluation sets made from the packages."""
-    import public_sets as ps
-    from test_int8_fixtures import INT8, MANIFEST
-
     import importlib.util
+
+    import public_sets as ps
 
     def packaged(package: str, resource: str) -> Path:
         spec = importlib.util.find_spec(package)
@@ -108,12 +109,11 @@ def figure(name: str, fp32, int8, paths: list[Path]) -> dict:
         spec = d.card.detection
         low = TaskDecoder(d.card.model_copy(update={"detection": spec.model_copy(update={"score_threshold": spec.score_threshold / 2})}),
                           d.labels, {o: fp32.model.graph.shape(o) for o in fp32.model.graph.outputs})
-        strict = compare_outputs("detection", ref, got, detections=lambda o: d.detections(o, [None]))
-        matched = compare_outputs("detection", ref, got, detections=lambda o: d.detections(o, [None]),
-                                  relaxed=lambda o: low.detections(o, [None]))
-        return {"recall": matched["recall"], "precision": matched["precision"], "strict_recall": strict["recall"],
-                "strict_precision": strict["precision"], "score_ratio": matched["score_ratio"],
-                "reference_boxes": strict["reference_boxes"], "images": len(paths)}
+        m = compare_outputs("detection", ref, got, detections=lambda o: d.detections(o, [None]),
+                            relaxed=lambda o: low.detections(o, [None]))
+        return {"recall": m["recall"], "precision": m["precision"], "strict_recall": m["strict_recall"],
+                "strict_precision": m["strict_precision"], "score_ratio": m["score_ratio"],
+                "reference_boxes": m["reference_boxes"], "images": len(paths)}
     if name == "cls":
         labels = [fp32.labels.index(p.parent.name) for p in paths]
         top = lambda outs: [int(np.argmax(np.asarray(next(iter(o.values()))).reshape(-1))) for o in outs]  # noqa: E731
@@ -140,6 +140,7 @@ def run_one(name: str, spec: dict, profile_key: str, tmp: Path, eval_paths: list
     check = engine.info.int8_check
     row = {"model": name, "profile": profile_key, "int8_share": shares["int8"], "fp16_share": shares["fp16"],
            "fp32_share": shares["fp32"], "fallback": len(check.fallback), "check": check.status,
+           "check_judged": check.power[1], "check_count": check.power[0], "calibration": check.calibration,
            "check_line": check.line(), "cold_build_s": round(cold, 1), "rebuild_s": round(warm, 2),
            "load_before": before, "load_after": load(), **figure(name, fp32, engine, eval_paths)}
     print(json.dumps(row), flush=True)
@@ -162,7 +163,8 @@ def table(rows: list[dict]) -> str:
             fig = f"map cosine {r['cosine']:.4f} ({r['maps']} pages)"
             ref = "FP32's map"
         lines.append(f"| {r['model']} | {r['profile']} | {fig} | {ref} | {100 * r['int8_share']:.1f} % / "
-                     f"{100 * r['fp16_share']:.1f} % | {r['check']} ({r['fallback']} moved) | {r['cold_build_s']:.0f} s "
+                     f"{100 * r['fp16_share']:.1f} % | {r['check']} ({r['check_judged']} {r['check_count']} judged, "
+                     f"{r['fallback']} moved, {r['calibration']} ranges) | {r['cold_build_s']:.0f} s "
                      f"({r['load_before']}) | {r['rebuild_s']:.1f} s |")
     return "\n".join(lines)
 

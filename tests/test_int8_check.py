@@ -8,7 +8,7 @@ import onnx
 import pytest
 
 from k2edge import BuildError, Engine, load_profile
-from k2edge.engine.check import Int8Check, compare_outputs, match_detections, tolerance_for
+from k2edge.engine.check import Int8Check, compare_outputs, match_detections, meets, tolerance_for
 from k2edge.engine.quantize import read_trt_calibration_cache
 from k2edge.tasks.detection import Detections
 from test_cli import MODEL, ROOT, k2edge
@@ -45,6 +45,28 @@ def test_detection_measures_match_boxes_by_label_and_iou():
     one = {"output0": np.zeros((1, 6, 4))}
     m = compare_outputs("detection", [one], [one], detections=lambda o: [ref])
     assert m["recall"] == m["precision"] == m["score_ratio"] == 1.0 and m["reference_boxes"] == 2
+
+
+def test_a_score_under_the_threshold_is_a_strict_miss_not_a_relaxed_one():
+    """INT8 scores a box 0.2 that FP32 scores 0.3 (threshold 0.25): matched down to half the threshold it is found
+    (recall 1.0) and the score ratio, of the INT8 boxes kept at the threshold, does not see it; as a user sees the
+    boxes it is missed (strict recall 1/2), and a tolerance on strict_recall fails the check."""
+    box = np.array([[0, 0, 10, 10], [20, 20, 30, 30]], np.float32)
+    fp32 = Detections(box, np.array([0.9, 0.3], np.float32), np.array([0, 1]))
+    low = Detections(box, np.array([0.9, 0.2], np.float32), np.array([0, 1]))  # INT8 down to half the threshold
+    R, Q = {"r": np.zeros(1)}, {"q": np.zeros(1)}
+    at_threshold = lambda o: [fp32 if "r" in o else Detections(box[:1], low.scores[:1], low.classes[:1])]  # noqa: E731
+    m = compare_outputs("detection", [R], [Q], detections=at_threshold, relaxed=lambda o: [fp32 if "r" in o else low])
+    assert m["recall"] == m["precision"] == m["score_ratio"] == 1.0
+    assert (m["strict_found"], m["reference_boxes"], m["strict_kept"], m["int8_boxes"]) == (1, 2, 1, 1)
+    assert m["strict_recall"] == 0.5 and m["strict_precision"] == 1.0 and m["bounds"]["strict_recall"][1] < 1.0
+    check = Int8Check("detection", "failed", "held-out", 1, m, {"strict_recall": 0.9})
+    assert not meets(m, {"strict_recall": 0.9}) and meets(m, {"recall": 0.97, "precision": 0.97})
+    assert "at the threshold recall 1/2 0.500, precision 1/1 1.000" in check.line()
+    profile = load_profile({"edge_runtime": {"int8_tolerance": {"strict_recall": 0.9}}})
+    assert tolerance_for("detection", profile.edge_runtime.int8_tolerance)[0]["strict_recall"] == 0.9
+    with pytest.raises(BuildError, match="got 'strict_recall'"):
+        tolerance_for("classification", {"strict_recall": 0.9})
 
 
 def test_segmentation_pose_and_obb_add_their_own_measure_of_the_matched_boxes():

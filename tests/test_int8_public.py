@@ -1,8 +1,8 @@
 """INT8 on public pretrained models (docs/int8.md, "Public models: INT8 share and accuracy").
 
-A calibration set whose held-out part has too few FP32 boxes gives an inconclusive check. The share and accuracy
-bounds of docs/int8.md are measured by ``bench/bench_int8_public.py``; they are not all met yet (see docs/int8.md),
-so no test asserts them here.
+A calibration set whose held-out part has too few FP32 boxes gives an inconclusive check; the classifier meets its
+bound. The other bounds of docs/int8.md (YOLOv8n, DBNet, the build time) are measured by
+``bench/bench_int8_public.py`` and not met yet (see docs/int8.md), so no test asserts them.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from __future__ import annotations
 import pytest
 
 from k2edge import Engine
+from k2edge.engine.evaluate import evaluate_classifier
+from k2edge.model.datasets import open_dataset
+from public_sets import textline_set
 from test_int8_fixtures import INT8, packaged_model
 
 GPU_CHAIN = {"name": "gpu-int8-fp16", "edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}}
@@ -26,3 +29,24 @@ def test_a_held_out_part_with_too_few_boxes_is_inconclusive(tmp_path):
     assert "at least 50 FP32 boxes" in check.line() and not check.passed
     shares = engine.plan.precision_flops  # the automatic float head is the Detect module: at most about 63 % INT8
     assert shares["measured"] and shares["model"]["int8"] < 0.70 and shares["model"]["fp32"] == 0, shares
+
+
+@pytest.mark.slow
+def test_public_classifier_runs_mostly_int8_within_half_a_point(tmp_path):
+    """PP-OCR's text-direction classifier, GPU-only ["int8", "fp16"], 1,280 rendered lines to calibrate (256 held out
+    for the check): at least 90 % of its learned-layer FLOPs in INT8 and top-1 within 0.5 point of FP32 on 400 other
+    lines (about 2 minutes on 2 cores)."""
+    model, card = packaged_model("ppocr-cls"), INT8 / "ppocr-cls" / "card.toml"
+    calib, held = textline_set(tmp_path / "calib", 1280, 21), textline_set(tmp_path / "eval", 400, 22)
+    data = open_dataset(held, ["0", "180"])
+    assert len(data) >= 400
+    engine = Engine.build(model, GPU_CHAIN, calib=calib, card=card, cache_dir=tmp_path / "cache")
+    fp32 = Engine.build(model, "cpu-dev", card=card, cache_dir=tmp_path / "cache")
+    with engine:
+        top1 = evaluate_classifier(engine, data)["top1"]
+    with fp32:
+        ref = evaluate_classifier(fp32, data)["top1"]
+    share = engine.plan.precision_flops["model"]["int8"]
+    line = engine.info.int8_check.line()
+    assert engine.plan.precision_flops["measured"] and share >= 0.90, (share, line)
+    assert abs(top1 - ref) <= 0.005, (top1, ref, line)

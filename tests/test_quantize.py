@@ -253,7 +253,40 @@ def test_card_overrides_the_profile_calibration():
     assert quant_settings(p.edge_runtime, None) == QuantSettings("percentile", 99.9)
     card = ModelCard.model_validate({"quantization": {"method": "max"}})
     assert quant_settings(p.edge_runtime, card) == QuantSettings("max", 99.9)
-    assert quant_settings(load_profile("c2").edge_runtime, ModelCard()) == QuantSettings("max", 99.99)
+    assert quant_settings(load_profile("c2").edge_runtime, ModelCard()) == QuantSettings("auto", 99.99)
+
+
+def test_auto_calibration_keeps_the_method_closer_to_fp32(tmp_path):
+    """method auto (the default): a rare glint in a few calibration frames stretches max's input range; max misses
+    the cosine tolerance, the check tries percentile (99.99 clips the glint), keeps it and says so; the kept method's
+    Q/DQ model is the one built. With method max named, max it is."""
+    from graphs import silu_net, smooth_images
+
+    onnx.save(silu_net(), str(tmp_path / "silu.onnx"))
+    x = smooth_images(100).astype(np.float32).transpose(0, 3, 1, 2) / 255.0
+    for i in [i for i in range(100) if i % 5 != 4][::20]:  # calibration frames only: the held-out check has none
+        x[i, :, 5, 5] = 10.0
+    np.savez(tmp_path / "calib.npz", x=x)
+    from k2edge.config.card import load_card
+
+    nm = normalise(str(tmp_path / "silu.onnx"))
+    data = open_dataset(tmp_path / "calib.npz")
+    checks = {}
+    for method in ("auto", "max"):
+        path = tmp_path / f"{method}.toml"
+        path.write_text(f'task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\nmethod = "{method}"\n'
+                        'tolerance = { cosine = 0.999 }\n')
+        card = load_card(path)
+        decision = int8_decision(nm, data, Preprocess.from_card(card), EngineCache(tmp_path / "cache"), card=card)
+        checks[method] = decision.check, decision.check.to_dict()
+        if method == "auto":
+            scales = _qdq_scales(decision.quant.qdq_model)
+    auto, as_dict = checks["auto"]
+    assert auto.status == "passed" and auto.calibration == "percentile 99.99" and as_dict["calibration"] == "percentile 99.99"
+    assert "percentile 99.99 ranges" in auto.line() and any("calibration method percentile 99.99 kept" in n for n in auto.notes)
+    assert checks["max"][0].status == "failed" and checks["max"][0].calibration == "max"
+    assert checks["max"][0].measures["cosine"] < 0.999 <= auto.measures["cosine"]
+    assert scales["images"] < 5.0 / 127  # the kept artefact clips the glint (max's input range would be 10)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -248,7 +248,7 @@ class QuantizationSpec(_Strict):
     ``edge_runtime.int8_tolerance``."""
 
     keep_float: tuple[str, ...] = ()
-    method: Literal["max", "percentile"] | None = None
+    method: Literal["auto", "max", "percentile"] | None = None
     percentile: float | None = None
     tolerance: dict[str, float] | None = None
 

@@ -5,7 +5,8 @@ calibration set, and cached by what it depends on -- not by the batch size -- so
 daemon builds shares it: the same layers fall back at every batch size.
 
 1. statistics: one streaming pass over the calibration samples (:func:`~.quantize.calibration_statistics`);
-2. ranges: per tensor from the statistics by the calibration method, with the DLA's ties on DLA layers only;
+2. ranges: per tensor from the statistics by the calibration method (``auto``: ``max``, and ``percentile`` when the
+   check of ``max`` misses; the closer to FP32 kept), with the DLA's ties on DLA layers only;
 3. Q/DQ artefacts: one all-INT8 model per set of devices (:func:`_bases`), each fallback a graph edit of it;
 4. check: FP32 and the INT8 Q/DQ emulation (every artefact of the plan: a model-wise plan's GPU and DLA ones) run
    on the check samples (every fifth calibration sample, or a ``--check`` set) and are compared by the card's
@@ -37,9 +38,10 @@ from .cache import EngineCache, digest
 from .calibration import TensorStatistics, session
 from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
 from .fallback import SENSITIVITY_SAMPLES, OutputProbe, rank, search_budget, sensitivity, smallest_prefix
-from .quantize import (MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
-                       base_qdq, calibration_statistics, dla_ties, fallback_units, finish_qdq, float_nodes, learned_layers,
-                       plan_dla_nodes, qdq_int8_layers, quant_settings, quant_variant, stage_batches, statistics_key)
+from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
+                       base_qdq, calibration_statistics, candidate_settings, dla_ties, fallback_units, finish_qdq,
+                       float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers, quant_settings, quant_variant,
+                       stage_batches, statistics_key)
 from .shares import with_shares
 
 log = logging.getLogger(__name__)
@@ -235,7 +237,7 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
     check = Int8Check.from_dict(json.loads(entry.file("decision.json").read_text()))
     new_plan = with_fallback(plan, tuple(card_fallback(plan, inputs.keep_float)) + tuple(check.fallback))
     moved = tuple(sorted(f["node"] for f in check.fallback))
-    quant = _artefacts(model, stats, stats_key, cache, new_plan, samples, moved, inputs)
+    quant = _artefacts(model, stats, stats_key, cache, new_plan, samples, moved, inputs, check)
     return Int8Decision(quant, with_shares(new_plan, model.graph, measured_int8_layers(quant, model)), check, entry.hit)
 
 
@@ -259,16 +261,16 @@ def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess) -> Ca
 
 def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: CheckRunner, probe, tmp: Path,
                          progress) -> Int8Check:
-    """Steps 4 and 5: the check of all-INT8 and, if it misses and the chain allows, the smallest fallback."""
-    bases = _bases(model, stats, plan, inputs, tmp)
-    first = runner.measure([finish_qdq(b, model) for b in bases])
-    tol, notes = _tolerance(first, inputs, len(inputs.check_idx))
-    task, n_check = runner.task, len(inputs.check_idx)
+    """Steps 3 to 5: the check of all-INT8 (under each calibration method the settings allow, the closest to FP32
+    kept) and, if it misses and the chain allows, the smallest fallback."""
+    settings, bases, first, tol, notes = _first_check(model, stats, plan, inputs, runner, tmp)
+    task, n_check, method = runner.task, len(inputs.check_idx), _method_text(settings)
     if meets(first, tol):
-        return Int8Check(task, verdict(task, first, True, False), inputs.source, n_check, first, tol, notes=tuple(notes))
+        return Int8Check(task, verdict(task, first, True, False), inputs.source, n_check, first, tol, notes=tuple(notes),
+                         calibration=method)
     if not inputs.allow:
         notes.append("the precision chain ends at int8: no layer falls back")
-        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes))
+        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method)
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes
                                          if n.name in inputs.devices and n.name not in inputs.keep_float])
     scores = sensitivity(probe(), finish_qdq(bases[-1], model), model.model, units, progress)
@@ -296,7 +298,30 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
                      for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
     return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
-                     first, tuple(notes))
+                     first, tuple(notes), calibration=method)
+
+
+def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path):
+    """Steps 3 and 4 per calibration method (:func:`~.quantize.candidate_settings`: ``auto`` tries percentile only
+    when max misses): the all-INT8 artefacts and their check. Returns the closest to FP32 (a tie keeps the first)
+    as (settings, bases, measures, tolerance, notes)."""
+    tried = []
+    for settings in candidate_settings(inputs.settings):
+        bases = _bases(model, stats, plan, inputs, tmp, settings)
+        first = runner.measure([finish_qdq(b, model) for b in bases])
+        tol, notes = _tolerance(first, inputs, len(inputs.check_idx))
+        tried.append((settings, bases, first, tol, notes))
+        if meets(first, tol):
+            break
+    best = max(tried, key=lambda t: _score(t[2], t[3]))
+    if len(tried) > 1:
+        scored = ", ".join(f"{_method_text(t[0])} {_score(t[2], t[3]):+.4f}" for t in tried)
+        best[4].append(f"calibration method {_method_text(best[0])} kept: all-INT8 margin to the tolerance {scored}")
+    return best
+
+
+def _method_text(settings: QuantSettings) -> str:
+    return f"percentile {settings.percentile:g}" if settings.method == "percentile" else settings.method
 
 
 def _tolerance(first: dict, inputs: DecisionInputs, n_check: int) -> tuple[dict, list[str]]:
@@ -316,12 +341,12 @@ def _tolerance(first: dict, inputs: DecisionInputs, n_check: int) -> tuple[dict,
                  + " the default tolerance is relaxed to " + ", ".join(f"{k} >= {tol[k]}" for k in short)]
 
 
-def _bases(model, stats, plan, inputs: DecisionInputs, tmp: Path) -> list[onnx.ModelProto]:
+def _bases(model, stats, plan, inputs: DecisionInputs, tmp: Path, settings: QuantSettings) -> list[onnx.ModelProto]:
     """Step 3, once per decision: the all-INT8 Q/DQ model of every variant of the plan (a model-wise plan's GPU and
     DLA ones; the last is where the fallback must hold). Each candidate fallback is a graph edit of these."""
     out = []
     for i, dla in enumerate(_variant_scopes(plan)):
-        out.append(base_qdq(model, stats, inputs.settings, inputs.exclude, inputs.keep_float, dla_ties(model.graph, dla),
+        out.append(base_qdq(model, stats, settings, inputs.exclude, inputs.keep_float, dla_ties(model.graph, dla),
                             tmp / f"base-{i}.onnx"))
         (tmp / f"base-{i}.onnx").unlink()
     return out
@@ -357,7 +382,7 @@ def cached_decision(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
     new_plan = with_fallback(plan, tuple(card_fallback(plan, inputs.keep_float)) + tuple(check.fallback))
     stats, stats_key, samples = calibration_statistics(model, calib, preprocess, cache)  # cached with the decision
     quant = _artefacts(model, stats, stats_key, cache, new_plan, samples, tuple(sorted(f["node"] for f in check.fallback)),
-                       inputs)
+                       inputs, check)
     return with_shares(new_plan, model.graph, measured_int8_layers(quant, model)), check
 
 
@@ -366,14 +391,21 @@ def _score(measures: dict, tol: dict) -> float:
     return min(float(measures.get(k, 0.0)) - float(v) for k, v in tol.items())
 
 
+def settings_of(check: Int8Check, settings: QuantSettings) -> QuantSettings:
+    """The calibration settings a decision kept (its check's method; ``auto`` resolved)."""
+    method = check.calibration.split()[0]
+    return replace(settings, method=method) if settings.method == AUTO else settings
+
+
 def _variant_scopes(plan: PartitionPlan) -> list[frozenset]:
     dla, gpu_too = plan_dla_nodes(plan)
     return [frozenset(), dla] if gpu_too else [dla]
 
 
 def _artefacts(model, stats: TensorStatistics, stats_key: str, cache: EngineCache, plan: PartitionPlan, samples: int,
-               fallback_nodes, inputs: DecisionInputs) -> QuantArtefacts:
-    made = [quant_variant(model, stats, stats_key, cache, inputs.settings, inputs.exclude, inputs.keep_float, dla,
+               fallback_nodes, inputs: DecisionInputs, check: Int8Check) -> QuantArtefacts:
+    settings = settings_of(check, inputs.settings)
+    made = [quant_variant(model, stats, stats_key, cache, settings, inputs.exclude, inputs.keep_float, dla,
                           samples, fallback_nodes) for dla in _variant_scopes(plan)]
     return replace(made[0], dla=made[1]) if len(made) == 2 else made[0]
 

@@ -189,6 +189,7 @@ class OnnxRuntimeBackend(Backend):
             # block per batch size seen. YOLOv8n at 640, batches 1..4 on two workers: 460 -> 308 MiB RSS for 1.04x the
             # CPU a sample (bench/bench_lanes.py --memory; docs/performance.md)
             opts.enable_mem_pattern = False
+        opts.add_session_config_entry("session.disable_quant_qdq", "1")  # INT8 as Q/DQ: see calibration.session
         if not self.spinning:
             # Idle intra-op threads spin by default: the lowest latency for one engine, but where many
             # engines and threads share a few cores (the daemon) the spinning eats the cores. Spinning

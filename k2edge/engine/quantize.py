@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 # 4: ties only for DLA layers, fused Sigmoid/HardSigmoid->Mul gates, streaming statistics, held-out check samples;
 # 5: a decoupled detection head's branches (YOLOv8's Detect cv2/cv3) kept in float with the decoding
 # 6: only the decoding in float; fallback by sensitivity, learned layers with their quantisers; exact tolerance
-QUANT_VERSION = "6"
+# 7: the calibration method picked per model by the check (``auto``); 8: the emulation keeps Q/DQ unfused (a
+# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8)
+QUANT_VERSION = "8"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
@@ -54,16 +56,20 @@ GATE_OPS = ("Sigmoid", "HardSigmoid")
 GATE_RANGE = 1.0  # a sigmoid's output range, as qdq-translator gives a Sigmoid feeding a Mul
 
 
+AUTO = "auto"  # the INT8 check picks the method per model (:func:`candidate_settings`)
+
+
 @dataclass(frozen=True)
 class QuantSettings:
-    """How ranges come from the statistics: ``max`` or ``percentile`` (of magnitudes, default 99.99)."""
+    """How ranges come from the statistics: ``max`` or ``percentile`` (of magnitudes, default 99.99), or ``auto``:
+    the INT8 check picks one of them per model."""
 
     method: str = "max"
     percentile: float = DEFAULT_PERCENTILE
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise BuildError(f"calibration method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method not in METHODS + (AUTO,):
+            raise BuildError(f"calibration method must be one of {', '.join(METHODS + (AUTO,))}, got {self.method!r}")
         if not 50.0 < self.percentile <= 100.0:
             raise BuildError(f"calibration percentile must be within (50, 100], got {self.percentile}")
 
@@ -212,10 +218,12 @@ def detect_branches(graph: Graph, head: set[str]) -> set[str]:
 def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
     """Nodes the card keeps out of INT8: a detector's head (automatically) and ``[quantization] keep_float``.
 
-    Only the decoding (:func:`detection_head`: DFL, box arithmetic, the final concat, the class sigmoid; of a
-    segmentation, pose or obb model, that of every output) is float by default: the rest of the Detect, Segment or
-    Pose module -- its box, class, mask and keypoint branches -- is INT8 unless the check moves it (as
-    onnxruntime's ``quantize_static`` with only the decoding excluded, and NVIDIA ModelOpt, run YOLOv8n).
+    The decoding (:func:`detection_head`: DFL, box arithmetic, the final concat, the class sigmoid; of a
+    segmentation, pose or obb model, that of every output) and the decoupled branches behind it
+    (:func:`detect_branches`: the whole Detect module of an Ultralytics export) are float by default. With only the
+    decoding float, NudeNet's YOLOv8n loses boxes at its score threshold that no fallback the check's ranking finds
+    recovers short of 14 % INT8 (docs/int8.md, "Public models"); with the Detect module float it holds them at
+    55 % INT8.
 
     Raises:
         BuildError: ``keep_float`` names a node the model does not have.
@@ -801,9 +809,17 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)
 
 
+def candidate_settings(settings: QuantSettings) -> tuple[QuantSettings, ...]:
+    """The methods a check tries, in order: ``auto`` tries ``max`` first and ``percentile`` when max misses the
+    tolerance (a tie keeps max); a named method is the only one."""
+    if settings.method != AUTO:
+        return (settings,)
+    return replace(settings, method="max"), replace(settings, method="percentile")
+
+
 def quant_settings(edge_runtime=None, card: ModelCard | None = None) -> QuantSettings:
     """The calibration settings: the card's ``[quantization]`` over the profile's ``edge_runtime.calibration``."""
-    method, percentile = "max", DEFAULT_PERCENTILE
+    method, percentile = AUTO, DEFAULT_PERCENTILE
     for layer in (getattr(edge_runtime, "calibration", None), getattr(card, "quantization", None)):
         if layer is None:
             continue

@@ -53,8 +53,9 @@ class DLAMemoryPools(_Strict):
 class Calibration(_Strict):
     """INT8 calibration: how a tensor's range comes from the calibration set's statistics."""
 
-    method: Literal["max", "percentile"] = Field(
-        "max", description="max: the largest magnitude seen; percentile: the magnitude under which `percentile` % lie")
+    method: Literal["auto", "max", "percentile"] = Field(
+        "auto", description="max: the largest magnitude seen; percentile: the magnitude under which `percentile` % lie; "
+        "auto: the INT8 check tries max, then percentile when max misses its tolerance, and keeps the closer to FP32")
     percentile: float = Field(99.99, description="for method percentile, within (50, 100]")
 
     @field_validator("percentile", mode="before")
@@ -66,10 +67,11 @@ class Calibration(_Strict):
 
 
 def _tolerance_table(value):
-    """``{measure: minimum}``: agreement, recall, precision, score_ratio, cosine, each within [0, 1]."""
+    """``{measure: minimum}``: agreement, recall, precision, score_ratio, strict_recall, strict_precision, cosine,
+    each within [0, 1]."""
     if not isinstance(value, dict):
         raise ValueError(f"must be a table of measure = minimum, such as {{\"agreement\": 0.99}}, got {value!r}")
-    known = ("agreement", "recall", "precision", "score_ratio", "cosine")
+    known = ("agreement", "recall", "precision", "score_ratio", "strict_recall", "strict_precision", "cosine")
     out = {}
     for k, v in value.items():
         if k not in known:
