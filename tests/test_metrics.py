@@ -153,7 +153,7 @@ def test_int8_check_gauges_follow_the_engines_a_model_runs():
 def test_grafana_dashboard_uses_only_metrics_that_exist():
     dash = json.loads((ROOT / "tools" / "grafana-k2edge.json").read_text())
     m = Metrics()
-    m.set_model("digits", "1.0.0", "c2", _CHECK)
+    m.set_model("digits", "1.0.0", "c2", _CHECK, memory={"host": 1 << 20})
     m.observe_answer("digits", "ok", "edge", {s: 1.0 for s in STAGES})
     m.observe_batch("digits", 1)
     m.observe_escalation("digits", "prompt")
