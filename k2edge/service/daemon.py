@@ -62,6 +62,7 @@ class Daemon:
         "_stop_admitting",            # new requests stay with the broker for the next start
         "_stop_streams",              # no new frames; the readers stop within the drain time
         "_stop_deploys",              # a deploy not committed is dropped unanswered: redelivered at the next start
+        "_hand_back_cloud_queue",     # cloud calls not started go back to the outbox now, not after the wait below
         "_finish_requests",           # every admitted request answered or handed to the cloud
         "_finish_cloud_work",         # running cloud calls answered; queued ones back in the outbox
         "_stop_thermal",              # no profile switch from here on
@@ -403,6 +404,9 @@ class Daemon:
 
     def _stop_deploys(self) -> None:
         self.lifecycle.stop(5.0)
+
+    def _hand_back_cloud_queue(self) -> None:
+        self.escalation.hand_back_queued()
 
     def _finish_requests(self) -> None:
         timeout = self.cfg.service.drain_timeout_s

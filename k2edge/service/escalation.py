@@ -138,15 +138,24 @@ class Escalation:
         answers; hand the queued ones back to the outbox for the next start; stop the outbox loop.
         The outbox stays open for the deliveries still to be acknowledged: :meth:`close`."""
         if self.pool is not None:
-            with self._lock:
-                queued = [oid for oid, fut in self._waiting.items() if fut.cancel()]
-            for oid in queued:
-                self.bridge.outbox.unlease(oid, "the daemon stopped before the cloud call", 0.0)
+            self.hand_back_queued()  # again: requests handed to the cloud while the drain waited for them
             self.pool.shutdown(wait=True)
             self.fallbacks.stop()
         self._stop.set()
         if self._outbox_thread.is_alive():
             self._outbox_thread.join(timeout=10)
+
+    def hand_back_queued(self) -> None:
+        """Hand the cloud calls that have not started back to the outbox (unleased) for the next start. The
+        drain does it first, so that a drain waiting for open requests never lets a queued call start."""
+        if self.pool is None:
+            return
+        with self._lock:
+            queued = [oid for oid, fut in self._waiting.items() if fut.cancel()]
+            for oid in queued:
+                del self._waiting[oid]
+        for oid in queued:
+            self.bridge.outbox.unlease(oid, "the daemon stopped before the cloud call", 0.0)
 
     def close(self) -> None:
         """Close the cloud client and the outbox (after every answer was acknowledged: a live answer's
