@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from .tables import Strict as _Strict, topic_level
+from .tables import Strict as _Strict, bound, topic_level
 
 
 def _name(value: str, what: str) -> str:
@@ -69,6 +69,10 @@ class StreamConfig(_Strict):
                                     "csi://0 | gst:<pipeline ending in an appsink>")
     model: str = Field(description="a [[models]] name; its card's task must be detection")
     fps: float | None = Field(None, gt=0, le=1000, description="frames per second to process; default the source's own rate")
+    warm_fps: float | None = Field(None, gt=0, le=1000, description="thermal state warm: process at most this many "
+                                   "frames per second; default half the stream's rate")
+    hot_fps: float | None = Field(None, gt=0, le=1000, description="thermal state hot: at most this many; default a "
+                                  "quarter of the stream's rate, at least 1 (never more than in warm)")
     enabled: bool = True
     loop: bool = Field(False, description="file:// sources: start again at the end instead of ending")
     backend: str = Field("auto", pattern="^(auto|pyav|gstreamer)$",
@@ -87,6 +91,10 @@ class StreamConfig(_Strict):
     post_s: float = Field(5.0, ge=0, le=60, description="clips: seconds after the event")
     zones: tuple[ZoneConfig, ...] = ()
     lines: tuple[LineConfig, ...] = ()
+
+    _warm_within_fps = bound("warm_fps", "<=", "fps", "a thermal limit is at most the stream's own rate")
+    _hot_within_fps = bound("hot_fps", "<=", "fps", "a thermal limit is at most the stream's own rate")
+    _hot_within_warm = bound("hot_fps", "<=", "warm_fps", "hot is the hotter state")
 
     @field_validator("name")
     @classmethod

@@ -243,8 +243,10 @@ class Daemon:
     # the thermal sampler's listener ----------------------------------------------------------------
     def on_thermal(self, st) -> None:
         """A thermal transition (the sampler's thread): each model's engines switch profile between
-        two batches, without waiting here."""
+        two batches, without waiting here; each stream's rate limit changes at once (so the status tells it)."""
         log.warning("thermal state %s: %s", st.state, st.reason)
+        if self.streams is not None:
+            self.streams.on_thermal(st.state, st.reason)
         for name, batcher in self.batchers.items():
             rt = batcher.follow_thermal()
             if self.metrics is not None:

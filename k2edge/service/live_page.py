@@ -13,6 +13,7 @@ PAGE = r"""<!doctype html>
  img.frame { max-width: 640px; width: 100%; background: #333; min-height: 120px; }
  table.figures td { padding: 0 .6rem 0 0; font-size: .9rem; }
  .warning { color: #a40; } .state-up { color: #080; } .state-reconnecting, .state-down { color: #a00; }
+ .state-paused { color: #a40; }
  ul.events { list-style: none; padding: 0; margin: 0; max-height: 520px; overflow-y: auto; }
  ul.events li { display: flex; gap: .5rem; align-items: center; border-bottom: 1px solid #eee; padding: .2rem 0; font-size: .85rem; }
  img.snapshot { width: 120px; }
@@ -50,6 +51,10 @@ function counts(c) {
   for (const [l, v] of Object.entries(c.lines || {})) parts.push("line " + l + ": in " + JSON.stringify(v.in) + ", out " + JSON.stringify(v.out));
   return parts.join("; ") || "no zones or lines";
 }
+function limit(l) {
+  if (!l) return "-";
+  return (l.max_fps === null ? "its own rate" : l.max_fps + " fps") + ": " + l.reason;
+}
 async function refreshStatus() {
   const streams = await (await fetch("api/streams")).json();
   const root = document.getElementById("streams");
@@ -61,7 +66,8 @@ async function refreshStatus() {
     const rows = [["state", s.state], ["fps in / processed", s.fps_in + " / " + s.fps_processed],
                   ["frame age p50 / p99", age.p50 === null ? "-" : age.p50 + " / " + age.p99 + " ms"],
                   ["frame size", s.frame_size ? s.frame_size.join("x") : "-"],
-                  ["dropped", s.dropped], ["reconnects", s.reconnects], ["last error", s.last_error || "-"],
+                  ["max fps (thermal)", limit(s.limit)], ["dropped / shed", s.dropped + " / " + (s.shed || 0)],
+                  ["reconnects", s.reconnects], ["last error", s.last_error || "-"],
                   ["counts", counts(s.counts || {})]];
     b.figures.replaceChildren(...rows.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {class: k === "state" ? "state-" + v : ""}, String(v)))));
     b.warnings.replaceChildren(...(s.warnings || []).map(w => el("div", {class: "warning"}, "warning: " + w)));

@@ -74,7 +74,8 @@ class PrometheusMetrics:
     of the engines a model runs: ``agreement``, ``recall``, ``precision``, ``score_ratio`` or ``cosine``
     against FP32, as its task measures; ``verdict``: 1 passed, 0 inconclusive (too few check samples), -1 failed;
     ``judged``: the samples or FP32 boxes the verdict stands on; no series for a model without INT8 layers),
-    ``stream_frames_total{stream,outcome}`` (``decoded``, ``processed``, ``dropped``), ``stream_up{stream}``,
+    ``stream_frames_total{stream,outcome}`` (``decoded``, ``processed``, ``dropped``, ``shed`` by the thermal
+    limit), ``stream_max_fps{stream}`` (the most a stream is processed at now: 0 paused), ``stream_up{stream}``,
     ``stream_reconnects_total{stream}``, ``stream_frame_age_seconds{stream}`` (histogram, decoded to published);
     ``media_bytes``, ``media_files``, ``media_degraded``, ``media_removed_total{reason}`` (``budget``, ``age``).
     """
@@ -101,9 +102,12 @@ class PrometheusMetrics:
         self._model = Info("k2edge_model", "The version and profile each served model runs", ["model"], registry=r)
         self._int8 = Gauge("k2edge_int8_check", "Each served model's INT8 engines measured against FP32 at build, "
                            "by measure", ["model", "profile", "measure"], registry=r)
-        self._stream_frames = Counter("k2edge_stream_frames", "Frames of each stream: decoded, processed, or dropped "
-                                      "(decoded and never processed, fps throttling included)", ["stream", "outcome"],
-                                      registry=r)
+        self._stream_frames = Counter("k2edge_stream_frames", "Frames of each stream: decoded, processed, dropped "
+                                      "(decoded and never processed, fps throttling included) or shed (by the thermal "
+                                      "limit)", ["stream", "outcome"], registry=r)
+        self._stream_max_fps = Gauge("k2edge_stream_max_fps", "The most each stream is processed at now, by the thermal "
+                                     "state (its own rate when not throttled, NaN when that is not known; 0 paused)",
+                                     ["stream"], registry=r)
         self._memory = Gauge("k2edge_model_memory_bytes", "Memory each served model's engines hold, by kind: host (resident "
                              "memory their activation added) and device (TensorRT's own accounting)", ["model", "kind"],
                              registry=r)
@@ -225,10 +229,14 @@ class PrometheusMetrics:
     def set_stream(self, stream: str, up: bool, counts: Mapping[str, int], reconnects: int) -> None:
         """A stream's state and its running totals (counters only ever move forward to them). Stream names come
         from the config, a closed set."""
-        for outcome in ("decoded", "processed", "dropped"):
+        for outcome in ("decoded", "processed", "dropped", "shed"):
             self._advance(self._stream_frames.labels(stream=stream, outcome=outcome), (stream, outcome), counts.get(outcome, 0))
         self._advance(self._stream_reconnects.labels(stream=stream), (stream, "reconnects"), reconnects)
         self._stream_up.labels(stream=stream).set(1 if up else 0)
+
+    def set_stream_limit(self, stream: str, max_fps: float | None) -> None:
+        """A stream's thermal limit (:class:`~k2edge.streams.throttle.StreamLimit`'s ``max_fps``)."""
+        self._stream_max_fps.labels(stream=stream).set(float("nan") if max_fps is None else max_fps)
 
     def _advance(self, counter, key: tuple, total: float) -> None:
         """Move a counter up to ``total`` (the stream keeps the count; the counter follows it)."""

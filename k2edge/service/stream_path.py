@@ -87,7 +87,8 @@ class StreamPath:
                                   open_timeout_s=c.open_timeout_s, packets=ring)
             self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],
                                           [(ln.name, ln.start, ln.end) for ln in c.lines], max_lost_s=c.max_lost_s,
-                                          snapshots=c.snapshots and media is not None)
+                                          snapshots=c.snapshots and media is not None, warm_fps=c.warm_fps,
+                                          hot_fps=c.hot_fps)
         wanted = any(s.snapshots or s.reader.packets is not None for s in self.streams.values())
         self.evidence = EvidenceWorker(self.evidence_step) if wanted else None
 
@@ -143,11 +144,22 @@ class StreamPath:
         event = state_event(old, new, reason)
         stream = self.streams[reader.name]
         stream.on_state(old, new, reason)
+        if event is not None and event["event"] == "stream_up" and stream.paused:
+            event = None  # back while paused: its stream_up is when the pause ends
         self._observe(stream)
         if event is not None:
             self._publish_events(stream, [event], reader.last_index)
         if self.on_change is not None:
             self.on_change()
+
+    def on_thermal(self, state: str, reason: str | None) -> None:
+        """The thermal governor's state changed (the sampler's thread): every stream's limit, now, and the
+        pauses and resumptions it causes as events (the caller republishes the status)."""
+        for s in self.streams.values():
+            events = s.set_thermal(state, reason)
+            self._observe(s)
+            if events:
+                self._publish_events(s, events, s.reader.last_index)
 
     # 3. stage (on the batcher) -------------------------------------------------------------------------
     def stage(self, rt, frames: list[StreamFrame]) -> list[StreamFrame]:
@@ -333,7 +345,8 @@ class StreamPath:
         if self.metrics is not None:
             r = s.reader
             self.metrics.set_stream(s.name, r.state == "up", {"decoded": r.decoded, "processed": s.processed,
-                                                              "dropped": r.dropped}, r.reconnects)
+                                                              "dropped": r.dropped, "shed": r.shed}, r.reconnects)
+            self.metrics.set_stream_limit(s.name, s.limit.max_fps)
 
     def any_up(self) -> bool:
         """Whether a stream is up (its figures change: the status is republished with the telemetry)."""

@@ -20,6 +20,11 @@ at ``reconnect_max_s``.
 Pacing (``pace``): ``live`` keeps the newest frame; ``realtime`` plays a file at its own frame
 rate (a camera stand-in: what the daemon does with ``file://``); ``every`` hands over every frame,
 waiting for it to be taken (``k2edge watch`` on a file).
+
+Two :class:`~k2edge.streams.throttle.FrameGate` s pick the frames kept, on the frame's time (a file's
+pts, a camera's arrival): ``fps`` (the rest are dropped, as configured) and then the thermal limit
+(:meth:`StreamReader.limit`; the rest are *shed*, counted apart). A limit of 0 pauses the stream: every
+frame is read and discarded, so the connection stays open and no stall is declared.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 from ..backoff import backoff
 from .capture import Capture, SourceError, open_capture
 from .source import SourceSpec
+from .throttle import FrameGate
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +130,14 @@ class StreamReader:
         self._threads: list[threading.Thread] = []
         self.state = "starting"
         self.last_error: str | None = None
-        self.decoded = self.dropped = self.reconnects = 0
+        self.decoded = self.dropped = self.reconnects = self.shed = 0
         self._corrupt_closed = 0  # corrupt packets of captures closed since
         self._capture: Capture | None = None
         self.source_fps: float | None = None
         self._next_index = 0
         self._last_frame = time.monotonic()
-        self._keep_after: float | None = None  # fps throttling: the time the next frame is due
+        self._fps_gate = FrameGate(fps or None)  # fps throttling (dropped)
+        self._limit_gate = FrameGate()  # the thermal limit (shed)
 
     # lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -168,6 +175,16 @@ class StreamReader:
     def last_index(self) -> int | None:
         """The index of the newest decoded frame (None before the first)."""
         return self._next_index - 1 if self._next_index else None
+
+    def limit(self, max_fps: float | None) -> None:
+        """Keep at most ``max_fps`` of the frames ``fps`` keeps, from the next frame on (None: all; 0: none,
+        the stream paused); the rest are counted as shed."""
+        with self._cond:
+            self._limit_gate.set(max_fps)
+            if max_fps == 0 and self._frame is not None:  # paused: the frame waiting is not processed either
+                self._frame = None
+                self.shed += 1
+                self._cond.notify_all()
 
     # the processing side ----------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -247,7 +264,6 @@ class StreamReader:
                 self._cond.wait_for(lambda: not self._current(gen), delay)
 
     def _read(self, gen: int, cap: Capture) -> None:
-        period = 1.0 / self.fps if self.fps else 0.0
         start_wall = first_pts = None
         for picture, pts in cap.frames():
             now = time.monotonic()
@@ -270,8 +286,12 @@ class StreamReader:
                 self.decoded += 1
                 self._last_frame = now
                 first = self.state != "up"
-                if period and not self._keep(pts if not self.spec.live else now, period):
+                t = pts if not self.spec.live else now
+                if not self._fps_gate.keep(t):
                     self.dropped += 1  # throttled to fps
+                    frame = None
+                elif not self._limit_gate.keep(t):
+                    self.shed += 1  # the thermal limit
                     frame = None
                 if frame is not None:
                     if self.pace == "every":
@@ -287,15 +307,6 @@ class StreamReader:
                 self._set_state("up", None)
             if frame is not None:
                 self._tell(self.listener.on_frame, self)
-
-    def _keep(self, t: float, period: float) -> bool:
-        """fps throttling on the frame's time (a file's pts: ``--fps`` means frames per second of video;
-        a camera's arrival): keep one frame per period, on schedule, without drifting."""
-        due = self._keep_after
-        if due is not None and due - period <= t < due - period / 4:
-            return False
-        self._keep_after = t + period if due is None or t >= due + period or t < due - period else due + period
-        return True
 
     def _set_state(self, new: str, reason: str | None) -> None:
         with self._cond:

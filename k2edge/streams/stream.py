@@ -13,6 +13,10 @@ when the stream went down (``time``; ``frame``: the last processed before it) an
 
 The first processed frame fixes the stream's frame size; zones and lines with points outside it
 are :attr:`Stream.warnings` (logged once, shown in the status).
+
+The thermal governor's state limits the stream's rate (:meth:`Stream.set_thermal`; what each state
+means is :mod:`k2edge.streams.throttle`'s): the reader sheds the frames above the limit, and in
+``critical`` the stream is ``paused``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 
 from .analytics import Analytics, Line as CountLine, Zone, frame_warnings
 from .reader import Frame, StreamReader
+from .throttle import StreamLimit, limit_events, stream_limit
 from .tracker import ByteTracker
 
 log = logging.getLogger(__name__)
@@ -71,10 +76,12 @@ class Stream:
         lines: ``(name, start, end)`` triples in source pixels.
         max_lost_s: a track unseen for longer ends; so does every track after an outage this long.
         snapshots: its zone and line events get snapshots (the frame's pixels are kept until it is tracked).
+        warm_fps: the most it is processed at in the thermal state warm (None: half its rate).
+        hot_fps: and in hot (None: a quarter of its rate, at least 1 fps).
     """
 
     def __init__(self, name: str, model: str, reader: StreamReader, zones=(), lines=(), max_lost_s: float = 1.0,
-                 snapshots: bool = True) -> None:
+                 snapshots: bool = True, warm_fps: float | None = None, hot_fps: float | None = None) -> None:
         self.name, self.model, self.reader = name, model, reader
         self.zones, self.lines = tuple(zones), tuple(lines)
         self.snapshots = snapshots and bool(self.zones or self.lines)  # only zone and line events have snapshots
@@ -97,6 +104,9 @@ class Stream:
         self._latest: tuple | None = None  # (frame index, RGB image, detections), kept only while watched
         self._down: tuple[float, float, str | None] | None = None  # (monotonic, unix, reason) it last went down
         self.accepting = True
+        self.warm_fps, self.hot_fps = warm_fps, hot_fps
+        self._thermal: tuple[str, str | None] = ("unknown", None)  # the governor's state and its reason
+        self.limit: StreamLimit = stream_limit("unknown", self.rate)
 
     # the line's feed ----------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -130,10 +140,41 @@ class Stream:
             self.reader.count_dropped()
 
     def on_state(self, old: str, new: str, reason: str | None) -> None:
-        """The reader's state changed (its thread): remember when it went down, for :meth:`track`."""
+        """The reader's state changed (its thread): remember when it went down, for :meth:`track`; once up,
+        the source's rate is known (the thermal limit's defaults are fractions of it)."""
         if old == "up" and new != "up":
             with self._lock:
                 self._down = (time.monotonic(), time.time(), reason)
+        if new == "up":
+            self._relimit()
+
+    # the thermal limit --------------------------------------------------------------------------------
+    @property
+    def rate(self) -> float | None:
+        """The stream's own rate: its ``fps``, or its source's when lower or when none is set (None: not known)."""
+        rates = [r for r in (self.reader.fps, self.reader.source_fps) if r]
+        return min(rates) if rates else None
+
+    @property
+    def paused(self) -> bool:
+        return self.limit.paused
+
+    def set_thermal(self, state: str, cause: str | None = None) -> list[dict]:
+        """The thermal governor's state changed (its thread): the stream's new limit, now; returns the events
+        it causes (``stream_paused``, or ``stream_up`` when a pause ends)."""
+        with self._lock:
+            self._thermal = (state, cause)
+        return self._relimit()
+
+    def _relimit(self) -> list[dict]:
+        with self._lock:  # the reader's gate too: two threads (sampler, reader) never leave it a stale limit
+            state, cause = self._thermal
+            old = self.limit
+            self.limit = new = stream_limit(state, self.rate, self.warm_fps, self.hot_fps, cause=cause)
+            self.reader.limit(new.gate_fps)
+        if new.max_fps != old.max_fps or new.thermal_state != old.thermal_state:
+            log.log(logging.WARNING if new.throttled else logging.INFO, "stream %s: %s", self.name, new.reason)
+        return limit_events(old, new, self.reader.state)
 
     # after inference --------------------------------------------------------------------------------
     def track(self, item: StreamFrame, detections: list[dict]) -> Tracked:
@@ -264,10 +305,12 @@ class Stream:
         with self._lock:
             counts, snapshots = self._counts, dict(self._snapshots)
         r = self.reader
-        return {"state": r.state, "source": r.spec.shown, "model": self.model, "fps_in": round(fps_in, 2),
+        state = "paused" if self.limit.paused and r.state == "up" else r.state
+        return {"state": state, "source": r.spec.shown, "model": self.model, "fps_in": round(fps_in, 2),
                 "fps_processed": round(fps_processed, 2), "frame_age_ms": self.frame_age(),
                 "frame_size": list(self.frame_size) if self.frame_size else None, "decoded": r.decoded,
-                "processed": self.processed, "dropped": r.dropped, "corrupt": r.corrupt, "reconnects": r.reconnects,
+                "processed": self.processed, "dropped": r.dropped, "shed": r.shed, "limit": self.limit.to_dict(),
+                "corrupt": r.corrupt, "reconnects": r.reconnects,
                 "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
                 "snapshots": snapshots if self.snapshots else None,
                 "clips": r.packets.status() if r.packets is not None else None}
