@@ -74,6 +74,7 @@ def test_the_page_shows_the_stream_updating_and_events_with_their_snapshots(run_
             browser.close()
     print(f"frames seen in the browser: {first} then {later}; {len(shown)} event(s) listed")
     assert later > first + 3 and "320x240" in figures and "fps in / processed" in figures
+    assert "max fps (thermal)" in figures and "dropped / shed" in figures  # the limit and its reason
     assert "warning: zone 'far' lies wholly outside the 320x240 frame" in warnings
     _wait_event(client, "line_cross")
     published = {e["event_id"]: e for e in _messages(client, "events")}
