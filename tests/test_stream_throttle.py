@@ -95,7 +95,8 @@ def test_the_gate_none_keeps_all_zero_keeps_none_and_a_clock_jump_restarts_it():
 
 # pause and resume ------------------------------------------------------------------------------------
 def test_pausing_and_resuming_are_events_only_for_a_stream_that_is_there():
-    normal, warm, critical = (stream_limit(s, 15.0, cause="tj 97.0 °C >= critical_c 95 °C") for s in ("normal", "warm", "critical"))
+    cause = "tj 97.0 °C >= critical_c 95 °C"
+    normal, warm, critical = (stream_limit(s, 15.0, cause=cause) for s in ("normal", "warm", "critical"))
     (paused,) = limit_events(warm, critical, "up")
     assert paused == {"event": "stream_paused", "reason": critical.reason} and "tj 97.0 °C" in paused["reason"]
     assert limit_events(normal, critical, "reconnecting") == [paused]  # the source is coming back: paused still

@@ -24,7 +24,8 @@ FPS = 15
 INTERVAL_S = 0.2  # the thermal sampler's interval: one trace row each
 # (state, temperature, seconds): soft_c 75, hard_c 85, critical_c 95 (the defaults); the first phase covers
 # the stream's start, the last one lasts as long as the test needs (a trace's last row repeats)
-PHASES = (("normal", 50.0, 5.0), ("warm", 80.0, 3.0), ("hot", 90.0, 3.0), ("critical", 97.0, 2.0), ("normal", 50.0, 1.0))
+PHASES = (("normal", 50.0, 5.0), ("warm", 80.0, 3.0), ("hot", 90.0, 3.0), ("critical", 97.0, 2.0),
+          ("normal", 50.0, 1.0))
 LIMITS = {"warm": FPS / 2, "hot": FPS / 4}  # the defaults: half, a quarter
 MAX_FPS = {"normal": FPS, **LIMITS, "critical": 0.0}  # what the status and /metrics say
 
@@ -90,7 +91,8 @@ def test_the_processed_rate_follows_the_thermal_state_and_nothing_is_lost(run_da
     # each status that announced a state already carries the stream's limit for it (set before it was published)
     for state, _, cam in seen:
         own = cam["state"] == "starting" and state == "normal"  # the source's rate is not known before it opens
-        assert cam["limit"]["thermal_state"] == state and cam["limit"]["max_fps"] == (None if own else MAX_FPS[state]), cam
+        want = None if own else MAX_FPS[state]
+        assert cam["limit"]["thermal_state"] == state and cam["limit"]["max_fps"] == want, cam
         assert state != "critical" or (cam["state"] == "paused" and "paused" in cam["limit"]["reason"])
     frames = [m for t, m in client.other if t == "k2edge/t1/streams/cam/detections"]
     first = min(f["captured_at"] for f in frames)
