@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
+from .stream_escalation import EscalationRule
 from .tables import Strict as _Strict, topic_level
 
 
@@ -87,6 +88,8 @@ class StreamConfig(_Strict):
     post_s: float = Field(5.0, ge=0, le=60, description="clips: seconds after the event")
     zones: tuple[ZoneConfig, ...] = ()
     lines: tuple[LineConfig, ...] = ()
+    escalation: tuple[EscalationRule, ...] = Field((), description="[[streams.escalation]]: the events K2 is asked "
+                                                   "about (first match wins; needs [cloud])")
 
     @field_validator("name")
     @classmethod
@@ -115,6 +118,12 @@ class StreamConfig(_Strict):
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
                 raise ValueError(f"{what} names must be unique within a stream, repeated: {dup}")
+        zones, lines = {z.name for z in self.zones}, {ln.name for ln in self.lines}
+        for i, r in enumerate(self.escalation):
+            if r.zone is not None and r.zone not in zones:
+                raise ValueError(f"escalation.{i}.zone: no zone {r.zone!r} in this stream; zones: {sorted(zones)}")
+            if r.line is not None and r.line not in lines:
+                raise ValueError(f"escalation.{i}.line: no line {r.line!r} in this stream; lines: {sorted(lines)}")
         return self
 
 
