@@ -6,7 +6,7 @@ Life of a job (one per event id, in ``<state>/stream_escalations.sqlite3``):
    images are downscaled and encoded (JPEG, longer side at most ``[cloud] image_max_side``) and the job
    is written *before* the event is stored and published, so an event that went out always has its job.
    The queue is bounded (:data:`MAX_WAITING`): past it the event goes out marked ``skipped``.
-2. **run** (the workers, ``min(concurrency, 4)`` threads): a job waits while the breaker is open, the
+2. **run** (the workers: ``stream_share`` of ``concurrency`` threads, at least one): a job waits while the breaker is open, the
    streams' share of the request budget is spent (``[cloud] stream_share``), or the ``concurrency``
    slots (shared with MQTT requests) are taken; an outage postpones it with backoff (store-and-forward;
    after ``outbox_ttl_s`` it fails as expired). A job whose follow-up is already stored is only marked
@@ -216,7 +216,7 @@ class StreamEscalations:
             if self.events.find(eid) is None:
                 log.warning("stream escalation %s: its event was never stored (the daemon stopped in between); dropped", eid)
                 self.jobs.done(eid, "orphan")
-        n = min(self.settings.concurrency, 4)
+        n = max(1, round(self.settings.concurrency * self.settings.stream_share))
         self._threads = [threading.Thread(target=self._work, name=f"k2edge-stream-k2-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
