@@ -88,10 +88,11 @@ def test_follow_ups_equal_the_selected_events_once_across_an_outage_a_broker_res
         for e in _events(client, "line_cross"):
             assert e["escalation"] == {"rule": 0, "follow_up": e["event_id"] + ".k2"}
         client.wait_for(lambda c: all(o is not None for _, o in _jobs(state)), 30)
+        client.wait_for(lambda c: c.statuses[-1]["streams"]["cam"]["escalations"]["waiting"] == 0, 30)
         st = client.statuses[-1]["streams"]["cam"]["escalations"]
         print(f"{n} crossings per run, 2 runs: {len(by_id)} follow-ups; {undone} job(s) undone at the kill; "
               f"{len(waited)} waited through the outage; status {st}")
-        assert st["waiting"] == 0
+        assert st["described"] >= 1 and st["failed"] == 0
         for path in tmp_path.glob("*.log"):
             assert SECRET not in path.read_text(errors="replace")
         assert SECRET not in json.dumps(client.other) + json.dumps(client.statuses)

@@ -188,6 +188,7 @@ class StreamEscalations:
         self._lock = threading.Lock()
         self._counts: dict[str, dict[str, int]] = {}
         self._threads: list[threading.Thread] = []
+        self._seen = 0  # finished jobs counted when moved() was last asked
 
     # the frame side -------------------------------------------------------------------------------
     def submit(self, stream: str, body: dict, selected) -> bool:
@@ -336,6 +337,13 @@ class StreamEscalations:
             c[outcome] += 1
         if self.metrics is not None:
             self.metrics.observe_stream_escalation(stream, outcome)
+
+    def moved(self) -> bool:
+        """Whether jobs wait, or one finished since the last call (the status then has news)."""
+        with self._lock:
+            total = sum(sum(c.values()) for c in self._counts.values())
+            changed, self._seen = total != self._seen, total
+        return changed or bool(self.jobs.waiting())
 
     def status(self, stream: str, waiting: dict | None = None) -> dict:
         """``{"waiting", "described", "failed", "skipped"}`` of ``stream`` (this run's counts; waiting: now)."""

@@ -369,8 +369,10 @@ class StreamPath:
                                                               "dropped": r.dropped}, r.reconnects)
 
     def any_up(self) -> bool:
-        """Whether a stream is up (its figures change: the status is republished with the telemetry)."""
-        return any(s.reader.state == "up" for s in self.streams.values())
+        """Whether a stream is up or its escalations moved (its figures change: the status is republished with the
+        telemetry)."""
+        return any(s.reader.state == "up" for s in self.streams.values()) or (
+            self.escalations is not None and self.escalations.moved())
 
     def status(self) -> dict:
         """The ``streams`` object of the daemon's status, keyed by stream name."""
