@@ -280,3 +280,46 @@ def test_a_job_whose_event_was_never_stored_is_dropped_at_start_and_the_queue_is
         assert not esc.submit("cam", extra, (select([rule], extra, None), [], None))
         assert extra["escalation"]["skipped"] and kept["escalation"]["follow_up"]
         assert esc.status("cam") == {"waiting": 1, "described": 0, "failed": 0, "skipped": 1}
+
+
+def test_a_stream_raises_track_end_with_its_scores_and_selects_events_with_their_crops():
+    """With rules, a confirmed track's end is an event with its frames, mean and best score; the line crossing and
+    the track's end fall under their rules, with the crop of the event's box, or the track's kept crops (the best
+    first) once the track is gone; a stream without rules raises no track_end."""
+    import time
+
+    from k2edge.streams.reader import Frame, StreamReader
+    from k2edge.streams.source import parse_source
+    from k2edge.streams.stream import Stream, StreamFrame
+
+    class Quiet:
+        def on_frame(self, r): pass
+
+        def on_state(self, r, *a): pass
+
+    rules = [EscalationRule(on="line_cross", line="door"),
+             EscalationRule(on="track_end", when="low_confidence", threshold=0.7, images="track", count=3)]
+
+    def run(stream_rules):
+        s = Stream("cam", "boxes", StreamReader("cam", parse_source("file:///nowhere.mp4"), Quiet()), [],
+                   [("door", (160, 0), (160, 240))], max_lost_s=0.3, rules=stream_rules)
+        t0, out = time.monotonic() - 50, []
+        scores = [0.65, 0.6, 0.9, 0.6, 0.62, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6]
+        for i in range(len(scores) + 10):
+            img = np.full((240, 320, 3), i, np.uint8)
+            x = 130 + 4 * i
+            dets = [{"index": 1, "label": "7", "score": scores[i], "box": [x, 80.0, x + 20, 100.0]}] if i < len(scores) else []
+            out.append(s.track(StreamFrame(s, Frame(i, i / 15, time.time(), t0 + i / 15, img), time.monotonic()), dets))
+        return out
+
+    tracked = run(rules)
+    events = [(e, t.escalations.get(i)) for t in tracked for i, e in enumerate(t.events)]
+    (cross, sel_c), = [(e, s) for e, s in events if e["event"] == "line_cross"]
+    (end, sel_e), = [(e, s) for e, s in events if e["event"] == "track_end"]
+    assert sel_c[0].index == 0 and len(sel_c[1]) == 1 and sel_c[1][0].shape == (24, 24, 3)
+    assert end["frames"] >= 10 and end["best_score"] == 0.9 and end["mean_score"] < 0.7 and end["label"] == "7"
+    assert end["box"] is not None and end["best_frame"] == 2
+    sel, crops, stats = sel_e
+    assert sel.index == 1 and "mean score" in sel.reason and stats.best == 0.9
+    assert 2 <= len(crops) <= 3 and int(crops[0][0, 0, 0]) == 2  # the best crop first: cut from frame 2
+    assert not any(e["event"] == "track_end" for t in run(()) for e in t.events)
