@@ -149,3 +149,39 @@ def test_a_hanging_cloud_slows_no_stream_and_the_requests_keep_their_share_of_th
             assert SECRET not in path.read_text(errors="replace")
         assert SECRET not in live + json.dumps(client.other) + json.dumps(client.statuses)
         client.close()
+
+
+def test_watch_with_a_cloud_config_prints_one_follow_up_beside_each_selected_event(crossing, tmp_path):
+    """``k2edge watch --cloud-config``: the rules of the file select the crossings; each gets its follow-up line
+    (K2's text as the description), keyed to its event; the key is in no output."""
+    import subprocess
+    import sys
+
+    from mqtt_support import ROOT
+
+    (x0, y0), (x1, y1) = crossing.line
+    config = tmp_path / "k2edge.toml"
+    config.write_text('device_id = "t"\n[[models]]\nname = "boxes"\nonnx = "m.onnx"\n[[streams]]\nname = "gate"\n'
+                      'source = "file:///x.mp4"\nmodel = "boxes"\n[[streams.lines]]\nname = "door"\n'
+                      f'start = [{x0}, {y0}]\nend = [{x1}, {y1}]\n')
+    with K2StandIn(api_key=SECRET) as k2:
+        k2.fallback = answer("a handwritten digit walking through the door")
+        cloud = _cloud(k2, tmp_path)
+        lines = ["[cloud]", *(f"{k} = {json.dumps(v)}" for k, v in cloud.items()),
+                 "[[escalation]]", 'on = "line_cross"', 'line = "door"', 'prompt = "What crossed {line} going {direction}?"']
+        (tmp_path / "cloud.toml").write_text("\n".join(lines) + "\n")
+        out = subprocess.run([sys.executable, "-m", "k2edge", "watch", str(ROOT / "models/detector/model.onnx"),
+                              str(crossing.path), "--json", "--config", str(config), "--stream", "gate",
+                              "--cloud-config", str(tmp_path / "cloud.toml"), "--cloud-wait", "30"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=180)
+        assert out.returncode == 0, out.stderr
+        rows = [json.loads(x) for x in out.stdout.splitlines()]
+        crossings = [r for r in rows if r.get("event") == "line_cross"]
+        follow = [r for r in rows if r.get("event") == "event_described"]
+        assert len(crossings) == len(crossing.crossings) and crossings
+        assert sorted(f["for_event"] for f in follow) == sorted(c["event_id"] for c in crossings)
+        assert all(f["description"] == "a handwritten digit walking through the door" for f in follow)
+        texts = [r.body["messages"][-1]["content"][-1]["text"] for r in k2.chat_requests]
+        assert sorted(t.split("\n")[0] for t in texts) == sorted(f"What crossed door going {c['direction']}?"
+                                                                 for c in crossings)
+        assert SECRET not in out.stdout + out.stderr

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -53,21 +52,19 @@ def load_cloud_file(path: str) -> tuple[CloudSettings, tuple[EscalationRule, ...
 class _Printer:
     """The follow-ups' sink: each one printed (a JSON line with ``--json``), stored like the daemon's."""
 
-    def __init__(self, events, as_json: bool) -> None:
-        self.events, self.as_json = events, as_json
-        self.lock = threading.Lock()
+    def __init__(self, events, say, as_json: bool) -> None:
+        self.events, self.say, self.as_json = events, say, as_json
 
     def follow_up(self, stream: str, body: dict) -> None:
         self.events.add([(body["event_id"], f"watch/{stream}/events", json.dumps(body).encode())])
-        with self.lock:
-            if self.as_json:
-                print(json.dumps(body), flush=True)
-            elif body["event"] == "event_described":
-                verdict = f" verdict={body['verdict']}" if body.get("verdict") else ""
-                print(f"  k2 {body['for_event'][:8]}{verdict} label={body.get('label')} ({body['latency_ms']:.0f} ms, "
-                      f"{body['attempts']} attempt(s)): {body['description']}", flush=True)
-            else:
-                print(f"  k2 {body['for_event'][:8]} failed: {body['reason']}", flush=True)
+        if self.as_json:
+            self.say(json.dumps(body))
+        elif body["event"] == "event_described":
+            verdict = f" verdict={body['verdict']}" if body.get("verdict") else ""
+            self.say(f"  k2 {body['for_event'][:8]}{verdict} label={body.get('label')} ({body['latency_ms']:.0f} ms, "
+                     f"{body['attempts']} attempt(s)): {body['description']}")
+        else:
+            self.say(f"  k2 {body['for_event'][:8]} failed: {body['reason']}")
 
 
 class WatchCloud:
@@ -76,10 +73,11 @@ class WatchCloud:
     Args:
         settings: the ``[cloud]`` table.
         rules: the escalation rules.
+        say: prints one whole line (shared with the watch loop's own lines).
         as_json: follow-ups as JSON lines.
     """
 
-    def __init__(self, settings: CloudSettings, rules, as_json: bool = False) -> None:
+    def __init__(self, settings: CloudSettings, rules, say, as_json: bool = False) -> None:
         from ..cloud_bridge import CloudBridge
         from ..service.event_store import EventStore
         from ..service.stream_escalation import EscalationJobs, StreamEscalations
@@ -91,7 +89,7 @@ class WatchCloud:
         root = Path(self._dir.name)
         self.bridge = CloudBridge(settings, root)
         self.events = EventStore(root / "events.sqlite")
-        self.printer = _Printer(self.events, as_json)
+        self.printer = _Printer(self.events, say, as_json)
         self.escalations = StreamEscalations(self.bridge, EscalationJobs(root / "stream_escalations.sqlite3"),
                                              self.events, self.printer)
         self.escalations.start()

@@ -16,6 +16,13 @@ from ..errors import InputError
 from .common import add_build, add_model, build_engine
 
 STREAM = "watch"
+_OUTPUT = threading.Lock()  # the main loop and the cloud's follow-ups print whole lines, never into each other
+
+
+def say(line: str) -> None:
+    """One line on stdout, whole."""
+    with _OUTPUT:
+        print(line, flush=True)
 
 
 def register(p) -> None:
@@ -144,7 +151,7 @@ def run(args) -> int:
     reader = StreamReader(STREAM, spec, listener, backend=backend, pace=pace, fps=args.fps, read_timeout_s=args.read_timeout)
     model = Path(args.model).stem if Path(args.model).stem != "model" else Path(args.model).resolve().parent.name
     if args.cloud_config:
-        cloud = WatchCloud(settings, rules, as_json=args.json)
+        cloud = WatchCloud(settings, rules, say, as_json=args.json)
     stream = listener.stream = Stream(STREAM, model, reader, zones, lines, max_lost_s=max_lost_s,
                                       rules=rules if cloud is not None else ())
     writer = None
@@ -157,13 +164,13 @@ def run(args) -> int:
                 cloud.submit(STREAM, body, escalations[i])
             if args.json:
                 body.pop("frame")  # event lines carry "event" and no "frame": a reader tells them from frame lines
-                print(json.dumps(body), flush=True)
+                say(json.dumps(body))
             else:
                 extra = " ".join(f"{k}={body[k]}" for k in ("track_id", "label", "zone", "line", "direction", "reason",
                                                             "mean_score", "best_score") if body.get(k) is not None)
                 if body.get("escalation"):
                     extra += f" -> k2 {body['event_id'][:8]} (rule {body['escalation']['rule']})"
-                print(f"  event {body['event']} {extra}".rstrip(), flush=True)
+                say(f"  event {body['event']} {extra}".rstrip())
 
     with engine:
         reader.start()
@@ -190,11 +197,11 @@ def run(args) -> int:
                 body = detections_payload(STREAM, item.frame, model, None, tracked.detections, latency)
                 frames += 1
                 if args.json:
-                    print(json.dumps(body), flush=True)
+                    say(json.dumps(body))
                 else:
                     dets = ", ".join(f"{d['label']}#{d['track_id']} {d['score']:.2f}" for d in body["detections"])
-                    print(f"frame {body['frame']} pts {body['pts']:.3f}: {len(body['detections'])} detection(s)"
-                          + (f": {dets}" if dets else ""), flush=True)
+                    say(f"frame {body['frame']} pts {body['pts']:.3f}: {len(body['detections'])} detection(s)"
+                        + (f": {dets}" if dets else ""))
                 emit(tracked.events, item.frame.index, tracked.escalations)
                 if out is not None:
                     writer = writer or _Writer(out, args.fps or reader.source_fps or 25.0, item.frame.image.shape)
