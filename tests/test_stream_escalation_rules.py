@@ -211,9 +211,9 @@ def test_a_verdict_comes_back_once_with_the_images_the_label_score_and_box_sent(
         assert SECRET not in json.dumps(pub.sent)
 
 
-def test_malformed_json_fails_with_its_reason_and_a_server_without_json_mode_is_asked_again_without_it(tmp_path):
+def test_malformed_json_fails_with_its_reason_and_servers_without_json_mode_or_vision_are_asked_again(tmp_path):
     """A verdict that is not JSON is a failed escalation (never a guess); a 400 refusing response_format is
-    retried at once without it, and not sent again."""
+    retried at once without it, and not sent again; a server refusing images gets the text alone."""
     with K2StandIn(refuse_json_mode=True) as k2:
         k2.script(answer("I think it is a person."), verdict("confirmed", "person", "yes"))
         esc, events, pub = _setup(tmp_path, k2)
@@ -228,6 +228,12 @@ def test_malformed_json_fails_with_its_reason_and_a_server_without_json_mode_is_
         (job,) = esc.jobs.due(1e12, set())
         assert esc.run(job) == "described"
         assert "response_format" not in k2.chat_requests[-1].body and len(k2.chat_requests) == 3
+        k2.refuse_images = True  # a text-only deployment (vision = "auto"): the text alone, asked again at once
+        k2.script(verdict("rejected", "person", "nothing there"))
+        _event(events, rule, esc)
+        (job,) = esc.jobs.due(1e12, set())
+        assert esc.run(job) == "described" and _follow_ups(pub)[-1]["verdict"] == "rejected"
+        assert [len(r.body["messages"][-1]["content"]) for r in k2.chat_requests[-2:]] == [2, 1]
 
 
 def test_an_outage_keeps_jobs_waiting_and_a_crash_after_storing_the_follow_up_never_doubles_it(tmp_path):

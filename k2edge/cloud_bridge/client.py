@@ -404,7 +404,8 @@ class K2Client:
         ``deadline_s``, the breaker counting one failure per call, as :meth:`complete`.
 
         ``json_mode`` asks for ``response_format = {"type": "json_object"}``; a server that refuses the field
-        (400 naming it) is asked again at once without it, and not asked with it again.
+        (400 naming it) is asked again at once without it, and not asked with it again. Images follow ``vision``
+        as in :meth:`complete`: none with ``off``; under ``auto`` a refusal of image content sends the text alone.
 
         Raises:
             The errors of :meth:`complete`.
@@ -416,6 +417,7 @@ class K2Client:
         if not self.breaker.allow():
             raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
                               f"next probe in {self.breaker.retry_in_s():.0f} s")
+        images = list(images) if self.sends_images() else []
         body = self.ask_body(images, text, json_mode)
         attempts = 0
         while True:
@@ -438,11 +440,17 @@ class K2Client:
                     self.json_mode_refused = True
                     body.pop("response_format")
                     continue
+                if images and self._refuses_images(f) and self.settings.vision == "auto":
+                    log.warning("the cloud refused image content (%s); sending the text only from now on "
+                                "([cloud] vision = \"auto\")", self._scrub(f.detail))
+                    self.vision_refused, images = True, []
+                    body = self.ask_body(images, text, json_mode)
+                    continue
                 wait = self._classify(f, attempts, deadline_s, end)
                 self._sleep(wait)
                 continue
             self.breaker.record_success()
-            return CloudAnswer(answer, model, (self._clock() - start) * 1e3, attempts, "images")
+            return CloudAnswer(answer, model, (self._clock() - start) * 1e3, attempts, "image" if images else "text")
 
     def list_models(self, timeout_s: float | None = None) -> list[str]:
         """Model ids from ``GET /v1/models`` (no breaker, no retries: a check, not a request).
