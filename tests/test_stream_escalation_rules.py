@@ -151,14 +151,14 @@ class CrashAfterStore(StreamPath):
         raise SystemExit("killed")
 
 
-def _setup(tmp_path, k2: K2StandIn, path_cls=StreamPath, **cloud):
+def _setup(tmp_path, k2: K2StandIn, path_cls=StreamPath, metrics=None, **cloud):
     settings = CloudSettings(base_url=k2.url, model="kimi-k2.5", timeout_s=cloud.pop("timeout_s", 2.0), max_retries=0,
                              breaker_failures=cloud.pop("breaker_failures", 100), **cloud)
     bridge = CloudBridge(settings, tmp_path, client=K2Client(settings, api_key=SECRET))
     events = EventStore(tmp_path / "events.sqlite")
     pub = Publisher()
     path = path_cls([], "k2edge/t1", pub, events, {})
-    esc = StreamEscalations(bridge, EscalationJobs(tmp_path / "stream_escalations.sqlite3"), events, path)
+    esc = StreamEscalations(bridge, EscalationJobs(tmp_path / "stream_escalations.sqlite3"), events, path, metrics)
     return esc, events, pub
 
 
@@ -182,8 +182,11 @@ def test_a_verdict_comes_back_once_with_the_images_the_label_score_and_box_sent(
     """verify: the request carries the crop as a JPEG data URL, the edge's label, score and box, the prompt and JSON
     mode; the follow-up (<id>.k2) holds the verdict; running the job again sends nothing and publishes nothing."""
     with K2StandIn() as k2:
+        from k2edge.service.metrics import PrometheusMetrics
+
         k2.script(verdict("relabelled", "cat", "a cat, not a person"))
-        esc, events, pub = _setup(tmp_path, k2)
+        metrics = PrometheusMetrics()
+        esc, events, pub = _setup(tmp_path, k2, metrics=metrics)
         body = _event(events, EscalationRule(on="line_cross", verify=True, prompt="Is this a {label}?"), esc)
         assert body["escalation"] == {"rule": 0, "follow_up": body["event_id"] + ".k2"}
         (job,) = esc.jobs.due(1e12, set())
@@ -208,6 +211,7 @@ def test_a_verdict_comes_back_once_with_the_images_the_label_score_and_box_sent(
         assert f["model"] == "kimi-k2.5" and f["attempts"] == 1 and f["latency_ms"] > 0
         assert events.find(f["event_id"]) == f
         assert esc.jobs.due(1e12, set()) == [] and esc.status("cam")["described"] == 1
+        assert 'k2edge_stream_escalations_total{outcome="described",stream="cam"} 1.0' in metrics.render().decode()
         assert SECRET not in json.dumps(pub.sent)
 
 
