@@ -16,6 +16,13 @@ from ..errors import InputError
 from .common import add_build, add_model, build_engine
 
 STREAM = "watch"
+_OUTPUT = threading.Lock()  # the main loop and the cloud's follow-ups print whole lines, never into each other
+
+
+def say(line: str) -> None:
+    """One line on stdout, whole."""
+    with _OUTPUT:
+        print(line, flush=True)
 
 
 def register(p) -> None:
@@ -36,6 +43,10 @@ def register(p) -> None:
     p.add_argument("--config", metavar="FILE", help="a daemon config: with --stream, take that stream's zones, lines and "
                    "max_lost_s (drawn in --save-annotated; their events printed)")
     p.add_argument("--stream", metavar="NAME", help="the [[streams]] entry of --config whose zones and lines to use")
+    p.add_argument("--cloud-config", metavar="FILE", help="a TOML file with a [cloud] table and [[escalation]] rules "
+                   "(or --stream's): the events they select are sent to K2, its follow-ups printed beside them")
+    p.add_argument("--cloud-wait", type=float, default=60.0, metavar="S",
+                   help="at the end, how long to wait for follow-ups still to come (default 60)")
 
 
 class _Listener:
@@ -83,12 +94,12 @@ def _source(text: str):
         raise InputError(str(exc)) from None
 
 
-def _configured_stream(args) -> tuple[list, list, float]:
-    """The zones, lines and max_lost_s of ``--config``'s ``--stream`` (none without them)."""
+def _configured_stream(args) -> tuple[list, list, float, tuple]:
+    """The zones, lines, max_lost_s and escalation rules of ``--config``'s ``--stream`` (none without them)."""
     if (args.config is None) != (args.stream is None):
         raise InputError("--config and --stream go together: the config file and the name of its stream")
     if args.config is None:
-        return [], [], 1.0
+        return [], [], 1.0, ()
     from ..config.schema import load_config
 
     cfg = load_config(args.config)  # a ConfigError is one line naming the field
@@ -97,7 +108,8 @@ def _configured_stream(args) -> tuple[list, list, float]:
         raise InputError(f"--stream {args.stream!r}: {args.config} has no such stream; it has "
                          f"{', '.join(sorted(streams)) or 'none'}")
     s = streams[args.stream]
-    return ([(z.name, z.points) for z in s.zones], [(ln.name, ln.start, ln.end) for ln in s.lines], s.max_lost_s)
+    return ([(z.name, z.points) for z in s.zones], [(ln.name, ln.start, ln.end) for ln in s.lines], s.max_lost_s,
+            s.escalation)
 
 
 def run(args) -> int:
@@ -118,7 +130,18 @@ def run(args) -> int:
         backend = backend_for(spec)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    zones, lines, max_lost_s = _configured_stream(args)
+    zones, lines, max_lost_s, rules = _configured_stream(args)
+    cloud = None
+    if args.cloud_config:
+        from .watch_cloud import WatchCloud, load_cloud_file
+
+        settings, own_rules = load_cloud_file(args.cloud_config)
+        rules = own_rules or rules
+        names = ({z for z, _ in zones}, {n for n, _, _ in lines})
+        for i, r in enumerate(rules):
+            if (r.zone and r.zone not in names[0]) or (r.line and r.line not in names[1]):
+                raise InputError(f"{args.cloud_config}: escalation.{i}: names {r.zone or r.line!r}, which the watched "
+                                 "stream lacks (give --config and --stream for its zones and lines)")
     engine = build_engine(args)
     if engine.card.task != "detection":
         raise InputError(f"watch tracks detections; this model's task is {engine.card.task!r} (a card with "
@@ -127,20 +150,27 @@ def run(args) -> int:
     pace = "realtime" if args.realtime else "every"
     reader = StreamReader(STREAM, spec, listener, backend=backend, pace=pace, fps=args.fps, read_timeout_s=args.read_timeout)
     model = Path(args.model).stem if Path(args.model).stem != "model" else Path(args.model).resolve().parent.name
-    stream = listener.stream = Stream(STREAM, model, reader, zones, lines, max_lost_s=max_lost_s)
+    if args.cloud_config:
+        cloud = WatchCloud(settings, rules, say, as_json=args.json)
+    stream = listener.stream = Stream(STREAM, model, reader, zones, lines, max_lost_s=max_lost_s,
+                                      rules=rules if cloud is not None else ())
     writer = None
     frames = 0
 
-    def emit(events: list[dict], frame: int | None) -> None:
-        for e in events:
+    def emit(events: list[dict], frame: int | None, escalations: dict | None = None) -> None:
+        for i, e in enumerate(events):
             body = event_payload(STREAM, e, frame)
+            if cloud is not None and i in (escalations or {}):
+                cloud.submit(STREAM, body, escalations[i])
             if args.json:
                 body.pop("frame")  # event lines carry "event" and no "frame": a reader tells them from frame lines
-                print(json.dumps(body), flush=True)
+                say(json.dumps(body))
             else:
-                extra = " ".join(f"{k}={body[k]}" for k in ("track_id", "label", "zone", "line", "direction", "reason")
-                                 if body.get(k) is not None)
-                print(f"  event {body['event']} {extra}".rstrip(), flush=True)
+                extra = " ".join(f"{k}={body[k]}" for k in ("track_id", "label", "zone", "line", "direction", "reason",
+                                                            "mean_score", "best_score") if body.get(k) is not None)
+                if body.get("escalation"):
+                    extra += f" -> k2 {body['event_id'][:8]} (rule {body['escalation']['rule']})"
+                say(f"  event {body['event']} {extra}".rstrip())
 
     with engine:
         reader.start()
@@ -167,12 +197,12 @@ def run(args) -> int:
                 body = detections_payload(STREAM, item.frame, model, None, tracked.detections, latency)
                 frames += 1
                 if args.json:
-                    print(json.dumps(body), flush=True)
+                    say(json.dumps(body))
                 else:
                     dets = ", ".join(f"{d['label']}#{d['track_id']} {d['score']:.2f}" for d in body["detections"])
-                    print(f"frame {body['frame']} pts {body['pts']:.3f}: {len(body['detections'])} detection(s)"
-                          + (f": {dets}" if dets else ""), flush=True)
-                emit(tracked.events, item.frame.index)
+                    say(f"frame {body['frame']} pts {body['pts']:.3f}: {len(body['detections'])} detection(s)"
+                        + (f": {dets}" if dets else ""))
+                emit(tracked.events, item.frame.index, tracked.escalations)
                 if out is not None:
                     writer = writer or _Writer(out, args.fps or reader.source_fps or 25.0, item.frame.image.shape)
                     writer.write(item.frame.image, tracked.detections, stream.zones, stream.lines)
@@ -183,6 +213,8 @@ def run(args) -> int:
             emit(listener.drain(), reader.last_index)
             if writer is not None:
                 writer.close()
+            if cloud is not None:
+                cloud.finish(args.cloud_wait)
     if reader.state == "down":
         raise InputError(f"source {spec.shown!r}: {reader.last_error}")
     r = reader

@@ -136,6 +136,7 @@ class CloudBridge:
         self.budget = RequestBudget(settings.requests_per_minute, clock)
         self.outbox = outbox or Outbox(settings.outbox_path or Path(state_dir))
         self._slots = threading.BoundedSemaphore(settings.concurrency)
+        self.slots = self._slots  # the concurrency slots, shared with the streams' escalations
         self._lock = threading.Lock()
         self._counts = {k: 0 for k in ("requests", "escalated", "cloud_answers", "cloud_unanswered", "degraded", "deferred",
                                        "refused", "delivered")}

@@ -25,11 +25,14 @@ class RequestBudget:
         self._clock = clock
         self._lock = threading.Lock()
         self._spent: deque[float] = deque()
+        self._shared: deque[float] = deque()  # the spends of try_acquire_share (streams), also in _spent
         self.refused = 0
 
     def _trim(self, now: float) -> None:
         while self._spent and self._spent[0] <= now - self.window_s:
             self._spent.popleft()
+        while self._shared and self._shared[0] <= now - self.window_s:
+            self._shared.popleft()
 
     def remaining(self) -> int | None:
         """Requests left in the current window (None when unlimited)."""
@@ -62,6 +65,41 @@ class RequestBudget:
             if len(self._spent) < self.per_minute:
                 return 0.0
             return max(0.0, self._spent[0] + self.window_s - now)
+
+    def share_cap(self, share: float) -> int | None:
+        """The most requests a ``share`` of the budget may spend in any window (None when unlimited)."""
+        return None if self.per_minute is None else int(self.per_minute * share)
+
+    def try_acquire_share(self, share: float) -> bool:
+        """Spend one request of the ``share`` of the budget kept for one kind of caller (streams): allowed while
+        that kind spent less than ``share`` of the budget in the window and the whole budget has room, so the
+        rest stays for :meth:`try_acquire`'s callers. False (nothing spent) otherwise."""
+        if self.per_minute is None:
+            return True
+        cap = self.share_cap(share)
+        with self._lock:
+            now = self._clock()
+            self._trim(now)
+            if len(self._shared) >= cap or len(self._spent) >= self.per_minute:
+                return False
+            self._spent.append(now)
+            self._shared.append(now)
+            return True
+
+    def share_resets_in_s(self, share: float) -> float:
+        """Seconds until :meth:`try_acquire_share` may succeed (0 when it may now; the window when the share is 0)."""
+        if self.per_minute is None:
+            return 0.0
+        cap = self.share_cap(share)
+        with self._lock:
+            now = self._clock()
+            self._trim(now)
+            waits = [0.0]
+            if len(self._shared) >= cap:
+                waits.append(self._shared[0] + self.window_s - now if self._shared else self.window_s)
+            if len(self._spent) >= self.per_minute:
+                waits.append(self._spent[0] + self.window_s - now)
+            return max(0.0, *waits)
 
     def snapshot(self) -> dict:
         return {"per_minute": self.per_minute, "remaining": self.remaining(), "resets_in_s": round(self.resets_in_s(), 3),

@@ -243,6 +243,7 @@ class K2Client:
         self._wire_lock = threading.Lock()
         self._key = SecretStr(key)
         self.vision_refused = False  # vision = "auto": set once the server refused image content
+        self.json_mode_refused = False  # set once the server refused response_format json_object
 
     def __repr__(self) -> str:
         return f"<K2Client {self.settings.mode} {self.settings.base_url} model={self.settings.model} key={self.settings.key_source()}>"
@@ -383,6 +384,73 @@ class K2Client:
 
     def _scrub(self, text: str) -> str:
         return scrub(text, self._secrets)
+
+    def ask_body(self, images: Sequence[PreparedImage], text: str, json_mode: bool = False) -> dict:
+        """The exact JSON body :meth:`ask` sends: every image as a part of the user message (OpenAI ``image_url``
+        data URLs, or Anthropic base64 ``image`` sources), then the text; ``response_format`` JSON when asked."""
+        if self.settings.mode == "openai":
+            parts = [{"type": "image_url", "image_url": {"url": im.data_url}} for im in images]
+        else:
+            parts = [{"type": "image", "source": {"type": "base64", "media_type": im.mime, "data": im.base64}}
+                     for im in images]
+        body = self.wire.body(None, text)
+        body["messages"][-1]["content"] = parts + body["messages"][-1]["content"]
+        if json_mode and self.settings.mode == "openai" and not self.json_mode_refused:
+            body["response_format"] = {"type": "json_object"}
+        return body
+
+    def ask(self, images: Sequence[PreparedImage], text: str, deadline_s: float, json_mode: bool = False) -> CloudAnswer:
+        """Ask K2 about several images (already prepared: downscaled, typed) with ``text``; bounded retries within
+        ``deadline_s``, the breaker counting one failure per call, as :meth:`complete`.
+
+        ``json_mode`` asks for ``response_format = {"type": "json_object"}``; a server that refuses the field
+        (400 naming it) is asked again at once without it, and not asked with it again. Images follow ``vision``
+        as in :meth:`complete`: none with ``off``; under ``auto`` a refusal of image content sends the text alone.
+
+        Raises:
+            The errors of :meth:`complete`.
+        """
+        start = self._clock()
+        end = start + deadline_s
+        if not self.settings.model:
+            raise CloudConfigError("no cloud model configured: set model (k2edge cloud check lists what the server offers)")
+        if not self.breaker.allow():
+            raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
+                              f"next probe in {self.breaker.retry_in_s():.0f} s")
+        images = list(images) if self.sends_images() else []
+        body = self.ask_body(images, text, json_mode)
+        attempts = 0
+        while True:
+            remaining = end - self._clock()
+            if remaining < _MIN_ATTEMPT_S:
+                late = CloudTimeout(f"no answer from the cloud within {deadline_s:.2f} s ({attempts} attempt(s))",
+                                    attempts=attempts)
+                if attempts == 0:
+                    self.breaker.release_probe()
+                    raise late
+                self._fail(late)
+            attempts += 1
+            try:
+                answer, model = self.wire.send(body, min(self.settings.timeout_s, remaining))
+            except _Failure as f:
+                if "response_format" in body and f.kind == "status" and f.status in (400, 422) \
+                        and re.search(r"response_format|json", f.detail, re.IGNORECASE):
+                    log.warning("the cloud refused response_format json_object (%s); asking for JSON in the prompt only",
+                                self._scrub(f.detail))
+                    self.json_mode_refused = True
+                    body.pop("response_format")
+                    continue
+                if images and self._refuses_images(f) and self.settings.vision == "auto":
+                    log.warning("the cloud refused image content (%s); sending the text only from now on "
+                                "([cloud] vision = \"auto\")", self._scrub(f.detail))
+                    self.vision_refused, images = True, []
+                    body = self.ask_body(images, text, json_mode)
+                    continue
+                wait = self._classify(f, attempts, deadline_s, end)
+                self._sleep(wait)
+                continue
+            self.breaker.record_success()
+            return CloudAnswer(answer, model, (self._clock() - start) * 1e3, attempts, "image" if images else "text")
 
     def list_models(self, timeout_s: float | None = None) -> list[str]:
         """Model ids from ``GET /v1/models`` (no breaker, no retries: a check, not a request).

@@ -50,6 +50,8 @@ class CloudSettings(BaseModel):
             (at least this, and at least a tenth of the time left when the cloud is asked).
         outbox_ttl_s: a deferred request older than this is delivered as an error instead.
         outbox_path: the outbox database (default: ``outbox.sqlite3`` in the daemon's state directory).
+        stream_share: streams' escalations may use at most this share of ``requests_per_minute`` (default 0.5),
+            so cameras never starve MQTT requests; requests may use the whole budget.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -77,6 +79,8 @@ class CloudSettings(BaseModel):
     deadline_reserve_ms: int = Field(50, ge=0, le=10_000)
     outbox_ttl_s: float = Field(86400.0, gt=0)
     outbox_path: Path | None = None
+    stream_share: float = Field(0.5, ge=0, le=1, description="the share of requests_per_minute stream escalations may "
+                                "use; MQTT requests keep the rest")
 
     @field_validator("base_url")
     @classmethod

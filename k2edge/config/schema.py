@@ -247,9 +247,11 @@ class DaemonConfig(_Strict):
         if dup:
             raise ValueError(f"stream names must be unique, repeated: {dup}")
         served = {m.name for m in self.models}
-        for s in self.streams:
+        for i, s in enumerate(self.streams):
             if s.model not in served:
                 raise ValueError(f"stream {s.name!r}: model {s.model!r} is not served here; served: {sorted(served)}")
+            if s.escalation and self.cloud is None:
+                raise ValueError(f"streams.{i}.escalation: rules need a [cloud] table (the K2 server to ask)")
         return self
 
     @property

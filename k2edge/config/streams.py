@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
+from .stream_escalation import EscalationRule
 from .tables import Strict as _Strict, bound, topic_level
 
 
@@ -91,6 +92,8 @@ class StreamConfig(_Strict):
     post_s: float = Field(5.0, ge=0, le=60, description="clips: seconds after the event")
     zones: tuple[ZoneConfig, ...] = ()
     lines: tuple[LineConfig, ...] = ()
+    escalation: tuple[EscalationRule, ...] = Field((), description="[[streams.escalation]]: the events K2 is asked "
+                                                   "about (first match wins; needs [cloud])")
 
     _warm_within_fps = bound("warm_fps", "<=", "fps", "a thermal limit is at most the stream's own rate")
     _hot_within_fps = bound("hot_fps", "<=", "fps", "a thermal limit is at most the stream's own rate")
@@ -123,6 +126,12 @@ class StreamConfig(_Strict):
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
                 raise ValueError(f"{what} names must be unique within a stream, repeated: {dup}")
+        zones, lines = {z.name for z in self.zones}, {ln.name for ln in self.lines}
+        for i, r in enumerate(self.escalation):
+            if r.zone is not None and r.zone not in zones:
+                raise ValueError(f"escalation.{i}.zone: no zone {r.zone!r} in this stream; zones: {sorted(zones)}")
+            if r.line is not None and r.line not in lines:
+                raise ValueError(f"escalation.{i}.line: no line {r.line!r} in this stream; lines: {sorted(lines)}")
         return self
 
 

@@ -214,7 +214,7 @@ class Daemon:
         return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
                           on_change=self.publish_status,
                           media=MediaStore(store.parent / "media", self.cfg.storage.max_bytes,
-                                           self.cfg.storage.max_age_days * 86400))
+                                           self.cfg.storage.max_age_days * 86400), cloud=self.escalation.bridge)
 
     # the deploy lifecycle's host -------------------------------------------------------------------
     def build_runtime(self, m, version: str | None) -> ModelRuntime:

@@ -112,6 +112,9 @@ class PrometheusMetrics:
                              "memory their activation added) and device (TensorRT's own accounting)", ["model", "kind"],
                              registry=r)
         self._memory_series: dict[str, list[tuple[str, str]]] = {}
+        self._stream_escalations = Counter("k2edge_stream_escalations", "Stream events K2 was asked about, by outcome: "
+                                           "described, failed, or skipped (the job queue full)", ["stream", "outcome"],
+                                           registry=r)
         self._stream_up = Gauge("k2edge_stream_up", "1 while a stream delivers frames", ["stream"], registry=r)
         self._stream_reconnects = Counter("k2edge_stream_reconnects", "Successful reopenings of each stream's source",
                                           ["stream"], registry=r)
@@ -237,6 +240,10 @@ class PrometheusMetrics:
     def set_stream_limit(self, stream: str, max_fps: float | None) -> None:
         """A stream's thermal limit (:class:`~k2edge.streams.throttle.StreamLimit`'s ``max_fps``)."""
         self._stream_max_fps.labels(stream=stream).set(float("nan") if max_fps is None else max_fps)
+
+    def observe_stream_escalation(self, stream: str, outcome: str) -> None:
+        """One stream escalation's outcome (``described``, ``failed`` or ``skipped``)."""
+        self._stream_escalations.labels(stream=stream, outcome=outcome).inc()
 
     def _advance(self, counter, key: tuple, total: float) -> None:
         """Move a counter up to ``total`` (the stream keeps the count; the counter follows it)."""

@@ -21,6 +21,10 @@ detections and events are what a processed frame is handed on to.
    each snapshot is published raw on ``.../snapshots`` and the events on ``.../events``. A snapshot that
    cannot be made (the queue full, the disk full) leaves its event intact with ``snapshot_error``.
 
+7. **escalation** (:mod:`k2edge.service.stream_escalation`): an event a stream's ``[[streams.escalation]]`` rules
+   select gets a durable job, written before the event is stored; a worker asks K2 off the frame path and the
+   answer comes back as a follow-up event (``<event_id>.k2``) through the same store-then-publish path.
+
 Streams are read from the config at start; a changed ``[[streams]]`` takes effect at the next start.
 """
 
@@ -46,6 +50,7 @@ from ..streams.stream import Stream, StreamFrame
 from . import topics
 from .batcher import BatchClient
 from .event_store import EventStore
+from .stream_escalation import EscalationJobs, StreamEscalations
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +67,12 @@ class StreamPath:
         metrics: the Prometheus exporter, or None.
         on_change: called (no arguments) when a stream's state changed: republish the status.
         media: where snapshots are written; None: no snapshots.
+        cloud: the daemon's cloud bridge, for the streams' escalation rules (None: without [cloud]).
     """
 
     def __init__(self, configs: list[StreamConfig], prefix: str, publisher, events: EventStore,
                  wakeups: dict[str, threading.Condition], metrics=None, on_change=None,
-                 media: MediaStore | None = None) -> None:
+                 media: MediaStore | None = None, cloud=None) -> None:
         self.prefix, self.publisher, self.events, self.metrics = prefix, publisher, events, metrics
         self.media = media
         # clips being cut are written here, then moved into the media store; a crash's leftovers go at the start
@@ -88,8 +94,12 @@ class StreamPath:
             self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],
                                           [(ln.name, ln.start, ln.end) for ln in c.lines], max_lost_s=c.max_lost_s,
                                           snapshots=c.snapshots and media is not None, warm_fps=c.warm_fps,
-                                          hot_fps=c.hot_fps)
-        wanted = any(s.snapshots or s.reader.packets is not None for s in self.streams.values())
+                                          hot_fps=c.hot_fps, rules=c.escalation if cloud is not None else ())
+        self.escalations = None
+        if cloud is not None and any(s.rules for s in self.streams.values()):
+            jobs = EscalationJobs(events.path.parent / "stream_escalations.sqlite3")
+            self.escalations = StreamEscalations(cloud, jobs, events, self, metrics)
+        wanted = any(s.snapshots or s.reader.packets is not None or s.rules for s in self.streams.values())
         self.evidence = EvidenceWorker(self.evidence_step) if wanted else None
 
     # lifecycle ------------------------------------------------------------------------------------
@@ -108,6 +118,8 @@ class StreamPath:
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
         if self.evidence is not None:
             self.evidence.start()
+        if self.escalations is not None:
+            self.escalations.start()
         for s in self.streams.values():
             s.reader.start()
 
@@ -127,10 +139,14 @@ class StreamPath:
         if self.evidence is not None and not self.evidence.stop(max(0.1, end - time.monotonic())):
             log.warning("streams: %d frame(s) with events still wait for their snapshots; their events are lost",
                         self.evidence.waiting)
+        if self.escalations is not None:  # a cloud call in flight is abandoned: its job runs at the next start
+            self.escalations.stop(max(0.1, end - time.monotonic()))
 
     def close(self) -> None:
         """After the broker connection is gone: the last acknowledgements, then the event store."""
         self._write_delivered()
+        if self.escalations is not None:
+            self.escalations.close()
         self.events.close()
 
     # the reader's listener ------------------------------------------------------------------------
@@ -175,7 +191,7 @@ class StreamPath:
                                 exc if isinstance(exc, InputError) else repr(exc))
                 f.stream.release(f, failed=True)
                 continue
-            if not (f.stream.snapshots or f.stream.watched):
+            if not (f.stream.snapshots or f.stream.watched or f.stream.rules):
                 f.frame.picture = None  # the pixels are in the sample now (a snapshot or a viewer needs them later)
             f.timings["stage"] = (clock() - t0) * 1e3
             staged.append(f)
@@ -218,29 +234,33 @@ class StreamPath:
                 self.metrics.observe_latency(rt.name, {"queue": latency["wait"], "stage": latency.get("stage"),
                                                        "infer": latency["infer"], "total": latency["age"]})
             if tracked.events:
-                self._raise(s, tracked.events, f.frame)
+                self._raise(s, tracked.events, f.frame, tracked.escalations)
             if s.watched and f.frame.picture is not None:
                 s.keep_latest(f.frame, tracked.detections)  # drawn by the live view, on its own thread
             f.frame.picture = None
             if s.reader.state == "ended" and not s.reader.ready() and self.on_change is not None:
                 self.on_change()  # the file's last frame is out: the status' counts are final now
 
-    def _raise(self, stream: Stream, events: list[dict], frame: Frame) -> None:
-        """A processed frame's events: to the evidence step for their snapshots, or out at once."""
-        if not stream.snapshots and stream.reader.packets is None:
+    def _raise(self, stream: Stream, events: list[dict], frame: Frame, escalations: dict) -> None:
+        """A processed frame's events: to the evidence step for their snapshots (and escalations' images), or out
+        at once."""
+        escalations = escalations if self.escalations is not None else {}
+        if not stream.snapshots and stream.reader.packets is None and not escalations:
             self._publish_events(stream, events, frame.index)
-        elif not self.evidence.submit((stream, frame.image if stream.snapshots else None, frame.index, frame.pts, events)):
+        elif not self.evidence.submit((stream, frame.image if stream.snapshots else None, frame.index, frame.pts, events,
+                                       escalations)):
             why = f"no snapshot: {self.evidence.size} frames already wait for theirs (the evidence queue is full)"
             if stream.snapshots:
                 stream.count_snapshot(False)
-            self._publish_events(stream, events, frame.index, no_snapshot=why if stream.snapshots else None)
+            self._publish_events(stream, events, frame.index, no_snapshot=why if stream.snapshots else None,
+                                 escalations=escalations)
 
     def evidence_step(self, job) -> None:
         """The evidence thread: each event's snapshot written, then the events stored and published; a clip
         asked for each (it is cut on the reader thread); or a finished clip written, then its clip_ready."""
         if isinstance(job[1], ClipInfo):
             return self._clip_ready(*job)
-        stream, image, frame, pts, events = job
+        stream, image, frame, pts, events, escalations = job
         snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
         bodies, snapshots = [], {}
         for e in events:
@@ -263,7 +283,7 @@ class StreamPath:
             body["snapshot"] = {"topic": snapshot_topic, "path": str(path), "width": snap.width, "height": snap.height}
             snapshots[body["event_id"]] = snap.jpeg
             stream.count_snapshot(True)
-        self._store_and_publish(stream, bodies, snapshots)
+        self._store_and_publish(stream, bodies, snapshots, escalations)
         ring = stream.reader.packets
         if ring is not None:
             for body, e in zip(bodies, events):
@@ -293,15 +313,20 @@ class StreamPath:
             body.update(clip=None, clip_error=info.reason or "no clip")
         self._store_and_publish(stream, [event_payload(stream.name, body, None)], {})
 
-    def _publish_events(self, stream: Stream, events: list[dict], frame: int | None, no_snapshot: str | None = None) -> None:
+    def _publish_events(self, stream: Stream, events: list[dict], frame: int | None, no_snapshot: str | None = None,
+                        escalations: dict | None = None) -> None:
         bodies = [event_payload(stream.name, e, frame) for e in events]
         if no_snapshot is not None:
             for b in bodies:
                 b.update(snapshot=None, snapshot_error=no_snapshot)
-        self._store_and_publish(stream, bodies, {})
+        self._store_and_publish(stream, bodies, {}, escalations)
 
-    def _store_and_publish(self, stream: Stream, bodies: list[dict], snapshots: dict[str, bytes]) -> None:
-        """Store the events (their snapshots are on disk already), then publish each event's snapshot and the event."""
+    def _store_and_publish(self, stream: Stream, bodies: list[dict], snapshots: dict[str, bytes],
+                           escalations: dict | None = None) -> None:
+        """Write the selected events' escalation jobs, store the events (their snapshots are on disk already), then
+        publish each event's snapshot and the event."""
+        for pos, selected in (escalations or {}).items():
+            self.escalations.submit(stream.name, bodies[pos], selected)
         topic = topics.stream_events_topic(self.prefix, stream.name)
         rows = [(b["event_id"], topic, json.dumps(b).encode()) for b in bodies]
         self.events.add(rows)
@@ -312,6 +337,13 @@ class StreamPath:
                 self.publisher.publish(snapshot_topic, jpeg, qos=1, content_type="image/jpeg",
                                        user=(("event_id", event_id),))
             self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, event_id))
+
+    def follow_up(self, stream: str, body: dict) -> None:
+        """An escalation's follow-up (a worker thread): stored (insert or ignore), then published like any event."""
+        topic = topics.stream_events_topic(self.prefix, stream)
+        payload = json.dumps(body).encode()
+        self.events.add([(body["event_id"], topic, payload)])
+        self.publisher.publish(topic, payload, qos=1, on_delivered=functools.partial(self._on_delivered, body["event_id"]))
 
     def _on_delivered(self, event_id: str) -> None:
         """The broker acknowledged an event (the MQTT network thread: no disk here; :meth:`tick` writes it)."""
@@ -349,12 +381,18 @@ class StreamPath:
             self.metrics.set_stream_limit(s.name, s.limit.max_fps)
 
     def any_up(self) -> bool:
-        """Whether a stream is up (its figures change: the status is republished with the telemetry)."""
-        return any(s.reader.state == "up" for s in self.streams.values())
+        """Whether a stream is up or its escalations moved (its figures change: the status is republished with the
+        telemetry)."""
+        return any(s.reader.state == "up" for s in self.streams.values()) or (
+            self.escalations is not None and self.escalations.moved())
 
     def status(self) -> dict:
         """The ``streams`` object of the daemon's status, keyed by stream name."""
-        return {name: s.status() for name, s in self.streams.items()}
+        if self.escalations is None:
+            return {name: s.status() for name, s in self.streams.items()}
+        waiting = self.escalations.jobs.waiting()
+        return {name: {**s.status(), "escalations": self.escalations.status(name, waiting) if s.rules else None}
+                for name, s in self.streams.items()}
 
 
 def _snapshot_of(payload: bytes) -> dict | None:

@@ -11,6 +11,12 @@ frames and they lie more than ``max_lost_s`` apart, every track ends before the 
 tracked: a reconnected camera's objects are new objects. Their ``zone_leave`` events are dated
 when the stream went down (``time``; ``frame``: the last processed before it) and say why (``reason``).
 
+With escalation rules (``[[streams.escalation]]``), each confirmed track's scores are kept while it lives
+(:class:`~k2edge.streams.escalation_rules.TrackStats`; with the crops the rules send), a track that ends
+raises ``track_end`` when a rule asks for it (its frames, mean and best score, the best's frame and box),
+and every event is matched against the rules (:func:`~k2edge.streams.escalation_rules.select`): a
+:class:`Tracked`'s ``escalations`` say which events K2 is to be asked about, with which images.
+
 The first processed frame fixes the stream's frame size; zones and lines with points outside it
 are :attr:`Stream.warnings` (logged once, shown in the status).
 
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .analytics import Analytics, Line as CountLine, Zone, frame_warnings
+from .escalation_rules import Selection, TrackStats, select
 from .reader import Frame, StreamReader
 from .throttle import StreamLimit, limit_events, stream_limit
 from .tracker import ByteTracker
@@ -59,10 +66,41 @@ class StreamFrame:
 
 @dataclass(frozen=True, slots=True)
 class Tracked:
-    """One processed frame: its detections with track ids, and the events they caused (without ids)."""
+    """One processed frame: its detections with track ids, and the events they caused (without ids); with
+    escalation rules, per event position the rule it falls under and the images to send (RGB arrays)."""
 
     detections: list
     events: list
+    escalations: dict = field(default_factory=dict)  # event position -> (Selection, [np.ndarray, ...], TrackStats)
+
+
+@dataclass(slots=True)
+class _TrackMemory:
+    """A live track's scores, and the crops the rules want of it (the best one, the most recent ones)."""
+
+    label: str | None = None
+    frames: int = 0
+    total: float = 0.0
+    best: float = -1.0
+    best_frame: int | None = None
+    best_box: list | None = None
+    best_crop: np.ndarray | None = None
+    recent: deque = field(default_factory=deque)
+
+    def stats(self) -> TrackStats:
+        return TrackStats(self.frames, self.total / max(1, self.frames), max(0.0, self.best), self.best_frame)
+
+
+def crop(image: np.ndarray | None, box) -> np.ndarray | None:
+    """A copy of ``box`` (source pixels) cut from ``image``, a tenth wider each side for context; None when empty."""
+    if image is None or box is None:
+        return None
+    h, w = image.shape[:2]
+    x1, y1, x2, y2 = (float(v) for v in box)
+    mx, my = 0.1 * (x2 - x1), 0.1 * (y2 - y1)
+    a, b = max(0, int(x1 - mx)), max(0, int(y1 - my))
+    c, d = min(w, int(np.ceil(x2 + mx))), min(h, int(np.ceil(y2 + my)))
+    return image[b:d, a:c].copy() if c > a and d > b else None
 
 
 class Stream:
@@ -78,10 +116,12 @@ class Stream:
         snapshots: its zone and line events get snapshots (the frame's pixels are kept until it is tracked).
         warm_fps: the most it is processed at in the thermal state warm (None: half its rate).
         hot_fps: and in hot (None: a quarter of its rate, at least 1 fps).
+        rules: its ``[[streams.escalation]]`` rules (:class:`~k2edge.config.stream_escalation.EscalationRule`).
     """
 
     def __init__(self, name: str, model: str, reader: StreamReader, zones=(), lines=(), max_lost_s: float = 1.0,
-                 snapshots: bool = True, warm_fps: float | None = None, hot_fps: float | None = None) -> None:
+                 snapshots: bool = True, warm_fps: float | None = None, hot_fps: float | None = None,
+                 rules=()) -> None:
         self.name, self.model, self.reader = name, model, reader
         self.zones, self.lines = tuple(zones), tuple(lines)
         self.snapshots = snapshots and bool(self.zones or self.lines)  # only zone and line events have snapshots
@@ -107,6 +147,11 @@ class Stream:
         self.warm_fps, self.hot_fps = warm_fps, hot_fps
         self._thermal: tuple[str, str | None] = ("unknown", None)  # the governor's state and its reason
         self.limit: StreamLimit = stream_limit("unknown", self.rate)
+        self.rules = tuple(rules)
+        self._memory: dict[int, _TrackMemory] = {}  # track id -> its scores (only with rules)
+        self._keep_crops = max((r.keeps_crops for r in self.rules), default=0)
+        self._track_end = any(r.on == "track_end" for r in self.rules)
+        self._outage_ended: list[int] = []
 
     # the line's feed ----------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -190,7 +235,11 @@ class Stream:
             update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=captured)
             out = [{**d, "track_id": int(t)} for d, t in zip(detections, update.ids)]
             self._boxes.update({a.id: [round(v, 2) for v in a.box] for a in update.active})
+            image = item.frame.image if self.rules and item.frame.picture is not None else None
+            if self.rules:
+                self._remember(update.active, image, item.frame.index)
             events += self._with_boxes(self.analytics.update(update.active, update.removed))
+            events += self._track_ends(update.removed)
             for tid in update.removed:
                 self._boxes.pop(tid, None)
             counts = self.analytics.counts()
@@ -198,9 +247,77 @@ class Stream:
                 self._counts = counts
             self._last_captured, self._last_index = captured, item.frame.index
             self.processed += 1
-            return Tracked(out, events)
+            gone = set(update.removed) | set(self._outage_ended)
+            escalations = self._select(events, image, gone) if self.rules else {}
+            self._forget(list(update.removed) + self._outage_ended)
+            self._outage_ended = []
+            return Tracked(out, events, escalations)
         finally:
             self.release(item)
+
+    # escalation rules --------------------------------------------------------------------------------
+    def _remember(self, active, image: np.ndarray | None, index: int) -> None:
+        """The confirmed tracks' scores this frame (and the crops the rules want)."""
+        for a in active:
+            if not a.confirmed:
+                continue
+            m = self._memory.get(a.id)
+            if m is None:
+                m = self._memory[a.id] = _TrackMemory(recent=deque(maxlen=max(0, self._keep_crops - 1)))
+            m.label = a.label
+            m.frames += 1
+            m.total += float(a.score)
+            if a.score > m.best:
+                m.best, m.best_frame, m.best_box = float(a.score), index, [round(v, 2) for v in a.box]
+                if self._keep_crops:
+                    m.best_crop = crop(image, a.box)
+            elif self._keep_crops > 1 and m.frames % 5 == 0:  # a crop every fifth frame: different views, few copies
+                c = crop(image, a.box)
+                if c is not None:
+                    m.recent.append(c)
+
+    def _track_ends(self, ended) -> list[dict]:
+        """``track_end`` for each confirmed track that ended (only when a rule asks for them)."""
+        if not self._track_end:
+            return []
+        out = []
+        for tid in ended:
+            m = self._memory.get(tid)
+            if m is None or not m.frames:
+                continue
+            st = m.stats()
+            out.append({"event": "track_end", "track_id": int(tid), "label": m.label,
+                        "frames": st.frames, "mean_score": round(st.mean, 4), "best_score": round(st.best, 4),
+                        "best_frame": st.best_frame, "best_box": m.best_box})
+        return self._with_boxes(out)
+
+    def _forget(self, ended) -> None:
+        for tid in ended:
+            self._memory.pop(tid, None)
+
+    def _select(self, events: list[dict], image: np.ndarray | None, gone: set) -> dict:
+        """Per event position, the rule it falls under and its images (see :class:`Tracked`)."""
+        out = {}
+        for i, e in enumerate(events):
+            m = self._memory.get(e.get("track_id"))
+            sel: Selection | None = select(self.rules, e, m.stats() if m is not None else None, self.name)
+            if sel is None:
+                continue
+            rule, images = sel.rule, []
+            if rule.images == "frame":
+                images = [image] if image is not None and e.get("track_id") not in gone else []
+            elif e.get("track_id") in gone:  # the track is not in this frame: what was kept of it
+                images = [m.best_crop] if m is not None and m.best_crop is not None else []
+                if rule.images == "track" and m is not None:
+                    images += list(m.recent)[-(rule.count - len(images)):] if rule.count > len(images) else []
+            else:
+                c = crop(image, e.get("box"))
+                images = [c] if c is not None else []
+                if rule.images == "track" and m is not None:
+                    kept = ([m.best_crop] if m.best_crop is not None else []) + list(m.recent)
+                    images += kept[:max(0, rule.count - len(images))]
+            out[i] = (sel, images, m.stats() if m is not None else None)
+        return out
 
     def _after_outage(self, captured: float) -> list[dict]:
         """Every track ends when the source went down since the last processed frame and this one comes
@@ -216,7 +333,8 @@ class Stream:
         why = f"the stream was down ({down[2]})" if down[2] else "the stream was down"
         reason = f"{why}; no frame for {gap:.1f} s, longer than max_lost_s {self.tracker.max_lost_s:g} s: every track ended"
         ended = self.tracker.end_all()
-        events = self._with_boxes(self.analytics.update([], ended))
+        self._outage_ended = ended  # their scores are kept until this frame's events are matched to the rules
+        events = self._with_boxes(self.analytics.update([], ended)) + self._track_ends(ended)
         for tid in ended:
             self._boxes.pop(tid, None)
         return [{**e, "time": down[1], "frame": self._last_index, "reason": reason} for e in events]

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["K2StandIn", "Recorded", "answer", "delay", "status", "hang", "DEFAULT_MODELS"]
+__all__ = ["K2StandIn", "Recorded", "answer", "delay", "status", "hang", "verdict", "DEFAULT_MODELS"]
 
 DEFAULT_MODELS = ("kimi-k2.5", "moonshot-v1-8k-vision-preview")
 
@@ -59,6 +59,13 @@ def status(code: int, retry_after: str | float | None = None, body: object = Non
     return Behaviour("status", code=code, headers=h, body=body)
 
 
+def verdict(kind: str = "confirmed", label: str | None = "person", description: str = "a person walking",
+            delay_s: float = 0.0) -> Behaviour:
+    """Answer with a stream escalation's verdict JSON (``answer("not json")`` makes a malformed one)."""
+    return Behaviour("answer", text=json.dumps({"verdict": kind, "label": label, "description": description}),
+                     delay_s=delay_s)
+
+
 def hang(seconds: float = 5.0) -> Behaviour:
     """Read the request, send nothing for ``seconds`` (or until the stand-in stops), then close."""
     return Behaviour("hang", delay_s=seconds)
@@ -89,12 +96,16 @@ class K2StandIn:
         refuse_images: answer a chat request carrying image content with the 400 a vLLM serving a
             text-only model gives (``"<model> is not a multimodal model"``), as a self-hosted
             text-only Kimi K2 does. Settable while running.
+        refuse_json_mode: answer a chat request asking ``response_format`` with the 400 a server without JSON mode
+            gives. Settable while running.
     """
 
-    def __init__(self, models=DEFAULT_MODELS, api_key: str | None = None, refuse_images: bool = False) -> None:
+    def __init__(self, models=DEFAULT_MODELS, api_key: str | None = None, refuse_images: bool = False,
+                 refuse_json_mode: bool = False) -> None:
         self.models = tuple(models)
         self.api_key = api_key
         self.refuse_images = refuse_images
+        self.refuse_json_mode = refuse_json_mode
         self.fallback: Behaviour = answer()
         self._script: deque[Behaviour] = deque()
         self._lock = threading.Lock()
@@ -224,6 +235,10 @@ class K2StandIn:
                 if standin.refuse_images and _has_image(body):
                     self._send(400, {"object": "error", "message": f"{body.get('model', 'model')} is not a multimodal model None",
                                      "type": "BadRequestError", "param": None, "code": 400})
+                    return
+                if standin.refuse_json_mode and "response_format" in body:
+                    self._send(400, {"error": {"message": "response_format json_object is not supported by this model",
+                                               "type": "invalid_request_error"}})
                     return
                 b = standin._next()
                 if b.kind == "hang":

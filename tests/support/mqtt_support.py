@@ -105,7 +105,7 @@ def write_config(path: Path, port: int, models: list[dict], device: str = "t1", 
                  streams: list[dict] = ()) -> Path:
     """A daemon config; ``tables`` adds top-level tables ([cloud], [thermal]); a dict value inside a
     model entry becomes its sub-table ([models.escalation]); each of ``streams`` a [[streams]] entry, whose
-    ``zones`` and ``lines`` lists become [[streams.zones]] and [[streams.lines]]."""
+    ``zones``, ``lines`` and ``escalation`` lists become [[streams.zones]], [[streams.lines]], [[streams.escalation]]."""
     def val(v):
         return json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
 
@@ -131,8 +131,8 @@ def write_config(path: Path, port: int, models: list[dict], device: str = "t1", 
             lines += [f"{k} = {val(v)}" for k, v in table.items()]
     for st in streams:
         lines.append("[[streams]]")
-        lines += [f"{k} = {val(v)}" for k, v in st.items() if k not in ("zones", "lines")]
-        for sub in ("zones", "lines"):
+        lines += [f"{k} = {val(v)}" for k, v in st.items() if k not in ("zones", "lines", "escalation")]
+        for sub in ("zones", "lines", "escalation"):
             for table in st.get(sub, ()):
                 lines.append(f"[[streams.{sub}]]")
                 lines += [f"{k} = {val(v)}" for k, v in table.items()]
