@@ -160,6 +160,7 @@ def test_grafana_dashboard_uses_only_metrics_that_exist():
     m.set_thermal("normal", {"CPU": 40.0})
     m.set_stream("cam", True, {"decoded": 4, "processed": 2, "dropped": 1, "shed": 1}, 1)
     m.set_stream_limit("cam", 7.5)
+    m.observe_stream_escalation("cam", "described")
     m.observe_frame_age("cam", 0.02)
     m.set_media({"bytes": 10, "files": 1, "degraded": None, "removed": {"budget": 1, "age": 0}})
     exposed = {s.name for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
