@@ -292,6 +292,23 @@ def test_a_job_whose_event_was_never_stored_is_dropped_at_start_and_the_queue_is
         assert esc.status("cam") == {"waiting": 1, "described": 0, "failed": 0, "skipped": 1}
 
 
+def test_finished_jobs_are_pruned_to_the_newest_and_waiting_ones_never(tmp_path, monkeypatch):
+    """A device escalating for months keeps a bounded job file: finished jobs beyond KEEP_DONE go, waiting ones stay."""
+    import k2edge.service.stream_escalation as se
+    from k2edge.service.stream_escalation import Job
+
+    monkeypatch.setattr(se, "KEEP_DONE", 5)
+    jobs = EscalationJobs(tmp_path / "jobs.sqlite3")
+    for i in range(1003):  # e0, e1 and e1002 stay waiting; 1,000 finished trigger one prune
+        assert jobs.put(Job(f"e{i}", "cam", {"prompt": "p"}, [], 0.0, 0))
+        if 2 <= i < 1002:
+            jobs.done(f"e{i}", "described")
+    assert jobs.waiting_ids() == ["e0", "e1", "e1002"]
+    kept = [i for i in range(1003) if jobs.get(f"e{i}") is not None]
+    assert kept == [0, 1, *range(996, 1003)], kept  # the newest finished (6: KEEP_DONE past the newest) and the waiting
+    jobs.close()
+
+
 def test_a_stream_raises_track_end_with_its_scores_and_selects_events_with_their_crops():
     """With rules, a confirmed track's end is an event with its frames, mean and best score; the line crossing and
     the track's end fall under their rules, with the crop of the event's box, or the track's kept crops (the best

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["EscalationJobs", "Job", "StreamEscalations", "MAX_WAITING", "follow_up_id", "encode_images", "job_text"]
 
 MAX_WAITING = 1000  # jobs waiting at once; past it a selected event goes out marked skipped
+KEEP_DONE = 10_000  # finished jobs kept (their attempts and errors, for inspection); older ones are pruned
 OUTCOMES = ("described", "failed", "skipped")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -82,6 +83,7 @@ class EscalationJobs:
     def __init__(self, path) -> None:
         self._db = open_wal(path, "FULL", _SCHEMA)
         self._lock = threading.Lock()
+        self._since_prune = 0
 
     def put(self, job: Job) -> bool:
         """Store ``job`` (idempotent per event id); False when :data:`MAX_WAITING` jobs wait already."""
@@ -113,8 +115,15 @@ class EscalationJobs:
                              (until, error, attempts, event_id))
 
     def done(self, event_id: str, outcome: str) -> None:
+        """Mark a job finished (its images dropped); every 1,000 finished, all but the newest
+        :data:`KEEP_DONE` finished jobs are pruned, so the file stays bounded on a device that runs for months."""
         with self._lock:
             self._db.execute("UPDATE jobs SET outcome = ?, images = '[]' WHERE event_id = ?", (outcome, event_id))
+            self._since_prune += 1
+            if self._since_prune >= 1000:
+                self._since_prune = 0
+                self._db.execute("DELETE FROM jobs WHERE outcome IS NOT NULL AND seq < (SELECT seq FROM jobs WHERE "
+                                 "outcome IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)", (KEEP_DONE,))
 
     def get(self, event_id: str) -> dict | None:
         with self._lock:
