@@ -1,0 +1,78 @@
+"""Pure pieces of tracing: W3C trace context, clock conversion, and the attribute names used.
+
+Nothing here imports OpenTelemetry: the request path can parse and carry a ``traceparent`` and the
+tests can check the format without the SDK.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import NamedTuple
+
+__all__ = ["TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+
+# OpenTelemetry semantic conventions (messaging 1.26+, GenAI 1.28+), and ours under k2edge.*
+MESSAGING_SYSTEM = "messaging.system"
+MESSAGING_OPERATION = "messaging.operation.type"
+MESSAGING_DESTINATION = "messaging.destination.name"
+MESSAGING_MESSAGE_ID = "messaging.message.id"
+MESSAGING_BODY_SIZE = "messaging.message.body.size"
+MESSAGING_BATCH_COUNT = "messaging.batch.message_count"
+GENAI_SYSTEM = "gen_ai.system"
+GENAI_OPERATION = "gen_ai.operation.name"
+GENAI_REQUEST_MODEL = "gen_ai.request.model"
+GENAI_RESPONSE_MODEL = "gen_ai.response.model"
+GENAI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GENAI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+
+
+class TraceParent(NamedTuple):
+    """A W3C ``traceparent``: 128-bit trace id, 64-bit parent span id, and the sampled flag."""
+
+    trace_id: int
+    span_id: int
+    sampled: bool
+
+
+def parse_traceparent(value: str | None) -> TraceParent | None:
+    """The trace context of a ``traceparent`` header, or None when it is absent or malformed (the W3C rule:
+    an invalid header is ignored and a new trace starts, never an error for the request)."""
+    if not value:
+        return None
+    m = _TRACEPARENT.match(value.strip().lower())
+    if m is None or m.group(1) == "ff" or (m.group(1) == "00" and m.group(5)):
+        return None
+    trace_id, span_id = int(m.group(2), 16), int(m.group(3), 16)
+    if not trace_id or not span_id:
+        return None
+    return TraceParent(trace_id, span_id, bool(int(m.group(4), 16) & 1))
+
+
+def format_traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:
+    """The ``traceparent`` header naming span ``span_id`` of trace ``trace_id``."""
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+
+
+class WallClock:
+    """Converts ``time.monotonic()`` instants (the daemon's one clock, :mod:`k2edge.deadline`) to Unix
+    nanoseconds, the unit of an OTLP span, from one offset taken when tracing starts: the spans of one
+    request then add up exactly, whatever NTP does to the wall clock meanwhile."""
+
+    def __init__(self) -> None:
+        self.offset_ns = time.time_ns() - time.monotonic_ns()
+
+    def ns(self, t: float) -> int:
+        return int(t * 1e9) + self.offset_ns
+
+
+_WALL = WallClock()
+
+
+def wall_ns(t: float) -> int:
+    """``time.monotonic()`` instant ``t`` as Unix nanoseconds."""
+    return _WALL.ns(t)

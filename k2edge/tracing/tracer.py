@@ -1,0 +1,273 @@
+"""The tracing facade the daemon calls: a no-op unless ``[tracing]`` is configured.
+
+Every hook in the request path reads ``item.trace`` (None when tracing is off or the request is not
+sampled) or ``tracer().on``: off, tracing costs the daemon one attribute test per hook, and
+OpenTelemetry is never imported. On, a request gets one :class:`RequestTrace`: its span (a
+messaging ``process`` span, the child of the requester's ``traceparent``) opens at admission, and
+each phase — admit, queue, stage, infer, decide, cloud, publish — is a child span that starts where
+the previous one ended, so the phases add up to the request's span exactly. Phases are written from
+``time.monotonic()`` instants the path already takes (one offset to wall time,
+:func:`~k2edge.tracing.records.wall_ns`). Spans that other code must see while they run (a cloud
+call, whose ``traceparent`` goes to K2 as an HTTP header) are *current* in a context variable:
+:func:`note` and :func:`headers` act on the current one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+import time
+from typing import Callable, Iterator, Mapping
+
+from . import records as R
+from .records import format_traceparent, wall_ns
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RequestTrace", "BatchTrace", "Tracer", "OFF", "current_span", "headers", "note", "segments"]
+
+_current: contextvars.ContextVar = contextvars.ContextVar("k2edge_current_span", default=None)
+_segments: contextvars.ContextVar = contextvars.ContextVar("k2edge_segment_records", default=None)
+
+
+def current_span():
+    """The live span of this thread's work (a cloud call), or None."""
+    return _current.get()
+
+
+def note(**attributes) -> None:
+    """Set attributes on the current span, if any (attribute names with dots: pass a dict with ``**``)."""
+    span = _current.get()
+    if span is not None:
+        span.set_attributes(attributes)
+
+
+def event(name: str, **attributes) -> None:
+    """Add an event (a retry, a breaker refusal) to the current span, if any."""
+    span = _current.get()
+    if span is not None:
+        span.add_event(name, attributes)
+
+
+def headers() -> dict[str, str]:
+    """The HTTP headers that carry the current span's context (``traceparent``, ``tracestate``), or none."""
+    span = _current.get()
+    if span is None:
+        return {}
+    ctx = span.get_span_context()
+    out = {"traceparent": format_traceparent(ctx.trace_id, ctx.span_id, ctx.trace_flags.sampled)}
+    if ctx.trace_state:
+        out["tracestate"] = ctx.trace_state.to_header()
+    return out
+
+
+def segments() -> list | None:
+    """Where the engine records the segments of the batch being traced: ``(segment, lane, start, end)``
+    tuples (``time.monotonic()``), or None (tracing off, or a batch without a traced item)."""
+    return _segments.get()
+
+
+class RequestTrace:
+    """One sampled request's spans. The request path calls :meth:`mark` as the request enters each phase,
+    :meth:`user_properties` for the answer, and :meth:`delivered` once the broker has the answer."""
+
+    __slots__ = ("tracer", "span", "phase", "since", "attributes")
+
+    def __init__(self, tracer: "Tracer", span, received: float) -> None:
+        self.tracer, self.span = tracer, span
+        self.phase, self.since = "admit", received
+        self.attributes: dict | None = None
+
+    @property
+    def context(self):
+        return self.span.get_span_context()
+
+    def traceparent(self) -> str:
+        ctx = self.context
+        return format_traceparent(ctx.trace_id, ctx.span_id, True)
+
+    def mark(self, phase: str, at: float | None = None, **attributes) -> None:
+        """The request enters ``phase`` at ``at`` (``time.monotonic()``; now when None): the phase it was in is
+        written as a child span ending there."""
+        at = time.monotonic() if at is None else at
+        if at < self.since:  # a phase whose instant was taken before the last mark (a shared batch time)
+            at = self.since
+        self.tracer._child(self, self.phase, self.since, at, self.attributes)
+        self.phase, self.since, self.attributes = phase, at, attributes or None
+
+    def user_properties(self) -> tuple[tuple[str, str], ...]:
+        """The answer's MQTT 5 user properties: the ``traceparent`` of this request's span."""
+        return (("traceparent", self.traceparent()),)
+
+    def end(self, outcome: str | None = None, at: float | None = None) -> None:
+        at = time.monotonic() if at is None else at
+        self.mark("done", at)
+        if outcome is not None:
+            self.span.set_attribute("k2edge.status", outcome)
+        self.span.end(end_time=wall_ns(at))
+
+    def delivered(self, status: str, then: Callable[[], None] | None) -> Callable[[], None]:
+        """A delivery callback that ends the request's spans (the broker acknowledged its answer), then
+        runs ``then``."""
+        def on_delivered() -> None:
+            self.end(status)
+            if then is not None:
+                then()
+        return on_delivered
+
+
+class BatchTrace:
+    """One batch's span (a child of its oldest traced request, linked to every request in it) and the
+    segments its engine ran."""
+
+    __slots__ = ("tracer", "span", "records", "token")
+
+    def __init__(self, tracer: "Tracer", span) -> None:
+        self.tracer, self.span = tracer, span
+        self.records: list = []
+        self.token = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """The engine records its segments here while the batch is submitted or run in this thread."""
+        token = _segments.set(self.records)
+        try:
+            yield
+        finally:
+            _segments.reset(token)
+
+    def end(self, runtime, failed: BaseException | None = None) -> None:
+        """Write one span per segment run (device, lane, precision), then end the batch's span."""
+        devices: dict[int, tuple[str, str]] = {}
+        try:
+            for lane in runtime.engines[1].lanes():
+                for seg in lane.segments:
+                    devices[seg] = (lane.device, lane.precision)
+        except Exception:  # an engine without lane facts: the spans still say which segment and lane
+            pass
+        ctx = self.tracer._in(self.span)
+        for seg, lane, start, end in list(self.records):
+            device, precision = devices.get(seg, ("?", "?"))
+            s = self.tracer.otel.start_span(f"infer segment {seg}", context=ctx, start_time=wall_ns(start), attributes={
+                "k2edge.segment": seg, "k2edge.device": device, "k2edge.lane": lane, "k2edge.precision": precision})
+            s.end(end_time=wall_ns(end))
+        if failed is not None:
+            self.span.set_attribute("error.type", type(failed).__name__)
+        self.span.end()
+
+
+class _Off:
+    """Tracing off: every call returns at once."""
+
+    on = False
+    frame_rate = 0.0
+    dropped = 0
+
+    def request(self, *args, **kwargs) -> None:
+        return None
+
+    def batch(self, *args, **kwargs) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def span(self, *args, **kwargs) -> Iterator[None]:
+        yield None
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
+OFF = _Off()
+
+
+class Tracer:
+    """Tracing on: an SDK ``TracerProvider`` with k2edge's sampler, resource and bounded processor.
+
+    Args:
+        provider: the SDK ``TracerProvider`` (its processor: a
+            :class:`~k2edge.tracing.export.BoundedBatchProcessor`).
+        processor: that processor (``dropped``, ``shutdown``).
+        frame_rate: the share of processed stream frames that get a span.
+    """
+
+    on = True
+
+    def __init__(self, provider, processor, frame_rate: float = 0.0) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import Link, SpanKind
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider, self.processor, self.frame_rate = provider, processor, frame_rate
+        self.otel = provider.get_tracer("k2edge")
+        self._trace, self._Link, self.Kind = trace, Link, SpanKind
+        self._propagator = TraceContextTextMapPropagator()
+        self._lock = threading.Lock()
+
+    @property
+    def dropped(self) -> int:
+        return self.processor.dropped
+
+    def _in(self, span):
+        return self._trace.set_span_in_context(span)
+
+    def _child(self, rt: RequestTrace, name: str, start: float, end: float, attributes: Mapping | None) -> None:
+        s = self.otel.start_span(name, context=self._in(rt.span), start_time=wall_ns(start), attributes=attributes)
+        s.end(end_time=wall_ns(end))
+
+    # requests --------------------------------------------------------------------------------------------
+    def request(self, topic: str, model: str, request_id: str | None, size: int, carrier: Mapping[str, str],
+                received: float) -> RequestTrace | None:
+        """A request's trace, parented by its ``traceparent`` / ``tracestate`` (``carrier``), or None when the
+        sampler leaves it out."""
+        parent = self._propagator.extract(carrier) if carrier.get("traceparent") else None
+        attrs = {R.MESSAGING_SYSTEM: "mqtt", R.MESSAGING_OPERATION: "process", R.MESSAGING_DESTINATION: topic,
+                 R.MESSAGING_BODY_SIZE: size, "k2edge.model": model}
+        if request_id:
+            attrs[R.MESSAGING_MESSAGE_ID] = request_id
+        span = self.otel.start_span(f"process {topic}", context=parent, kind=self.Kind.CONSUMER, attributes=attrs,
+                                    start_time=wall_ns(received))
+        if not span.is_recording():
+            return None
+        return RequestTrace(self, span, received)
+
+    def batch(self, model: str, items: list, started: float) -> BatchTrace | None:
+        """One batch's trace, or None when none of its items is traced (``items``: what the batch holds;
+        each may have a ``trace``)."""
+        traced = [t for t in (getattr(it, "trace", None) for it in items) if t is not None]
+        if not traced:
+            return None
+        links = [self._Link(t.context) for t in traced]
+        span = self.otel.start_span(f"batch {model}", context=self._in(traced[0].span), links=links,
+                                    start_time=wall_ns(started),
+                                    attributes={R.MESSAGING_BATCH_COUNT: len(items), "k2edge.model": model})
+        return BatchTrace(self, span)
+
+    # spans other code sees while they run ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def span(self, name: str, parent: RequestTrace | None = None, kind: str = "internal",
+             attributes: Mapping | None = None) -> Iterator[object]:
+        """A live span, current while the block runs (``parent``: a request's trace; else the current span,
+        else a new trace). ``kind``: ``internal`` or ``client``. An exception ends it with status ERROR."""
+        from opentelemetry.trace import Status, StatusCode
+
+        if parent is not None:
+            ctx = self._in(parent.span)
+        else:
+            cur = _current.get()
+            ctx = self._in(cur) if cur is not None else None
+        span = self.otel.start_span(name, context=ctx, kind=getattr(self.Kind, kind.upper()), attributes=attributes)
+        token = _current.set(span)
+        try:
+            yield span
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
+            raise
+        finally:
+            _current.reset(token)
+            span.end()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Export what waits (within ``timeout_s``) and stop."""
+        self.processor.shutdown(timeout_s)
