@@ -33,6 +33,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from .. import tracing
 from ..cloud_bridge import (BridgeRequest, CloudAnswer, CloudBridge, CloudError, CloudHealth, CloudRejected, Decision,
                             EscalationPolicy, EscalationRequest, LocalResult, Outcome)
 from ..cloud_bridge.outbox import OutboxItem
@@ -331,8 +332,11 @@ class Escalation:
         """A cloud worker: the cloud's outcome, replied unless the fallback replied first."""
         body = None
         try:
-            if not settled.taken:  # the fallback replied while this waited for a worker: no call to make
+            if not settled.taken and w.trace is None:  # the fallback replied while this waited for a worker: no call
                 outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
+            elif not settled.taken:  # traced: the call's span is current (its traceparent goes to K2)
+                with tracing.cloud_span(w.trace, self.cfg.cloud.model, self.cfg.cloud.base_url):
+                    outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
                 if not settled.taken:
                     body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours

@@ -25,7 +25,7 @@ from ..errors import BackendUnavailable, K2EdgeError
 from .records import format_traceparent, parse_traceparent
 from .tracer import OFF, BatchTrace, RequestTrace, Tracer, current_span, event, headers, note, segments
 
-__all__ = ["BatchTrace", "RequestTrace", "Tracer", "TracingError", "configure", "current_span", "description_span",
+__all__ = ["BatchTrace", "RequestTrace", "Tracer", "TracingError", "cloud_span", "configure", "current_span", "description_span",
            "event", "format_traceparent", "headers", "note", "parse_traceparent", "segments", "shutdown", "tracer"]
 
 _tracer = OFF
@@ -97,19 +97,26 @@ def shutdown(timeout_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def description_span(event_id: str, model: str, base_url: str) -> Iterator[object]:
-    """A stream event's cloud description call: a GenAI ``chat`` client span, current while the block runs
-    (its ``traceparent`` goes to K2 with the call; a child of the current span, e.g. the event's, or a new
-    trace). Yields the span, or None with tracing off."""
+def cloud_span(parent: RequestTrace | None, model: str, base_url: str, **attributes) -> Iterator[object]:
+    """A cloud call: a GenAI ``chat`` client span, current while the block runs, so the K2 client sends its
+    ``traceparent`` and notes attempts, retry waits, breaker state and tokens on it. A child of ``parent`` (a
+    request's trace), else of the current span, else a new trace. Yields the span, or None with tracing off."""
     t = _tracer
     if not t.on:
         yield None
         return
     parts = urlsplit(base_url)
-    attrs = {"gen_ai.operation.name": "chat", "gen_ai.system": "openai", "gen_ai.request.model": model,
-             "k2edge.event.id": event_id}
+    attrs = {"gen_ai.operation.name": "chat", "gen_ai.system": "openai", "gen_ai.request.model": model or "",
+             **attributes}
     if parts.hostname:
         attrs["server.address"] = parts.hostname
         attrs["server.port"] = parts.port or (443 if parts.scheme == "https" else 80)
-    with t.span(f"chat {model}", kind="client", attributes=attrs) as span:
+    with t.span(f"chat {model}", parent, kind="client", attributes=attrs) as span:
         yield span
+
+
+def description_span(event_id: str, model: str, base_url: str):
+    """A stream event's cloud description call (a context manager): a GenAI ``chat`` client span, current
+    while the block runs (its ``traceparent`` goes to K2 with the call; a child of the current span, e.g. the
+    event's, else a new trace). Yields the span, or None with tracing off."""
+    return cloud_span(None, model, base_url, **{"k2edge.event.id": event_id})

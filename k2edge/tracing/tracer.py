@@ -97,6 +97,12 @@ class RequestTrace:
         self.tracer._child(self, self.phase, self.since, at, self.attributes)
         self.phase, self.since, self.attributes = phase, at, attributes or None
 
+    def decided(self, action: str, reason: str | None, escalate: bool) -> None:
+        """The escalation policy's decision, on the phase the request is in (``decide``, or ``stage`` when it was
+        decided before inference)."""
+        self.attributes = {**(self.attributes or {}), "k2edge.decision": action, "k2edge.decision.reason": reason or "",
+                           "k2edge.escalate": bool(escalate)}
+
     def user_properties(self) -> tuple[tuple[str, str], ...]:
         """The answer's MQTT 5 user properties: the ``traceparent`` of this request's span."""
         return (("traceparent", self.traceparent()),)
