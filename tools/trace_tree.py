@@ -39,7 +39,7 @@ def render(spans: list[dict]) -> str:
             for i, s in enumerate(kids):
                 last = i == len(kids) - 1
                 attrs = s.get("attributes", {})
-                extra = " ".join(f"{k.split('.')[-1]}={attrs[k]}" for k in SHOWN if k in attrs)
+                extra = " ".join(f"{k.split('.', 1)[1]}={attrs[k]}" for k in SHOWN if k in attrs)
                 links = f" links={len(s['links'])}" if s.get("links") else ""
                 out.append(f"{indent}{'└─ ' if last else '├─ '}{s['name']:<{max(8, 44 - len(indent))}} "
                            f"{(s['end'] - s['start']) / 1e6:9.3f} ms  @{(s['start'] - t0) / 1e6:8.3f}{links}"

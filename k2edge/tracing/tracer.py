@@ -150,7 +150,9 @@ class BatchTrace:
         try:
             for lane in runtime.engines[1].lanes():
                 for seg in lane.segments:
-                    devices[seg] = (lane.device, lane.precision)
+                    # a CPU lane says so: nothing may read as DLA or GPU time that was measured on a CPU
+                    device = f"{lane.device} (cpu lane)" if "cpu lane" in lane.label else lane.device
+                    devices[seg] = (device, lane.precision)
         except Exception:  # an engine without lane facts: the spans still say which segment and lane
             pass
         ctx = self.tracer._in(self.span)
