@@ -6,11 +6,12 @@ tests can check the format without the SDK.
 
 from __future__ import annotations
 
+import random
 import re
 import time
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
-__all__ = ["TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
+__all__ = ["ChildSpan", "TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
@@ -76,3 +77,54 @@ _WALL = WallClock()
 def wall_ns(t: float) -> int:
     """``time.monotonic()`` instant ``t`` as Unix nanoseconds."""
     return _WALL.ns(t)
+
+
+class _Context(NamedTuple):
+    trace_id: int
+    span_id: int
+    trace_state: object
+    trace_flags: int = 1
+    is_remote: bool = False
+
+
+class _Unset:
+    """The fields of an SDK ``Status`` (UNSET) and ``SpanKind.INTERNAL`` the encoder reads."""
+
+    value = 0
+    description = None
+
+    @property
+    def status_code(self) -> "_Unset":
+        return self
+
+
+_UNSET = _Unset()
+_ids = random.Random()  # span ids: 64 random bits, as the SDK's generator (not for secrets)
+
+
+class ChildSpan:
+    """A finished INTERNAL span written without the SDK: a request's phase or an engine segment. It has the
+    fields of an SDK ``ReadableSpan`` that :func:`~k2edge.tracing.otlp.encode_spans` reads, and costs a
+    fraction of an SDK span (no sampler, no span processor chain, no attribute copies): the phases are most
+    of a traced request's spans, so they set what tracing costs a request.
+
+    Args:
+        parent: the parent SDK span (its context, resource and instrumentation scope are shared).
+        name: the span's name.
+        start_ns / end_ns: Unix nanoseconds.
+        attributes: plain values (str, bool, int, float, or sequences of them).
+    """
+
+    __slots__ = ("context", "parent", "name", "start_time", "end_time", "attributes", "resource", "instrumentation_scope")
+    kind = _UNSET
+    status = _UNSET
+    events = ()
+    links = ()
+
+    def __init__(self, parent, name: str, start_ns: int, end_ns: int, attributes: Mapping | None = None) -> None:
+        p = parent.get_span_context()
+        self.parent = p
+        self.context = _Context(p.trace_id, _ids.getrandbits(64) or 1, p.trace_state)
+        self.name, self.start_time, self.end_time = name, start_ns, end_ns
+        self.attributes = attributes
+        self.resource, self.instrumentation_scope = parent.resource, parent.instrumentation_scope

@@ -22,7 +22,7 @@ import time
 from typing import Callable, Iterator, Mapping
 
 from . import records as R
-from .records import format_traceparent, wall_ns
+from .records import ChildSpan, format_traceparent, wall_ns
 
 log = logging.getLogger(__name__)
 
@@ -155,12 +155,10 @@ class BatchTrace:
                     devices[seg] = (device, lane.precision)
         except Exception:  # an engine without lane facts: the spans still say which segment and lane
             pass
-        ctx = self.tracer._in(self.span)
         for seg, lane, start, end in list(self.records):
             device, precision = devices.get(seg, ("?", "?"))
-            s = self.tracer.otel.start_span(f"infer segment {seg}", context=ctx, start_time=wall_ns(start), attributes={
-                "k2edge.segment": seg, "k2edge.device": device, "k2edge.lane": lane, "k2edge.precision": precision})
-            s.end(end_time=wall_ns(end))
+            self.tracer.processor.on_end(ChildSpan(self.span, f"infer segment {seg}", wall_ns(start), wall_ns(end), {
+                "k2edge.segment": seg, "k2edge.device": device, "k2edge.lane": lane, "k2edge.precision": precision}))
         if failed is not None:
             self.span.set_attribute("error.type", type(failed).__name__)
         self.span.end()
@@ -221,8 +219,7 @@ class Tracer:
         return self._trace.set_span_in_context(span)
 
     def _child(self, rt: RequestTrace, name: str, start: float, end: float, attributes: Mapping | None) -> None:
-        s = self.otel.start_span(name, context=self._in(rt.span), start_time=wall_ns(start), attributes=attributes)
-        s.end(end_time=wall_ns(end))
+        self.processor.on_end(ChildSpan(rt.span, name, wall_ns(start), wall_ns(end), attributes))
 
     # requests --------------------------------------------------------------------------------------------
     def request(self, topic: str, model: str, request_id: str | None, size: int, carrier: Mapping[str, str],
