@@ -312,3 +312,30 @@ def test_log_lines_under_a_span_carry_its_trace_id(memory, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs[0] == "outside"
     assert msgs[1] == f"request r1: cloud failed [trace_id={ctx.trace_id:032x} span_id={ctx.span_id:016x}]"
+
+
+def test_frames_events_and_their_description_calls(memory):
+    """Sampled frames and every frame with events get a span; an event's span is its frame's child, and the
+    description call of that event is the event span's child (description_span finds it by the event id)."""
+    t, exporter = memory
+    t.frame_rate = 0.0
+    now = time.monotonic()
+    t.frame("cam", 1, now - 0.03, now - 0.02, now, detections=2, events=0)  # rate 0, no events: no span
+    t.frame("cam", 2, now - 0.03, now - 0.02, now, detections=1, events=1)
+    t.event("cam", {"event_id": "ev-1", "event": "line_cross", "frame": 2, "line": "door", "track_id": 4})
+    t.event("cam", {"event_id": "ev-0", "event": "stream_down", "frame": None})  # no traced frame: no span
+    with tracing.description_span("ev-1", "kimi-k2.5", "https://api.moonshot.ai/v1") as chat:
+        assert tracing.headers()["traceparent"].split("-")[2] == f"{chat.get_span_context().span_id:016x}"
+    t.frame_rate = 1.0
+    t.frame("cam", 3, now - 0.03, now - 0.02, now, detections=0, events=0)  # sampled
+    spans = _flushed(t, exporter)
+    frames = {s["attributes"]["k2edge.frame"]: s for s in spans if s["name"] == "frame cam"}
+    assert sorted(frames) == [2, 3]
+    kids = sorted((s for s in spans if s["parent_id"] == frames[2]["span_id"]), key=lambda s: (s["start"], s["name"]))
+    assert [s["name"] for s in kids] == ["event line_cross", "wait", "process"]
+    event = kids[0]
+    assert event["start"] == frames[2]["start"] and event["attributes"]["k2edge.line"] == "door"
+    (described,) = [s for s in spans if s["name"] == "chat kimi-k2.5"]
+    assert described["parent_id"] == event["span_id"] and described["trace_id"] == event["trace_id"]
+    assert described["attributes"]["server.address"] == "api.moonshot.ai" and described["attributes"]["server.port"] == 443
+    assert not any(s["name"] == "event stream_down" for s in spans)

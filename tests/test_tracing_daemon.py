@@ -103,6 +103,17 @@ def test_a_traced_request_is_one_trace_from_the_requester_through_the_device_to_
         (req,) = k2.chat_requests
         assert req.headers["traceparent"] == f"00-{cloud_trace}-{chat['span_id']}-01"
         assert answers["cloud"][1]["traceparent"] == f"00-{cloud_trace}-{root['span_id']}-01"
+
+        # a deploy is a trace of its own: its progress states are its phases, its outcome on the span
+        client.publish("k2edge/t1/models/deploy", b"not a bundle", content_type="application/octet-stream")
+        (refusal,) = [a for a in client.wait_answers(3) if "id" not in a]
+        spans = otlp.wait_for(lambda ss: any(s["name"] == "deploy" for s in ss))
+        (deploy,) = [s for s in spans if s["name"] == "deploy"]
+        assert deploy["parent_id"] is None and deploy["attributes"]["k2edge.status"] == refusal["status"] == "refused"
+        assert deploy["attributes"]["k2edge.deploy.check"] == refusal["check"]
+        phases = [s for s in otlp.wait_for(lambda ss: any(s["parent_id"] == deploy["span_id"] for s in ss))
+                  if s["parent_id"] == deploy["span_id"]]
+        assert [s["name"] for s in phases] == ["receiving"] and phases[0]["end"] == deploy["end"]
         client.close()
 
 

@@ -111,12 +111,14 @@ def cloud_span(parent: RequestTrace | None, model: str, base_url: str, **attribu
     if parts.hostname:
         attrs["server.address"] = parts.hostname
         attrs["server.port"] = parts.port or (443 if parts.scheme == "https" else 80)
-    with t.span(f"chat {model}", parent, kind="client", attributes=attrs) as span:
+    context = t.event_context(attributes["k2edge.event.id"]) if "k2edge.event.id" in attributes else None
+    with t.span(f"chat {model}", parent, kind="client", attributes=attrs, context=context) as span:
         yield span
 
 
 def description_span(event_id: str, model: str, base_url: str):
     """A stream event's cloud description call (a context manager): a GenAI ``chat`` client span, current
-    while the block runs (its ``traceparent`` goes to K2 with the call; a child of the current span, e.g. the
-    event's, else a new trace). Yields the span, or None with tracing off."""
+    while the block runs (its ``traceparent`` goes to K2 with the call). Its parent is the event's span when
+    the event's frame was traced, else the current span, else none (a new trace). Yields the span, or None
+    with tracing off."""
     return cloud_span(None, model, base_url, **{"k2edge.event.id": event_id})

@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import random
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Iterator, Mapping
 
 from . import records as R
@@ -75,9 +77,9 @@ class RequestTrace:
 
     __slots__ = ("tracer", "span", "phase", "since", "attributes")
 
-    def __init__(self, tracer: "Tracer", span, received: float) -> None:
+    def __init__(self, tracer: "Tracer", span, received: float, phase: str = "admit") -> None:
         self.tracer, self.span = tracer, span
-        self.phase, self.since = "admit", received
+        self.phase, self.since = phase, received
         self.attributes: dict | None = None
 
     @property
@@ -91,6 +93,8 @@ class RequestTrace:
     def mark(self, phase: str, at: float | None = None, **attributes) -> None:
         """The request enters ``phase`` at ``at`` (``time.monotonic()``; now when None): the phase it was in is
         written as a child span ending there."""
+        if phase == self.phase:
+            return
         at = time.monotonic() if at is None else at
         if at < self.since:  # a phase whose instant was taken before the last mark (a shared batch time)
             at = self.since
@@ -107,11 +111,13 @@ class RequestTrace:
         """The answer's MQTT 5 user properties: the ``traceparent`` of this request's span."""
         return (("traceparent", self.traceparent()),)
 
-    def end(self, outcome: str | None = None, at: float | None = None) -> None:
+    def end(self, outcome: str | None = None, at: float | None = None, **attributes) -> None:
         at = time.monotonic() if at is None else at
         self.mark("done", at)
         if outcome is not None:
             self.span.set_attribute("k2edge.status", outcome)
+        if attributes:
+            self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
         self.span.end(end_time=wall_ns(at))
 
     def delivered(self, status: str, then: Callable[[], None] | None) -> Callable[[], None]:
@@ -174,6 +180,9 @@ class _Off:
     def request(self, *args, **kwargs) -> None:
         return None
 
+    def operation(self, *args, **kwargs) -> None:
+        return None
+
     def batch(self, *args, **kwargs) -> None:
         return None
 
@@ -210,6 +219,9 @@ class Tracer:
         self._trace, self._Link, self.Kind = trace, Link, SpanKind
         self._propagator = TraceContextTextMapPropagator()
         self._lock = threading.Lock()
+        self._frames: OrderedDict = OrderedDict()  # (stream, frame index) -> (frame span, captured): events' parents
+        self._events: OrderedDict = OrderedDict()  # event id -> its span's context: a description call's parent
+        self._random = random.Random()
 
     @property
     def dropped(self) -> int:
@@ -249,16 +261,77 @@ class Tracer:
                                     attributes={R.MESSAGING_BATCH_COUNT: len(items), "k2edge.model": model})
         return BatchTrace(self, span)
 
+    # operations (a deploy, a rollback) -------------------------------------------------------------------
+    def operation(self, name: str, phase: str, attributes: Mapping | None = None) -> RequestTrace | None:
+        """An operation with phases (a deploy: receiving, verifying, building, swapping), a new trace; its
+        phases are marked and it is ended like a request's."""
+        now = time.monotonic()
+        span = self.otel.start_span(name, attributes=attributes, start_time=wall_ns(now))
+        return RequestTrace(self, span, now, phase) if span.is_recording() else None
+
+    # streams --------------------------------------------------------------------------------------------------
+    def frame(self, stream: str, index: int, captured: float, taken: float, done: float, detections: int,
+              events: int) -> None:
+        """A processed frame: a span (decoded to published: ``wait`` for the engine, then ``process``) for the
+        sampled share of frames (``frame_sample_rate``) and for every frame that raised events (their parent)."""
+        if not events and (self.frame_rate <= 0.0 or self._random.random() >= self.frame_rate):
+            return
+        span = self.otel.start_span(f"frame {stream}", start_time=wall_ns(captured), attributes={
+            "k2edge.stream": stream, "k2edge.frame": index, "k2edge.detections": detections, "k2edge.events": events})
+        if not span.is_recording():
+            return
+        self.processor.on_end(ChildSpan(span, "wait", wall_ns(captured), wall_ns(taken)))
+        self.processor.on_end(ChildSpan(span, "process", wall_ns(taken), wall_ns(done)))
+        span.end(end_time=wall_ns(done))
+        if events:
+            with self._lock:
+                self._frames[(stream, index)] = (span, captured)
+                while len(self._frames) > 256:
+                    self._frames.popitem(last=False)
+
+    def event(self, stream: str, body: Mapping) -> None:
+        """An event is published: its span, from the frame that raised it to now, a child of that frame's span
+        (an event no traced frame raised, a stream going down, gets none)."""
+        with self._lock:
+            found = self._frames.get((stream, body.get("frame")))
+        if found is None:
+            return
+        span, captured = found
+        attrs = {"k2edge.event.id": body["event_id"], "k2edge.event": body.get("event", ""), "k2edge.stream": stream}
+        for key in ("zone", "line", "label", "track_id"):
+            if body.get(key) is not None and isinstance(body[key], (str, int, float)):
+                attrs[f"k2edge.{key}"] = body[key]
+        record = ChildSpan(span, f"event {body.get('event', '')}", wall_ns(captured), time.time_ns(), attrs)
+        self.processor.on_end(record)
+        with self._lock:
+            self._events[body["event_id"]] = record.context
+            while len(self._events) > 1024:
+                self._events.popitem(last=False)
+
+    def event_context(self, event_id: str):
+        """The context of event ``event_id``'s span (an OpenTelemetry ``Context``), or None."""
+        from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+        with self._lock:
+            c = self._events.get(event_id)
+        if c is None:
+            return None
+        return self._trace.set_span_in_context(NonRecordingSpan(SpanContext(c.trace_id, c.span_id, False,
+                                                                            TraceFlags(1), c.trace_state)))
+
     # spans other code sees while they run ----------------------------------------------------------------
     @contextlib.contextmanager
     def span(self, name: str, parent: RequestTrace | None = None, kind: str = "internal",
-             attributes: Mapping | None = None) -> Iterator[object]:
-        """A live span, current while the block runs (``parent``: a request's trace; else the current span,
-        else a new trace). ``kind``: ``internal`` or ``client``. An exception ends it with status ERROR."""
+             attributes: Mapping | None = None, context=None) -> Iterator[object]:
+        """A live span, current while the block runs (``parent``: a request's trace; else ``context``, an
+        OpenTelemetry ``Context``; else the current span, else a new trace). ``kind``: ``internal`` or
+        ``client``. An exception ends it with status ERROR."""
         from opentelemetry.trace import Status, StatusCode
 
         if parent is not None:
             ctx = self._in(parent.span)
+        elif context is not None:
+            ctx = context
         else:
             cur = _current.get()
             ctx = self._in(cur) if cur is not None else None
