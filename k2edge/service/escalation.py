@@ -25,6 +25,7 @@ back as local answers with ``degraded: true`` and the reason, and critical refus
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import logging
 import threading
@@ -332,10 +333,10 @@ class Escalation:
         """A cloud worker: the cloud's outcome, replied unless the fallback replied first."""
         body = None
         try:
-            if not settled.taken and w.trace is None:  # the fallback replied while this waited for a worker: no call
-                outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
-            elif not settled.taken:  # traced: the call's span is current (its traceparent goes to K2)
-                with tracing.cloud_span(w.trace, self.cfg.cloud.model, self.cfg.cloud.base_url):
+            if not settled.taken:  # the fallback replied while this waited for a worker: no call to make
+                # traced: the call's span is current while it runs (its traceparent goes to K2)
+                with tracing.cloud_span(w.trace, self.cfg.cloud.model, self.cfg.cloud.base_url) if w.trace is not None \
+                        else contextlib.nullcontext():
                     outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
                 if not settled.taken:
                     body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
