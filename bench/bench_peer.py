@@ -364,7 +364,7 @@ def run_tracing(args, model: str) -> dict:
         tmp = Path(tmp)
         broker = Broker(tmp / "broker").start()
         stack.callback(broker.stop)
-        otlp = stack.enter_context(OtlpReceiver())
+        otlp = stack.enter_context(OtlpReceiver(keep=False))  # parses, counts, keeps nothing
         daemons = {}
         for target in targets:
             tables = {"tracing": {"endpoint": otlp.endpoint, "sample_ratio": 1.0}} if target == "on" else {}
@@ -393,9 +393,10 @@ def run_tracing(args, model: str) -> dict:
                 for t in order), flush=True)
         answered = sum(x["n"] + x["warmup"] for r in results["rounds"] for x in r["on"].values())
         time.sleep(1.0)  # the exporter's last batch
-        results["spans_received"], results["traced_answers"] = len(otlp.spans), answered
+        results["spans_received"], results["traced_answers"] = otlp.count, answered
     results["summary"] = {t: {phase: {m: _spread([r[t][phase][m] for r in results["rounds"]])
                                       for m in ("throughput_per_s", "p50_ms", "p90_ms")}
+                              | {"daemon_cpu_ms": _spread([r[t][phase]["cpu_ms_per_request"][t] for r in results["rounds"]])}
                               for phase, _ in PHASES} for t in targets}
     results["summary"]["failures"] = {t: sum(x["failures"] + x["warmup_failures"] for r in results["rounds"]
                                             for x in r[t].values()) for t in targets}
@@ -413,8 +414,8 @@ def report_tracing(args, model: str, r: dict) -> str:
     lines = [f"k2edge serve, tracing off vs on: {model}, profile {args.profile}, max_batch {args.max_batch}; "
              f"{args.rounds} round(s) x {args.requests} requests per phase (warm-up {args.warmup}), A/B interleaved; "
              f"{os.cpu_count()} cores shared by all; figures: median over rounds [min..max]", "",
-             _row("target", "throughput, 16 in flight", "p50, 1 in flight", "p90, 1 in flight", "vs off (paired per round)",
-                  widths=(34, 26, 26, 26))]
+             _row("target", "throughput, 16 in flight", "p50, 1 in flight", "p90, 1 in flight", "daemon CPU/request",
+                  "vs off (paired per round)", widths=(34, 26, 26, 26, 24))]
     for t in r["targets"]:
         vs = s["versus_off"].get(t)
         cmp = (f"{vs['throughput_ratio']['median']:.2f}x [{vs['throughput_ratio']['min']:.2f}..{vs['throughput_ratio']['max']:.2f}]"
@@ -422,7 +423,8 @@ def report_tracing(args, model: str, r: dict) -> str:
                if vs else "")
         lines.append(_row(names[t], _spread_text(s[t]["throughput"]["throughput_per_s"], "{:,.0f}", "/s"),
                           _spread_text(s[t]["latency"]["p50_ms"], "{:.3f}", " ms"),
-                          _spread_text(s[t]["latency"]["p90_ms"], "{:.3f}", " ms"), cmp, widths=(34, 26, 26, 26)))
+                          _spread_text(s[t]["latency"]["p90_ms"], "{:.3f}", " ms"),
+                          _spread_text(s[t]["throughput"]["daemon_cpu_ms"], "{:.3f}", " ms"), cmp, widths=(34, 26, 26, 26, 24)))
     lines += ["", f"answers not ok: {s['failures']}; spans received by the OTLP receiver: {r['spans_received']:,} for "
               f"{r['traced_answers']:,} traced answers ({r['spans_received'] / max(1, r['traced_answers']):.1f} a request)"]
     return "\n".join(lines)

@@ -56,7 +56,7 @@ class BoundedBatchProcessor:
                 self.dropped += 1
                 return
             self._queue.append(span)
-            if len(self._queue) >= self.batch_size:
+            if len(self._queue) == self.batch_size:  # once, as a batch fills: a wake-up per span would cost the GIL
                 self._cond.notify()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -79,16 +79,16 @@ class BoundedBatchProcessor:
     # the exporter thread -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._cond:
+            with self._cond:  # one batch per hold of the lock: the spans' threads wait for a few pops at most
                 if not self._stop and not self._flushes and len(self._queue) < self.batch_size:
                     self._cond.wait(self.interval_s)
-                if self._stop and not self._queue:
-                    return
-                flushes, self._flushes = self._flushes, []
-                batches = []
-                while self._queue and (flushes or not batches or len(self._queue) >= self.batch_size):
-                    batches.append([self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))])
-            for batch in batches:
+                n = min(self.batch_size, len(self._queue))
+                batch = [self._queue.popleft() for _ in range(n)]
+                flushes = []
+                if not self._queue:  # what waited when a flush was asked for is on its way
+                    flushes, self._flushes = self._flushes, []
+                stop = self._stop and not self._queue
+            if batch:
                 ok = False
                 try:
                     ok = self.exporter.export(batch)
@@ -101,3 +101,5 @@ class BoundedBatchProcessor:
                         self.dropped += len(batch)
             for f in flushes:
                 f.set()
+            if stop:
+                return

@@ -11,7 +11,7 @@ import re
 import time
 from typing import Mapping, NamedTuple
 
-__all__ = ["ChildSpan", "TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
+__all__ = ["ChildSpan", "Link", "TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
@@ -102,29 +102,42 @@ _UNSET = _Unset()
 _ids = random.Random()  # span ids: 64 random bits, as the SDK's generator (not for secrets)
 
 
+class Link(NamedTuple):
+    """A link to another span (a batch's to each of its requests): the fields of an SDK ``Link`` the encoder reads."""
+
+    context: object
+    attributes: Mapping | None = None
+
+
 class ChildSpan:
-    """A finished INTERNAL span written without the SDK: a request's phase or an engine segment. It has the
+    """An INTERNAL span written without the SDK: a request's phase, a batch, an engine segment. It has the
     fields of an SDK ``ReadableSpan`` that :func:`~k2edge.tracing.otlp.encode_spans` reads, and costs a
-    fraction of an SDK span (no sampler, no span processor chain, no attribute copies): the phases are most
-    of a traced request's spans, so they set what tracing costs a request.
+    fraction of an SDK span (no sampler, no span processor chain, no attribute copies; an SDK span with
+    links cost ~200 us here): these are most of a traced request's spans, so they set what tracing costs.
+    It can parent further records (``get_span_context``).
 
     Args:
-        parent: the parent SDK span (its context, resource and instrumentation scope are shared).
+        parent: the parent span, an SDK span or a ChildSpan (its context, resource and scope are shared).
         name: the span's name.
-        start_ns / end_ns: Unix nanoseconds.
+        start_ns / end_ns: Unix nanoseconds (``end_ns`` may be set later, before the record is handed on).
         attributes: plain values (str, bool, int, float, or sequences of them).
+        links: :class:`Link` s.
     """
 
-    __slots__ = ("context", "parent", "name", "start_time", "end_time", "attributes", "resource", "instrumentation_scope")
+    __slots__ = ("context", "parent", "name", "start_time", "end_time", "attributes", "resource", "instrumentation_scope",
+                 "links")
     kind = _UNSET
     status = _UNSET
     events = ()
-    links = ()
 
-    def __init__(self, parent, name: str, start_ns: int, end_ns: int, attributes: Mapping | None = None) -> None:
+    def __init__(self, parent, name: str, start_ns: int, end_ns: int, attributes: Mapping | None = None,
+                 links: tuple = ()) -> None:
         p = parent.get_span_context()
         self.parent = p
         self.context = _Context(p.trace_id, _ids.getrandbits(64) or 1, p.trace_state)
         self.name, self.start_time, self.end_time = name, start_ns, end_ns
-        self.attributes = attributes
+        self.attributes, self.links = attributes, links
         self.resource, self.instrumentation_scope = parent.resource, parent.instrumentation_scope
+
+    def get_span_context(self):
+        return self.context

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Callable, Iterator, Mapping
 
 from . import records as R
-from .records import ChildSpan, format_traceparent, wall_ns
+from .records import ChildSpan, Link, format_traceparent, wall_ns
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,11 @@ class BatchTrace:
     """One batch's span (a child of its oldest traced request, linked to every request in it) and the
     segments its engine ran."""
 
-    __slots__ = ("tracer", "span", "records", "token")
+    __slots__ = ("tracer", "span", "records")
 
-    def __init__(self, tracer: "Tracer", span) -> None:
+    def __init__(self, tracer: "Tracer", span: ChildSpan) -> None:
         self.tracer, self.span = tracer, span
         self.records: list = []
-        self.token = None
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -166,8 +165,9 @@ class BatchTrace:
             self.tracer.processor.on_end(ChildSpan(self.span, f"infer segment {seg}", wall_ns(start), wall_ns(end), {
                 "k2edge.segment": seg, "k2edge.device": device, "k2edge.lane": lane, "k2edge.precision": precision}))
         if failed is not None:
-            self.span.set_attribute("error.type", type(failed).__name__)
-        self.span.end()
+            self.span.attributes["error.type"] = type(failed).__name__
+        self.span.end_time = time.time_ns()
+        self.tracer.processor.on_end(self.span)
 
 
 class _Off:
@@ -255,10 +255,8 @@ class Tracer:
         traced = [t for t in (getattr(it, "trace", None) for it in items) if t is not None]
         if not traced:
             return None
-        links = [self._Link(t.context) for t in traced]
-        span = self.otel.start_span(f"batch {model}", context=self._in(traced[0].span), links=links,
-                                    start_time=wall_ns(started),
-                                    attributes={R.MESSAGING_BATCH_COUNT: len(items), "k2edge.model": model})
+        span = ChildSpan(traced[0].span, f"batch {model}", wall_ns(started), 0,
+                         {R.MESSAGING_BATCH_COUNT: len(items), "k2edge.model": model}, tuple(Link(t.context) for t in traced))
         return BatchTrace(self, span)
 
     # operations (a deploy, a rollback) -------------------------------------------------------------------
