@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 import random
 import threading
 import time
@@ -24,9 +23,8 @@ from collections import OrderedDict
 from typing import Callable, Iterator, Mapping
 
 from . import records as R
-from .records import ChildSpan, Link, format_traceparent, wall_ns
+from .records import ChildSpan, Link, format_traceparent, parse_traceparent, wall_ns
 
-log = logging.getLogger(__name__)
 
 __all__ = ["RequestTrace", "BatchTrace", "Tracer", "OFF", "current_span", "headers", "note", "segments"]
 
@@ -211,13 +209,13 @@ class Tracer:
 
     def __init__(self, provider, processor, frame_rate: float = 0.0) -> None:
         from opentelemetry import trace
-        from opentelemetry.trace import Link, SpanKind
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, TraceState
 
         self.provider, self.processor, self.frame_rate = provider, processor, frame_rate
         self.otel = provider.get_tracer("k2edge")
-        self._trace, self._Link, self.Kind = trace, Link, SpanKind
-        self._propagator = TraceContextTextMapPropagator()
+        self._trace, self.Kind = trace, SpanKind
+        self._NonRecordingSpan, self._SpanContext, self._TraceFlags, self._TraceState = \
+            NonRecordingSpan, SpanContext, TraceFlags, TraceState
         self._lock = threading.Lock()
         self._frames: OrderedDict = OrderedDict()  # (stream, frame index) -> (frame span, captured): events' parents
         self._events: OrderedDict = OrderedDict()  # event id -> its span's context: a description call's parent
@@ -233,12 +231,21 @@ class Tracer:
     def _child(self, rt: RequestTrace, name: str, start: float, end: float, attributes: Mapping | None) -> None:
         self.processor.on_end(ChildSpan(rt.span, name, wall_ns(start), wall_ns(end), attributes))
 
+    def _remote(self, traceparent: str | None, tracestate: str | None):
+        """The requester's span as a parent context, or None (absent or malformed: a new trace)."""
+        tp = parse_traceparent(traceparent)
+        if tp is None:
+            return None
+        state = self._TraceState.from_header([tracestate]) if tracestate else None
+        ctx = self._SpanContext(tp.trace_id, tp.span_id, True, self._TraceFlags(1 if tp.sampled else 0), state)
+        return self._in(self._NonRecordingSpan(ctx))
+
     # requests --------------------------------------------------------------------------------------------
     def request(self, topic: str, model: str, request_id: str | None, size: int, carrier: Mapping[str, str],
                 received: float) -> RequestTrace | None:
         """A request's trace, parented by its ``traceparent`` / ``tracestate`` (``carrier``), or None when the
         sampler leaves it out."""
-        parent = self._propagator.extract(carrier) if carrier.get("traceparent") else None
+        parent = self._remote(carrier.get("traceparent"), carrier.get("tracestate"))
         attrs = {R.MESSAGING_SYSTEM: "mqtt", R.MESSAGING_OPERATION: "process", R.MESSAGING_DESTINATION: topic,
                  R.MESSAGING_BODY_SIZE: size, "k2edge.model": model}
         if request_id:
@@ -308,14 +315,12 @@ class Tracer:
 
     def event_context(self, event_id: str):
         """The context of event ``event_id``'s span (an OpenTelemetry ``Context``), or None."""
-        from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-
         with self._lock:
             c = self._events.get(event_id)
         if c is None:
             return None
-        return self._trace.set_span_in_context(NonRecordingSpan(SpanContext(c.trace_id, c.span_id, False,
-                                                                            TraceFlags(1), c.trace_state)))
+        return self._in(self._NonRecordingSpan(self._SpanContext(c.trace_id, c.span_id, False, self._TraceFlags(1),
+                                                                 c.trace_state)))
 
     # spans other code sees while they run ----------------------------------------------------------------
     @contextlib.contextmanager
