@@ -339,3 +339,23 @@ def test_frames_events_and_their_description_calls(memory):
     assert described["parent_id"] == event["span_id"] and described["trace_id"] == event["trace_id"]
     assert described["attributes"]["server.address"] == "api.moonshot.ai" and described["attributes"]["server.port"] == 443
     assert not any(s["name"] == "event stream_down" for s in spans)
+
+
+def test_the_sampler_decides_as_the_sdks_samplers_do():
+    """records.Sampler (the request path's, without the SDK) agrees with the SDK's samplers on every trace id."""
+    import random
+
+    from opentelemetry.sdk.trace import sampling
+
+    from k2edge.tracing.records import Sampler, TraceParent
+
+    rng = random.Random(7)
+    ids = [rng.getrandbits(128) or 1 for _ in range(2000)]
+    sdk = sampling.ParentBasedTraceIdRatio(0.3)
+    ours = Sampler("parentbased_traceidratio", 0.3)
+    decisions = [ours.sampled(None, t) for t in ids]
+    assert decisions == [sdk.should_sample(None, t, "n").decision.is_sampled() for t in ids]
+    assert 0.25 < sum(decisions) / len(ids) < 0.35
+    assert ours.sampled(TraceParent(ids[0], 1, True), ids[0]) and not ours.sampled(TraceParent(ids[0], 1, False), ids[0])
+    assert not Sampler("traceidratio", 0.0).sampled(TraceParent(ids[0], 1, True), ids[0])  # not parent-based
+    assert Sampler("always_on").sampled(None, ids[0]) and not Sampler("parentbased_always_off").sampled(None, ids[0])

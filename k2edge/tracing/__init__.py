@@ -22,7 +22,7 @@ from typing import Iterator, Mapping
 from urllib.parse import urlsplit
 
 from ..errors import BackendUnavailable, K2EdgeError
-from .records import format_traceparent, parse_traceparent
+from .records import Sampler, format_traceparent, parse_traceparent
 from .tracer import OFF, BatchTrace, RequestTrace, Tracer, current_span, event, headers, note, segments
 
 __all__ = ["BatchTrace", "RequestTrace", "Tracer", "TracingError", "cloud_span", "configure", "current_span", "description_span",
@@ -80,7 +80,7 @@ def configure(settings, device_id: str | None = None, environ: Mapping[str, str]
     provider = TracerProvider(sampler=sampler, resource=Resource.create(attrs), shutdown_on_exit=False)
     provider.add_span_processor(processor)
     shutdown()
-    _tracer = Tracer(provider, processor, settings.frame_sample_rate)
+    _tracer = Tracer(provider, processor, settings.frame_sample_rate, Sampler(target.sampler, target.ratio))
     from . import logs
     logs.install()
     return _tracer

@@ -162,7 +162,7 @@ def encode_spans(spans: Iterable) -> bytes:
     resources: dict[int, object] = {}
     for s in spans:
         scope = s.instrumentation_scope
-        key = (id(s.resource), scope.name if scope else "", scope.version if scope else "")
+        key = (id(s.resource), scope.name if scope else "", (scope.version if scope else "") or "")
         resources[id(s.resource)] = s.resource
         groups.setdefault(key, []).append(s)
     by_resource: dict[int, list[bytes]] = {}

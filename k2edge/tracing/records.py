@@ -11,7 +11,7 @@ import re
 import time
 from typing import Mapping, NamedTuple
 
-__all__ = ["ChildSpan", "Link", "TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
+__all__ = ["ChildSpan", "Link", "RootSpan", "Sampler", "TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
@@ -141,3 +141,78 @@ class ChildSpan:
 
     def get_span_context(self):
         return self.context
+
+
+class Sampler(NamedTuple):
+    """Which new requests are traced: an ``OTEL_TRACES_SAMPLER`` name and its ratio, decided as the SDK's samplers
+    decide (``parentbased_*``: a parent's sampled flag wins; ``traceidratio``: the trace id's low 64 bits under
+    ``ratio`` of their range, so every service sampling by ratio keeps the same traces)."""
+
+    name: str = "parentbased_traceidratio"
+    ratio: float = 1.0
+
+    def sampled(self, parent: TraceParent | None, trace_id: int) -> bool:
+        if parent is not None and self.name.startswith("parentbased_"):
+            return parent.sampled
+        root = self.name.removeprefix("parentbased_")
+        if root == "always_on":
+            return True
+        if root == "always_off":
+            return False
+        return (trace_id & 0xFFFFFFFFFFFFFFFF) < round(self.ratio * 2 ** 64)
+
+
+class TraceStateHeader(str):
+    """A requester's ``tracestate``, carried on unchanged (the encoder asks for ``to_header()``)."""
+
+    def to_header(self) -> str:
+        return str(self)
+
+
+class _Kind(NamedTuple):
+    value: int  # the API's SpanKind numbering: INTERNAL 0, SERVER 1, CLIENT 2, PRODUCER 3, CONSUMER 4
+
+
+CONSUMER = _Kind(4)
+
+
+class RootSpan:
+    """A request's own span, written without the SDK (a span per request through the SDK's sampler and processor
+    chain cost the MQTT network thread, the daemon's busiest, ~30 us a request): the :class:`Sampler` decided,
+    the ids are made here, and :meth:`end` hands it to the processor. It parents :class:`ChildSpan` s like an SDK
+    span (``get_span_context``, ``resource``, ``instrumentation_scope``).
+
+    Args:
+        trace_id: the trace (the requester's, or a new one).
+        parent: the requester's span, or None.
+        trace_state: the requester's ``tracestate`` (a :class:`TraceStateHeader`), or None.
+        name / kind / start_ns / attributes: the span's.
+        resource / scope: the SDK provider's resource and k2edge's instrumentation scope.
+        sink: where the ended span goes (the processor's ``on_end``).
+    """
+
+    __slots__ = ("context", "parent", "name", "kind", "start_time", "end_time", "attributes", "resource",
+                 "instrumentation_scope", "_sink")
+    status = _UNSET
+    events = ()
+    links = ()
+
+    def __init__(self, trace_id: int, parent: TraceParent | None, trace_state, name: str, kind: _Kind, start_ns: int,
+                 attributes: dict, resource, scope, sink) -> None:
+        self.context = _Context(trace_id, _ids.getrandbits(64) or 1, trace_state)
+        self.parent = _Context(trace_id, parent.span_id, trace_state, 1, True) if parent is not None else None
+        self.name, self.kind, self.start_time, self.end_time = name, kind, start_ns, None
+        self.attributes, self.resource, self.instrumentation_scope, self._sink = attributes, resource, scope, sink
+
+    def get_span_context(self):
+        return self.context
+
+    def set_attribute(self, key: str, value) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping) -> None:
+        self.attributes.update(attributes)
+
+    def end(self, end_time: int | None = None) -> None:
+        self.end_time = time.time_ns() if end_time is None else end_time
+        self._sink(self)

@@ -23,7 +23,8 @@ from collections import OrderedDict
 from typing import Callable, Iterator, Mapping
 
 from . import records as R
-from .records import ChildSpan, Link, format_traceparent, parse_traceparent, wall_ns
+from .records import (CONSUMER, ChildSpan, Link, RootSpan, Sampler, TraceStateHeader, format_traceparent, parse_traceparent,
+                      wall_ns)
 
 
 __all__ = ["RequestTrace", "BatchTrace", "Tracer", "OFF", "current_span", "headers", "note", "segments"]
@@ -207,11 +208,13 @@ class Tracer:
 
     on = True
 
-    def __init__(self, provider, processor, frame_rate: float = 0.0) -> None:
+    def __init__(self, provider, processor, frame_rate: float = 0.0, sampler: Sampler = Sampler()) -> None:
         from opentelemetry import trace
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
         from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, TraceState
 
-        self.provider, self.processor, self.frame_rate = provider, processor, frame_rate
+        self.provider, self.processor, self.frame_rate, self.sampler = provider, processor, frame_rate, sampler
+        self.resource, self.scope = provider.resource, InstrumentationScope("k2edge")
         self.otel = provider.get_tracer("k2edge")
         self._trace, self.Kind = trace, SpanKind
         self._NonRecordingSpan, self._SpanContext, self._TraceFlags, self._TraceState = \
@@ -226,34 +229,32 @@ class Tracer:
         return self.processor.dropped
 
     def _in(self, span):
+        """A context whose current span is ``span`` (an SDK span, or a record: as a non-recording stand-in)."""
+        if isinstance(span, (RootSpan, ChildSpan)):
+            c = span.context
+            state = self._TraceState.from_header([c.trace_state]) if c.trace_state else None
+            span = self._NonRecordingSpan(self._SpanContext(c.trace_id, c.span_id, False, self._TraceFlags(1), state))
         return self._trace.set_span_in_context(span)
 
     def _child(self, rt: RequestTrace, name: str, start: float, end: float, attributes: Mapping | None) -> None:
         self.processor.on_end(ChildSpan(rt.span, name, wall_ns(start), wall_ns(end), attributes))
-
-    def _remote(self, traceparent: str | None, tracestate: str | None):
-        """The requester's span as a parent context, or None (absent or malformed: a new trace)."""
-        tp = parse_traceparent(traceparent)
-        if tp is None:
-            return None
-        state = self._TraceState.from_header([tracestate]) if tracestate else None
-        ctx = self._SpanContext(tp.trace_id, tp.span_id, True, self._TraceFlags(1 if tp.sampled else 0), state)
-        return self._in(self._NonRecordingSpan(ctx))
 
     # requests --------------------------------------------------------------------------------------------
     def request(self, topic: str, model: str, request_id: str | None, size: int, carrier: Mapping[str, str],
                 received: float) -> RequestTrace | None:
         """A request's trace, parented by its ``traceparent`` / ``tracestate`` (``carrier``), or None when the
         sampler leaves it out."""
-        parent = self._remote(carrier.get("traceparent"), carrier.get("tracestate"))
+        parent = parse_traceparent(carrier.get("traceparent"))  # absent or malformed: a new trace
+        trace_id = parent.trace_id if parent is not None else (self._random.getrandbits(128) or 1)
+        if not self.sampler.sampled(parent, trace_id):
+            return None
+        state = TraceStateHeader(carrier["tracestate"][:512]) if parent is not None and carrier.get("tracestate") else None
         attrs = {R.MESSAGING_SYSTEM: "mqtt", R.MESSAGING_OPERATION: "process", R.MESSAGING_DESTINATION: topic,
                  R.MESSAGING_BODY_SIZE: size, "k2edge.model": model}
         if request_id:
             attrs[R.MESSAGING_MESSAGE_ID] = request_id
-        span = self.otel.start_span(f"process {topic}", context=parent, kind=self.Kind.CONSUMER, attributes=attrs,
-                                    start_time=wall_ns(received))
-        if not span.is_recording():
-            return None
+        span = RootSpan(trace_id, parent, state, f"process {topic}", CONSUMER, wall_ns(received), attrs, self.resource,
+                        self.scope, self.processor.on_end)
         return RequestTrace(self, span, received)
 
     def batch(self, model: str, items: list, started: float) -> BatchTrace | None:
