@@ -15,6 +15,13 @@ from k2_server import K2StandIn, answer
 from mqtt_support import DIGITS, SAMPLES, TOPIC, Client, free_port
 from otlp_receiver import OtlpReceiver
 
+try:
+    from test_streams_daemon import crossing  # noqa: F401 (the crossing video fixture)
+except pytest.skip.Exception:  # no PyAV: the stream test skips, the others run
+    @pytest.fixture
+    def crossing():
+        pytest.skip("PyAV is not installed (pip install 'k2edge[streams]')")
+
 pytestmark = pytest.mark.slow
 
 PHASES = ["admit", "queue", "stage", "infer", "decide"]
@@ -156,3 +163,31 @@ def test_a_collector_that_is_down_costs_nothing_visible(run_daemon, broker):
         time.sleep(0.2)
     assert _metric(metrics, "k2edge_trace_spans_dropped_total") >= 30 * len(PHASES)
     client.close()
+
+
+def test_stream_frames_and_events_are_traced(run_daemon, broker, crossing):
+    """A file stream with frame_sample_rate: sampled frames get spans; every published event has a span from the
+    frame that raised it, that frame's span its parent."""
+    from test_streams_daemon import BOXES, STREAMS, _messages, _stream, _wait_event
+
+    with OtlpReceiver() as otlp:
+        client = Client(broker.port).connect()
+        client.subscribe(STREAMS)
+        run_daemon(models=[BOXES], streams=[_stream(crossing)],
+                   tables={"tracing": {**_tracing(otlp.endpoint), "frame_sample_rate": 0.5}})
+        _wait_event(client, "stream_ended")
+        published = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+        assert published
+        spans = otlp.wait_for(lambda ss: {e["event_id"] for e in published}
+                              <= {s["attributes"].get("k2edge.event.id") for s in ss})
+        frames = {s["span_id"]: s for s in spans if s["name"] == "frame cam"}
+        processed = len(_messages(client, "detections"))
+        with_events = {e["frame"] for e in published}
+        sampled = [s for s in frames.values() if s["attributes"]["k2edge.frame"] not in with_events]
+        assert 0 < len(sampled) < processed  # a share of the frames, not all of them, not none
+        for e in published:
+            (span,) = [s for s in spans if s["attributes"].get("k2edge.event.id") == e["event_id"]]
+            frame = frames[span["parent_id"]]
+            assert span["name"] == f"event {e['event']}" and frame["attributes"]["k2edge.frame"] == e["frame"]
+            assert span["start"] == frame["start"] and span["end"] >= frame["end"]
+        client.close()
