@@ -359,3 +359,25 @@ def test_the_sampler_decides_as_the_sdks_samplers_do():
     assert ours.sampled(TraceParent(ids[0], 1, True), ids[0]) and not ours.sampled(TraceParent(ids[0], 1, False), ids[0])
     assert not Sampler("traceidratio", 0.0).sampled(TraceParent(ids[0], 1, True), ids[0])  # not parent-based
     assert Sampler("always_on").sampled(None, ids[0]) and not Sampler("parentbased_always_off").sampled(None, ids[0])
+
+
+def test_a_retried_cloud_call_shows_its_retries_on_its_span(memory):
+    """A 503 with Retry-After, then an answer: the chat span has a retry event with the wait, and two attempts."""
+    from k2_server import K2StandIn, answer, status
+
+    from k2edge.cloud_bridge.client import K2Client
+    from k2edge.config.cloud import CloudSettings
+
+    t, exporter = memory
+    with K2StandIn() as k2:
+        k2.script(status(503, retry_after=0.05), answer("ok"))
+        client = K2Client(CloudSettings(base_url=k2.url, model="kimi-k2.5", timeout_s=5.0, max_retries=2), "k")
+        with tracing.description_span("ev-8", "kimi-k2.5", k2.url):
+            assert client.complete(None, None, "again?", None, 10.0).attempts == 2
+        first, second = k2.chat_requests
+    (chat,) = [s for s in _flushed(t, exporter) if s["name"] == "chat kimi-k2.5"]
+    assert first.headers["traceparent"] == second.headers["traceparent"]  # one span for the call, retries inside
+    (retry,) = chat["events"]
+    assert retry["name"] == "retry" and retry["attributes"]["k2edge.cloud.attempt"] == 1
+    assert retry["attributes"]["k2edge.cloud.wait_s"] == pytest.approx(0.05, abs=0.01)
+    assert chat["attributes"]["k2edge.cloud.attempts"] == 2
