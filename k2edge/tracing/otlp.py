@@ -187,6 +187,7 @@ class OtlpHttpExporter:
     def __init__(self, url: str, timeout_s: float) -> None:
         parts = urlsplit(url)
         self.url, self.timeout_s = url, timeout_s
+        self.where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"  # logged: no userinfo
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname, parts.port or (443 if self._https else 80)
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -206,11 +207,11 @@ class OtlpHttpExporter:
                 r.read()
                 if 200 <= r.status < 300:
                     return True
-                log.debug("the trace collector at %s answered HTTP %d", self.url, r.status)
+                log.debug("the trace collector at %s answered HTTP %d", self.where, r.status)
                 return False
             except (OSError, http.client.HTTPException) as exc:
                 if fresh:
-                    log.debug("the trace collector at %s is unreachable (%s)", self.url, type(exc).__name__)
+                    log.debug("the trace collector at %s is unreachable (%s)", self.where, type(exc).__name__)
                 self.close()
         return False
 
