@@ -27,6 +27,14 @@ server with py-spy during one more (unmeasured) 16-in-flight run and prints wher
 
     python bench/bench_peer.py [--models digits,detector] [--requests 2000] [--rounds 5] [--json out.json]
                                [--profile-dir DIR]
+
+``--tracing`` measures tracing's cost instead of the peer: the same phases against k2edge with tracing
+off and k2edge with ``[tracing]`` on (every request sampled, spans exported over OTLP/HTTP to a real
+receiver in this process, which decodes them), A/B interleaved; ``--baseline-src DIR`` adds a third
+target, ``k2edge serve`` from another checkout (e.g. the commit before tracing), so that "tracing
+off" can be compared with what was there before in the same run.
+
+    python bench/bench_peer.py --tracing [--baseline-src /path/to/other/checkout] --models digits
 """
 
 from __future__ import annotations
@@ -78,9 +86,9 @@ class BenchError(Exception):
 class LoadGenerator:
     """``bench/peer_loadgen.py`` as a subprocess, driven one JSON command per line."""
 
-    def __init__(self, port: int, log: Path, model: str) -> None:
+    def __init__(self, port: int, log: Path, model: str, topics: dict[str, str] = TOPICS) -> None:
         self._log = open(log, "ab")
-        self.topics = {target: t.format(model=model) for target, t in TOPICS.items()}
+        self.topics = {target: t.format(model=model) for target, t in topics.items()}
         self.proc = subprocess.Popen([sys.executable, str(BENCH / "peer_loadgen.py"), str(port), *SCENARIOS[model]["loadgen"]],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=ROOT)
         if not self._read().get("ready"):
@@ -321,8 +329,105 @@ def run(args) -> dict:
     results: dict = {"config": {k: v for k, v in vars(args).items()}, "machine": {"cpus": os.cpu_count(),
                      "python": platform.python_version(), "platform": platform.platform()}, "models": {}}
     for model in args.models:
-        results["models"][model] = run_model(args, model)
+        results["models"][model] = run_tracing(args, model) if args.tracing else run_model(args, model)
     return results
+
+
+# --tracing: k2edge with tracing off, on, and (--baseline-src) another checkout -----------------------
+TRACING_TARGETS = {"off": "k2edge/off/infer/{model}", "on": "k2edge/on/infer/{model}",
+                   "baseline": "k2edge/baseline/infer/{model}"}
+
+
+class CheckoutDaemon(DaemonProcess):
+    """``k2edge serve`` from another checkout: its directory first on the path, and its cwd (``python -m``
+    puts the cwd before PYTHONPATH)."""
+
+    def __init__(self, src: Path, config: Path, log: Path, env: dict) -> None:
+        super().__init__(config, log, {**env, "PYTHONPATH": str(src)})
+        self.src = src
+
+    def start(self) -> "CheckoutDaemon":
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "k2edge", "serve", "--config", str(self.config)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=self.src)
+        return self
+
+
+def run_tracing(args, model: str) -> dict:
+    """Every round against one model: k2edge with tracing off and on (and the baseline checkout)."""
+    from otlp_receiver import OtlpReceiver
+
+    scenario = SCENARIOS[model]
+    targets = ["off", "on"] + (["baseline"] if args.baseline_src else [])
+    results: dict = {"rounds": [], "targets": targets}
+    with tempfile.TemporaryDirectory(prefix="bench-trace-") as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        broker = Broker(tmp / "broker").start()
+        stack.callback(broker.stop)
+        otlp = stack.enter_context(OtlpReceiver(keep=False))  # parses, counts, keeps nothing
+        daemons = {}
+        for target in targets:
+            tables = {"tracing": {"endpoint": otlp.endpoint, "sample_ratio": 1.0}} if target == "on" else {}
+            cfg = write_config(tmp / f"{target}.toml", broker.port, [{"name": model, "onnx": scenario["onnx"],
+                               "profile": args.profile}], device=target, tables=tables,
+                               service={"max_batch": args.max_batch, "queue_size": 256, "state_dir": str(tmp / f"state-{target}")})
+            env = {"K2EDGE_CACHE_DIR": str(tmp / "cache")}
+            d = (CheckoutDaemon(Path(args.baseline_src).resolve(), cfg, tmp / f"{target}.log", env) if target == "baseline"
+                 else DaemonProcess(cfg, tmp / f"{target}.log", env=env)).start()
+            stack.callback(_stop_daemon, d)
+            daemons[target] = d
+        gen = LoadGenerator(broker.port, tmp / "loadgen.log", model, {t: TRACING_TARGETS[t] for t in targets})
+        stack.callback(gen.close)
+        for target, d in daemons.items():
+            wait_until_answering(gen, target, d.proc, tmp / f"{target}.log")
+        pids = {t: d.proc.pid for t, d in daemons.items()} | {"broker": broker.proc.pid}
+        for i in range(args.rounds):
+            order = targets[i % len(targets):] + targets[:i % len(targets)]
+            rnd: dict = {"round": i + 1, "order": order, **{t: {} for t in targets}}
+            for phase, window in PHASES:
+                for target in order:
+                    rnd[target][phase] = measure(gen, target, args.requests, window, args.warmup, pids)
+            results["rounds"].append(rnd)
+            print(f"{model} round {i + 1}/{args.rounds}: " + ", ".join(
+                f"{t} {rnd[t]['throughput']['throughput_per_s']:,.0f}/s p50 {rnd[t]['latency']['p50_ms']:.3f} ms"
+                for t in order), flush=True)
+        answered = sum(x["n"] + x["warmup"] for r in results["rounds"] for x in r["on"].values())
+        time.sleep(1.0)  # the exporter's last batch
+        results["spans_received"], results["traced_answers"] = otlp.count, answered
+    results["summary"] = {t: {phase: {m: _spread([r[t][phase][m] for r in results["rounds"]])
+                                      for m in ("throughput_per_s", "p50_ms", "p90_ms")}
+                              | {"daemon_cpu_ms": _spread([r[t][phase]["cpu_ms_per_request"][t] for r in results["rounds"]])}
+                              for phase, _ in PHASES} for t in targets}
+    results["summary"]["failures"] = {t: sum(x["failures"] + x["warmup_failures"] for r in results["rounds"]
+                                            for x in r[t].values()) for t in targets}
+    results["summary"]["versus_off"] = {t: {
+        "throughput_ratio": _spread([r[t]["throughput"]["throughput_per_s"] / r["off"]["throughput"]["throughput_per_s"]
+                                     for r in results["rounds"]]),
+        "p50_added_ms": _spread([r[t]["latency"]["p50_ms"] - r["off"]["latency"]["p50_ms"] for r in results["rounds"]])}
+        for t in targets if t != "off"}
+    return results
+
+
+def report_tracing(args, model: str, r: dict) -> str:
+    s = r["summary"]
+    names = {"off": "tracing off", "on": "tracing on (all sampled)", "baseline": f"baseline ({args.baseline_src})"}
+    lines = [f"k2edge serve, tracing off vs on: {model}, profile {args.profile}, max_batch {args.max_batch}; "
+             f"{args.rounds} round(s) x {args.requests} requests per phase (warm-up {args.warmup}), A/B interleaved; "
+             f"{os.cpu_count()} cores shared by all; figures: median over rounds [min..max]", "",
+             _row("target", "throughput, 16 in flight", "p50, 1 in flight", "p90, 1 in flight", "daemon CPU/request",
+                  "vs off (paired per round)", widths=(34, 26, 26, 26, 24))]
+    for t in r["targets"]:
+        vs = s["versus_off"].get(t)
+        cmp = (f"{vs['throughput_ratio']['median']:.2f}x [{vs['throughput_ratio']['min']:.2f}..{vs['throughput_ratio']['max']:.2f}]"
+               f", p50 {vs['p50_added_ms']['median']:+.3f} ms [{vs['p50_added_ms']['min']:+.3f}..{vs['p50_added_ms']['max']:+.3f}]"
+               if vs else "")
+        lines.append(_row(names[t], _spread_text(s[t]["throughput"]["throughput_per_s"], "{:,.0f}", "/s"),
+                          _spread_text(s[t]["latency"]["p50_ms"], "{:.3f}", " ms"),
+                          _spread_text(s[t]["latency"]["p90_ms"], "{:.3f}", " ms"),
+                          _spread_text(s[t]["throughput"]["daemon_cpu_ms"], "{:.3f}", " ms"), cmp, widths=(34, 26, 26, 26, 24)))
+    lines += ["", f"answers not ok: {s['failures']}; spans received by the OTLP receiver: {r['spans_received']:,} for "
+              f"{r['traced_answers']:,} traced answers ({r['spans_received'] / max(1, r['traced_answers']):.1f} a request)"]
+    return "\n".join(lines)
 
 
 def run_model(args, model: str) -> dict:
@@ -400,7 +505,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", metavar="DIR", help="after the rounds, sample each server with py-spy into DIR")
     ap.add_argument("--profile-requests", type=int, default=5000, help="requests in each py-spy run")
     ap.add_argument("--keep-logs", metavar="DIR", help="copy the daemon's, the peer's and the load generator's logs here")
+    ap.add_argument("--tracing", action="store_true", help="measure tracing off vs on instead of the peer")
+    ap.add_argument("--baseline-src", metavar="DIR", help="with --tracing: also k2edge serve from this checkout")
     args = ap.parse_args(argv)
+    if args.baseline_src and not (Path(args.baseline_src) / "k2edge" / "__main__.py").is_file():
+        print(f"bench_peer: --baseline-src {args.baseline_src!r} is not a k2edge checkout", file=sys.stderr)
+        return 1
+    if args.baseline_src and not args.tracing:
+        print("bench_peer: --baseline-src goes with --tracing", file=sys.stderr)
+        return 1
     for name in ("requests", "rounds", "max_batch", "profile_requests"):
         if getattr(args, name) < 1:
             print(f"bench_peer: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
@@ -427,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for model, r in results["models"].items():
         print(f"\n== {model} ==")
+        if args.tracing:
+            print(report_tracing(args, model, r))
+            continue
         print(report(args, model, r["summary"], r["startup_s"]))
         if r.get("profile"):
             print(report_profile(r["profile"]))

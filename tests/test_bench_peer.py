@@ -43,12 +43,31 @@ def test_bench_peer_runs_and_prints_the_comparison(tmp_path):
         assert f"{ratio:.2f}x" in proc.stdout and f"{added:+.3f} ms" in proc.stdout, proc.stdout
 
 
-def test_bench_peer_refuses_bad_arguments_in_one_line():
+def test_bench_peer_refuses_bad_arguments_in_one_line(tmp_path):
     """Bad input: exit 1 and one line, before any broker or daemon starts."""
     proc = subprocess.run([sys.executable, str(BENCH), "--requests", "0"], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "bench_peer: --requests must be at least 1, got 0"
+    proc = subprocess.run([sys.executable, str(BENCH), "--tracing", "--baseline-src", str(tmp_path)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"bench_peer: --baseline-src {str(tmp_path)!r} is not a k2edge checkout"
+
+
+@pytest.mark.slow
+def test_bench_peer_tracing_compares_tracing_off_and_on(tmp_path):
+    """--tracing: k2edge with tracing off and on answer every request ok; the traced one's spans reach the receiver."""
+    pytest.importorskip("opentelemetry.sdk")
+    out = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--tracing", "--models", "digits", "--requests", "40", "--rounds", "1",
+                           "--warmup", "5", "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())["models"]["digits"]
+    assert r["summary"]["failures"] == {"off": 0, "on": 0}
+    assert r["traced_answers"] == 90 and r["spans_received"] >= 7 * 90  # each request: its span and at least 6 more
+    vs = r["summary"]["versus_off"]["on"]
+    assert f"{vs['throughput_ratio']['median']:.2f}x" in proc.stdout and "tracing on (all sampled)" in proc.stdout
 
 
 def test_collapse_counts_own_time_per_function_and_thread():

@@ -13,7 +13,7 @@ BLOCK = """
 import sys, importlib.abc
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('tensorrt', 'pycuda', 'jtop', 'torch'):
+        if name.split('.')[0] in ('tensorrt', 'pycuda', 'jtop', 'torch', 'opentelemetry'):
             raise ImportError(f'{name} blocked by the test')
 sys.meta_path.insert(0, Block())
 """

@@ -163,6 +163,7 @@ def test_grafana_dashboard_uses_only_metrics_that_exist():
     m.observe_stream_escalation("cam", "described")
     m.observe_frame_age("cam", 0.02)
     m.set_media({"bytes": 10, "files": 1, "degraded": None, "removed": {"budget": 1, "age": 0}})
+    m.set_trace_dropped(2)
     exposed = {s.name for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     # the device picker lists every daemon: a series every daemon exports (a camera-only one answers no request)

@@ -146,7 +146,7 @@ def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch)
     published = []
 
     class Broker:  # the broker facade: acknowledges every publish at once
-        def publish(self, topic, payload, correlation=None, on_delivered=None):
+        def publish(self, topic, payload, correlation=None, on_delivered=None, user=()):
             published.append(payload)
             on_delivered()
 

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from pydantic import SecretStr
 
+from .. import tracing
 from .breaker import CircuitBreaker
 from .errors import (
     BreakerOpen,
@@ -120,9 +121,12 @@ class _OpenAIWire:
 
     def send(self, body: dict, timeout: float) -> tuple[str, str]:
         try:
-            resp = self.client.chat.completions.create(**body, timeout=timeout)
+            resp = self.client.chat.completions.create(**body, timeout=timeout, extra_headers=tracing.headers() or None)
         except Exception as exc:
             raise self._failure(exc) from None
+        if getattr(resp, "usage", None) is not None:
+            tracing.note(**{"gen_ai.usage.input_tokens": resp.usage.prompt_tokens or 0,
+                            "gen_ai.usage.output_tokens": resp.usage.completion_tokens or 0})
         try:
             text = resp.choices[0].message.content or ""
         except (AttributeError, IndexError, TypeError):
@@ -177,7 +181,7 @@ class _AnthropicWire:
     def _request(self, method: str, path: str, timeout: float, body: dict | None = None):
         h = self._httpx
         try:
-            r = self.client.request(method, path, json=body, timeout=timeout)
+            r = self.client.request(method, path, json=body, timeout=timeout, headers=tracing.headers() or None)
         except h.TimeoutException:
             raise _Failure("timeout", "no answer before the timeout") from None
         except h.TransportError as exc:
@@ -307,6 +311,7 @@ class K2Client:
             raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
                               f"next probe in {self.breaker.retry_in_s():.0f} s")
         with_image = image_bytes is not None and self.sends_images()
+        tracing.note(**{"k2edge.cloud.breaker": str(self.breaker.state)})
         try:
             body = self.request_body(image_bytes, prompt, top_k, detections, with_image)
         except CloudError:
@@ -341,11 +346,13 @@ class K2Client:
                     continue
                 wait = self._classify(f, attempts, deadline_s, end)
                 log.debug("cloud attempt %d failed (%s); retrying in %.2f s", attempts, self._scrub(f.detail), wait)
+                tracing.event("retry", **{"k2edge.cloud.attempt": attempts, "k2edge.cloud.wait_s": wait, "error.type": f.kind})
                 self._sleep(wait)
                 continue
             latency_ms = (self._clock() - start) * 1e3
             self.breaker.record_success()
             log.debug("cloud answered in %.0f ms after %d attempt(s)", latency_ms, attempts)
+            tracing.note(**{"k2edge.cloud.attempts": attempts, "gen_ai.response.model": model})
             return CloudAnswer(text, model, latency_ms, attempts, "image" if with_image else "text")
 
     @staticmethod
@@ -380,6 +387,7 @@ class K2Client:
 
     def _fail(self, err: CloudError, fatal: bool = False):
         self.breaker.record_failure(str(err), fatal=fatal)
+        tracing.note(**{"error.type": type(err).__name__, "k2edge.cloud.attempts": err.attempts or 0})
         raise err
 
     def _scrub(self, text: str) -> str:

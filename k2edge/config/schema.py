@@ -21,6 +21,7 @@ from .deploy import DeploySettings, TrustSettings
 from .streams import StorageSettings, StreamConfig
 from .tables import Strict as _Strict, topic_level as _topic_level
 from .thermal import ThermalSettings
+from .tracing import TracingSettings
 
 DEFAULT_PATH = Path("/etc/k2edge/k2edge.toml")
 
@@ -214,6 +215,7 @@ class DaemonConfig(_Strict):
     deploy: DeploySettings = Field(default_factory=DeploySettings)
     metrics: MetricsSettings | None = Field(None, description="the Prometheus /metrics endpoint; without it none")
     http: HttpSettings | None = Field(None, description="the local web app (live view, API, /metrics); without it none")
+    tracing: TracingSettings | None = Field(None, description="OpenTelemetry traces over OTLP/HTTP; without it none")
     models: tuple[ModelConfig, ...]
     streams: tuple[StreamConfig, ...] = Field((), description="video sources processed by a served detection model; "
                                                                 "read at start (a change takes effect at the next start)")

@@ -13,6 +13,8 @@ session); the build notes say so.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from .base import Backend, LaneInfo, TensorSpec
 from .cache import EngineCache, digest
 from .pipeline import LaneSet, available_cores, lane_layout
 from .quantize import QuantArtefacts, to_fp16
+from ..tracing.tracer import segments as traced_segments
 
 log = logging.getLogger(__name__)
 ort = LazyModule("onnxruntime", "pip install onnxruntime")
@@ -227,8 +230,12 @@ class OnnxRuntimeBackend(Backend):
 
     def infer_impl(self, feeds):
         tensors = dict(feeds)
+        record = traced_segments()  # a traced batch: each segment's span (device, lane, precision)
         for seg in self._lanes.route():
+            t0 = time.monotonic() if record is not None else 0.0
             tensors.update(self._run_segment(seg, tensors))
+            if record is not None:
+                record.append((seg, threading.current_thread().name, t0, time.monotonic()))
         return {name: tensors[name] for name in self.outputs}
 
     def submit_impl(self, feeds, stage, release) -> Future:

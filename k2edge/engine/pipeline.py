@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..dla.planner import Routing
+from ..tracing.tracer import segments as _traced_segments
 
 RunSegment = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
 
@@ -35,6 +37,7 @@ class Job:
     release_after: int = 0  # route step after which no segment reads the request's inputs
     step: int = 0
     outputs: tuple[str, ...] = field(default_factory=tuple)
+    segments: list | None = None  # a traced batch's record: (segment, lane, start, end) per segment run
 
 
 class Lane(threading.Thread):
@@ -64,7 +67,10 @@ class Lane(threading.Thread):
             if job.tensors is None:
                 job.tensors = job.stage()  # staging inline, on the engine's own lane
             seg = job.route[job.step]
+            t0 = time.monotonic() if job.segments is not None else 0.0
             produced = self._run(seg, job.tensors)
+            if job.segments is not None:
+                job.segments.append((seg, self.name, t0, time.monotonic()))
             self.runs += 1
             if job.step >= job.release_after:
                 _release(job)
@@ -148,7 +154,8 @@ class LaneSet:
         fut.set_running_or_notify_cancel()
         r = self._pick()
         job = Job(fut, self._routing.routes[r], tensors=dict(feeds) if feeds is not None else None, stage=stage,
-                  release=release, release_after=self._routing.input_steps[r], outputs=self._outputs)
+                  release=release, release_after=self._routing.input_steps[r], outputs=self._outputs,
+                  segments=_traced_segments())
         self._lane_for_segment(job.route[0]).inbox.put(job)
         return fut
 

@@ -78,6 +78,7 @@ class Answer:
     correlation: bytes | None = None
     tokens: list = field(default_factory=list)  # ack tokens of a keyless request
     on_delivered: Callable[[], None] | None = None
+    user: tuple = ()  # MQTT 5 user properties of the publish (the traceparent of the request's span)
 
 
 @dataclass(slots=True)
@@ -216,13 +217,13 @@ class AnswerBook:
             cb()
         for a, d, payload in plan:
             if d is not None:
-                self._send(a.topic, payload, a.correlation, d)
+                self._send(a.topic, payload, a.correlation, d, a.user)
             else:
                 self._broker.publish(a.topic, payload, correlation=a.correlation,
-                                     on_delivered=lambda a=a: self._delivered_keyless(a))
+                                     on_delivered=lambda a=a: self._delivered_keyless(a), user=a.user)
 
-    def _send(self, topic: str, payload: bytes, correlation: bytes | None, d: bytes) -> None:
-        self._broker.publish(topic, payload, correlation=correlation, on_delivered=lambda: self._delivered(d))
+    def _send(self, topic: str, payload: bytes, correlation: bytes | None, d: bytes, user: tuple = ()) -> None:
+        self._broker.publish(topic, payload, correlation=correlation, on_delivered=lambda: self._delivered(d), user=user)
 
     def _record(self, rows: list[tuple]) -> None:
         with self._db_lock:

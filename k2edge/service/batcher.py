@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+from .. import tracing
 from ..deadline import clock
 from .runtime import ModelRuntime
 
@@ -317,39 +318,49 @@ class Batcher:
             slot.free()
             return
         started = clock()
-        samples = [it.sample for _, items in staged for it in items]
+        items = [it for _, items in staged for it in items]
+        bt = tracing.tracer().batch(rt.name, items, started) if tracing.tracer().on else None
+        if bt is None:
+            self._infer(rt, staged, [it.sample for it in items], slot, inline, started, None)
+        else:
+            with bt.recording():  # one span per batch, one per segment it ran
+                self._infer(rt, staged, [it.sample for it in items], slot, inline, started, bt)
+
+    def _infer(self, rt: ModelRuntime, staged: list, samples: list, slot: Slot, inline: bool, started: float, bt) -> None:
         if inline:
             try:
                 outputs = rt.infer(samples)
             except Exception as exc:
                 outputs = exc
             slot.free()
-            self._finish(rt, staged, outputs, started)
+            self._finish(rt, staged, outputs, started, bt)
             return
         try:
             future = rt.submit(samples)
         except Exception as exc:
             slot.free()
-            self._finish(rt, staged, exc, started)
+            self._finish(rt, staged, exc, started, bt)
             return
-        future.add_done_callback(functools.partial(self._lanes_done, rt, staged, started, slot))
+        future.add_done_callback(functools.partial(self._lanes_done, rt, staged, started, slot, bt))
 
-    def _lanes_done(self, rt: ModelRuntime, staged: list, started: float, slot: Slot, f: Future) -> None:
+    def _lanes_done(self, rt: ModelRuntime, staged: list, started: float, slot: Slot, bt, f: Future) -> None:
         """A batch's lanes finished (on the lane that ran its last segment)."""
         try:
             outputs = f.result()
         except Exception as exc:
             outputs = exc
         try:
-            self._finish(rt, staged, outputs, started)
+            self._finish(rt, staged, outputs, started, bt)
         except Exception as exc:  # nothing else would conclude them: this runs as a future's callback
             self._fail(staged, exc)
         finally:  # after the items are concluded: every slot free means no batch left to conclude (a swap waits for that)
             slot.free()
 
-    def _finish(self, rt: ModelRuntime, staged: list, outputs, started: float) -> None:
+    def _finish(self, rt: ModelRuntime, staged: list, outputs, started: float, bt=None) -> None:
         """Each client finishes its items with its own rows (in batch order); one client's failure leaves
         the others' rows to them."""
+        if bt is not None:
+            bt.end(rt, outputs if isinstance(outputs, Exception) else None)
         if self.on_batch is not None and not isinstance(outputs, Exception):
             self.on_batch(rt.name, sum(len(items) for _, items in staged))
         first, failure = 0, None

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import __version__
+from .. import __version__, tracing
 from ..config.schema import ConfigError, DaemonConfig, read_secret, state_dir
 from ..engine.check import refusal
 from ..errors import BuildError
@@ -73,6 +73,7 @@ class Daemon:
         "_stop_batchers",
         "_close_answer_book",
         "_close_event_store",
+        "_stop_tracing",              # what waits is exported (a few seconds at most)
         "_stop_metrics",
         "_stop_http",
         "_deactivate_engines",
@@ -94,6 +95,8 @@ class Daemon:
         self.transport = MqttTransport(cfg, "requests", self._request_filters(), self._will())
         self.control = MqttTransport(self._control_config(), "control", control_subscriptions(cfg))
         self.metrics = self._start_metrics()
+        if cfg.tracing is not None:
+            tracing.configure(cfg.tracing, cfg.device_id)
         http_secrets = self._http_secrets()
         self.stats = AnswerStats(self.metrics)
         self.book = AnswerBook(state, self.transport, retention_s=cfg.mqtt.session_expiry_s)
@@ -324,6 +327,7 @@ class Daemon:
         if esc.bridge is not None:
             m.set_breaker(esc.bridge.breaker.state)
             m.set_outbox_depth(esc.bridge.outbox.depth())
+        m.set_trace_dropped(tracing.tracer().dropped)
 
     def alive(self) -> bool:
         """Every serving thread loops (the watchdog)."""
@@ -451,6 +455,9 @@ class Daemon:
     def _close_event_store(self) -> None:
         if self.streams is not None:
             self.streams.close()
+
+    def _stop_tracing(self) -> None:
+        tracing.shutdown(min(5.0, self.cfg.service.drain_timeout_s))
 
     def _stop_metrics(self) -> None:
         if self.metrics is not None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from .. import tracing
 from ..bundle import AuditLog, BundleResult, Limits, ModelStore, audit_record, load_trust
 from ..bundle.audit import AUDIT_NAME
 from ..config.card import ModelCard, find_card
@@ -246,6 +247,7 @@ class ModelLifecycle:
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="k2edge-deploy", daemon=True)
         self._progress: dict = {"state": "idle"}
+        self._trace = None  # the running job's spans (tracing on): its progress states are its phases
         self._stopping = threading.Event()
         self.last: dict | None = None
 
@@ -296,6 +298,7 @@ class ModelLifecycle:
             job = self._jobs.get()
             if job is None:
                 return
+            self._trace = tracing.tracer().operation(job.kind, "receiving", {"k2edge.deploy.topic": job.topic})
             try:
                 body = self._deploy(job) if job.kind == "deploy" else self._rollback(job)
             except _Stopping:
@@ -308,10 +311,15 @@ class ModelLifecycle:
             finally:
                 self._progress = {"state": "idle"}
             self._answer(job, body)
+            if self._trace is not None:  # verify -> build (and its INT8 check) -> swap, with the outcome
+                self._trace.end(body["status"], **{"k2edge.model": body["model"], "k2edge.version": body["version"],
+                                                   "k2edge.deploy.check": body["check"]})
             self.host.publish_status()
 
     def _set_progress(self, state: str, **what) -> None:
         self._progress = {"state": state, **what, "since": time.time()}
+        if self._trace is not None:
+            self._trace.mark(state, **{f"k2edge.{k}": v for k, v in what.items() if v is not None})
         self.host.publish_status()
 
     def _running_version(self, name: str | None) -> str | None:

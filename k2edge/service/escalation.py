@@ -25,6 +25,7 @@ back as local answers with ``degraded: true`` and the reason, and critical refus
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import logging
 import threading
@@ -33,6 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from .. import tracing
 from ..cloud_bridge import (BridgeRequest, CloudAnswer, CloudBridge, CloudError, CloudHealth, CloudRejected, Decision,
                             EscalationPolicy, EscalationRequest, LocalResult, Outcome)
 from ..cloud_bridge.outbox import OutboxItem
@@ -332,7 +334,10 @@ class Escalation:
         body = None
         try:
             if not settled.taken:  # the fallback replied while this waited for a worker: no call to make
-                outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
+                # traced: the call's span is current while it runs (its traceparent goes to K2)
+                with tracing.cloud_span(w.trace, self.cfg.cloud.model, self.cfg.cloud.base_url) if w.trace is not None \
+                        else contextlib.nullcontext():
+                    outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
                 if not settled.taken:
                     body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours

@@ -77,7 +77,8 @@ class PrometheusMetrics:
     ``stream_frames_total{stream,outcome}`` (``decoded``, ``processed``, ``dropped``, ``shed`` by the thermal
     limit), ``stream_max_fps{stream}`` (the most a stream is processed at now: 0 paused), ``stream_up{stream}``,
     ``stream_reconnects_total{stream}``, ``stream_frame_age_seconds{stream}`` (histogram, decoded to published);
-    ``media_bytes``, ``media_files``, ``media_degraded``, ``media_removed_total{reason}`` (``budget``, ``age``).
+    ``media_bytes``, ``media_files``, ``media_degraded``, ``media_removed_total{reason}`` (``budget``, ``age``);
+    ``trace_spans_dropped_total`` (spans the tracing exporter lost).
     """
 
     def __init__(self) -> None:
@@ -126,6 +127,8 @@ class PrometheusMetrics:
                                       ["reason"], registry=r)
         self._frame_age = Histogram("k2edge_stream_frame_age_seconds", "A processed frame's age: decoded to published",
                                     ["stream"], buckets=_FRAME_AGE_BUCKETS, registry=r)
+        self._trace_dropped = Counter("k2edge_trace_spans_dropped", "Trace spans lost: the export queue was full or the "
+                                      "collector did not take them ([tracing])", registry=r)
         self._totals: dict[tuple, float] = {}
         self._int8_series: dict[str, list[tuple[str, str, str]]] = {}
         self._models: set[str] = set()
@@ -259,6 +262,10 @@ class PrometheusMetrics:
         self._media_degraded.set(1 if status["degraded"] else 0)
         for reason, total in status["removed"].items():
             self._advance(self._media_removed.labels(reason=reason), ("media", reason), total)
+
+    def set_trace_dropped(self, total: int) -> None:
+        """The tracing processor's running total of dropped spans (the counter follows it)."""
+        self._advance(self._trace_dropped, ("trace", "dropped"), total)
 
     def observe_frame_age(self, stream: str, seconds: float) -> None:
         self._frame_age.labels(stream=stream).observe(max(0.0, seconds))

@@ -42,6 +42,7 @@ class RequestItem:
     geometry: object = None  # where an image landed in the sample (detection boxes are mapped back through it)
     result: dict = field(default_factory=dict)  # the task's answer fragment: top_k, detections or outputs
     replied: bool = False  # replied to, or handed to the cloud pool
+    trace: object = None  # its spans (a k2edge.tracing.RequestTrace) when tracing is on and it is sampled
 
     @property
     def deadline(self) -> Deadline:
@@ -93,6 +94,8 @@ class Replies:
         """``w``'s cloud work is safe in the outbox: acknowledge the request now; its reply comes later."""
         self.book.acknowledge_early(w.key, w.tokens)
         w.tokens, w.replied = [], True
+        if w.trace is not None:
+            w.trace.mark("cloud")
         self._close()
 
     # sending ----------------------------------------------------------------------------------------
@@ -120,7 +123,11 @@ class Replies:
                                   f"({limit:,})")
                 payload = encode(body)
             self.stats.answer(w.req.model, body, (now - w.received) * 1e3)
-            answers.append(Answer(w.key, w.reply_topic, payload, w.correlation, w.tokens, on_delivered))
+            user = ()
+            if w.trace is not None:  # the answer names the request's span; its spans end when the broker has it
+                w.trace.mark("publish", now)
+                user, on_delivered = w.trace.user_properties(), w.trace.delivered(body["status"], on_delivered)
+            answers.append(Answer(w.key, w.reply_topic, payload, w.correlation, w.tokens, on_delivered, user))
         self.book.answer(answers)
 
     # shapes -------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from .. import tracing
 from ..config.schema import DaemonConfig
 from ..deadline import clock
 from ..errors import InputError, first_line
@@ -136,6 +137,8 @@ class RequestQueue(BatchClient):
         for w in batch:
             w.runtime = rt
             w.timings["queue"] = (now - w.received) * 1e3
+            if w.trace is not None:
+                w.trace.mark("stage", now)
             if w.deadline.expired(now):  # not decoded: nothing will be done with it
                 replies.append((w, self.replies.error(w, DEADLINE_EXCEEDED, f"{w.deadline.why} passed before the request could run")))
             else:
@@ -187,6 +190,8 @@ class RequestQueue(BatchClient):
         results = rt.results(rows, [w.geometry for w in live], [w.req.top_k or rt.cfg.top_k for w in live])
         for w, result in zip(live, results):
             w.timings.update(infer=(now - started) * 1e3, batch=len(live))
+            if w.trace is not None:
+                w.trace.mark("infer", started), w.trace.mark("decide", now)
             if isinstance(result, Exception):
                 replies.append((w, self.replies.error(w, INTERNAL, str(result))))
                 continue
@@ -200,6 +205,8 @@ class RequestQueue(BatchClient):
 
     def _carry_out(self, w: RequestItem, d, local) -> dict | None:
         """The reply body for a decision, or None when the request went to the cloud pool."""
+        if w.trace is not None:
+            w.trace.decided(d.action, d.reason, d.escalate)
         try:
             return self.escalation.carry_out(w, d, local)
         except Exception as exc:
@@ -262,6 +269,7 @@ class RequestPath:
         content_type = getattr(props, "ContentType", None)
         expiry = getattr(props, "MessageExpiryInterval", None)
         user = {str(k): str(v) for k, v in (getattr(props, "UserProperty", None) or [])}
+        carrier = {k: user.pop(k) for k in ("traceparent", "tracestate") if k in user}  # W3C trace context, not fields
         model = topics.model_of(msg.topic) or ""
         payload = msg.payload
         bad_topic = response_topic is not None and not topics.publishable(response_topic)
@@ -287,6 +295,7 @@ class RequestPath:
         batcher = self.batchers.get(model)
         w = RequestItem(req or Request(rid, model, attempt), key, reply, correlation, content_type, received,
                         batcher.runtime if batcher is not None else None, [token] if key is None else [])
+        w.trace = tracing.tracer().request(msg.topic, model, rid, len(payload), carrier, received)
         if bad_topic:
             error = RequestError(BAD_REQUEST, f"Response Topic {response_topic[:80]!r} is not a topic one can publish to", rid, attempt)
         elif error is None and batcher is None:
@@ -298,6 +307,8 @@ class RequestPath:
             self.replies.send([(w, self.replies.error(w, error.code, error.message))])
             return
         queue = self.queues[model]
+        if w.trace is not None:
+            w.trace.mark("queue")
         if not self.broker.input_pending() and batcher.take_idle():
             batcher.run([(queue, [w])], inline=True)  # alone, the engine idle and quick: replied to here, no hand-off
         else:

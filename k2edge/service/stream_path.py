@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 
+from .. import tracing
 from ..config.schema import read_secret
 from ..config.streams import StreamConfig
 from ..deadline import clock
@@ -233,6 +234,9 @@ class StreamPath:
                 # the request path's stages: queue (decoded to taken), stage, infer, total (decoded to published)
                 self.metrics.observe_latency(rt.name, {"queue": latency["wait"], "stage": latency.get("stage"),
                                                        "infer": latency["infer"], "total": latency["age"]})
+            if tracing.tracer().on:  # sampled frames, and every frame that raised events (their spans' parent)
+                tracing.tracer().frame(s.name, f.frame.index, f.frame.captured, f.taken, clock(), len(tracked.detections),
+                                       len(tracked.events))
             if tracked.events:
                 self._raise(s, tracked.events, f.frame, tracked.escalations)
             if s.watched and f.frame.picture is not None:
@@ -331,6 +335,8 @@ class StreamPath:
         rows = [(b["event_id"], topic, json.dumps(b).encode()) for b in bodies]
         self.events.add(rows)
         snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
+        for body in bodies if tracing.tracer().on else ():
+            tracing.tracer().event(stream.name, body)
         for event_id, _, payload in rows:
             jpeg = snapshots.get(event_id)
             if jpeg is not None:

@@ -182,6 +182,8 @@ class Client:
         self.binary: list[tuple[str, bytes, str | None, dict]] = []  # (topic, payload, content type, user properties)
         self.dups: list[bool] = []  # MQTT DUP flag of each answer: a broker retransmission, not a second answer
         self.raw: list[tuple[bytes, float]] = []  # each answer's exact bytes and when it arrived (time.monotonic)
+        self.answer_props: list[dict] = []  # each answer's MQTT 5 user properties (traceparent)
+        self.answer_wall: list[int] = []  # when each answer arrived (time.time_ns: comparable with span times)
         self._cond = threading.Condition()
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"test-{uuid.uuid4().hex[:8]}",
                              protocol=mqtt.MQTTv5)
@@ -243,6 +245,8 @@ class Client:
                 self.answers.append((body, getattr(msg.properties, "CorrelationData", None)))
                 self.dups.append(bool(msg.dup))
                 self.raw.append((msg.payload, time.monotonic()))
+                self.answer_props.append(dict(getattr(msg.properties, "UserProperty", []) or []))
+                self.answer_wall.append(time.time_ns())
             else:
                 self.other.append((msg.topic, body))
             self._cond.notify_all()
@@ -287,6 +291,8 @@ class Client:
             self.answers[:] = [self.answers[i] for i in keep]
             self.dups[:] = [self.dups[i] for i in keep]
             self.raw[:] = [self.raw[i] for i in keep]
+            self.answer_props[:] = [self.answer_props[i] for i in keep]
+            self.answer_wall[:] = [self.answer_wall[i] for i in keep]
 
     def wait_state(self, state: str, device: str = "t1", timeout: float = 60.0) -> None:
         self.wait_for(lambda c: any(s.get("state") == state and s.get("device") == device for s in c.statuses), timeout)
