@@ -4,6 +4,7 @@ segment spans, the K2 client's traceparent header, and trace ids on log lines.""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -293,6 +294,53 @@ def test_description_span_sends_its_traceparent_to_k2(memory):
     assert a["k2edge.event.id"] == "ev-7" and a["gen_ai.operation.name"] == "chat" and a["server.address"] == "127.0.0.1"
     assert a["k2edge.cloud.attempts"] == 1 and a["k2edge.cloud.breaker"] == "closed" and chat["kind"] == "client"
     assert span is not None
+
+
+def test_a_stream_escalation_job_is_described_under_its_event_span(memory, tmp_path):
+    """The stream escalation worker's K2 call runs in description_span: its chat span is the traced event's child,
+    names the event id, and K2 receives that span's traceparent."""
+    from k2_server import K2StandIn, answer
+
+    from k2edge.cloud_bridge import CloudBridge, K2Client
+    from k2edge.config.cloud import CloudSettings
+    from k2edge.config.stream_escalation import EscalationRule
+    from k2edge.service.event_store import EventStore
+    from k2edge.service.stream_escalation import EscalationJobs, StreamEscalations
+    from k2edge.service.stream_path import StreamPath
+    from k2edge.streams.escalation_rules import select
+    from k2edge.streams.payload import event_payload
+
+    t, exporter = memory
+    now = time.monotonic()
+    with K2StandIn() as k2:
+        k2.fallback = answer("a person at the door")
+        settings = CloudSettings(base_url=k2.url, model="kimi-k2.5", timeout_s=5.0, max_retries=0)
+        bridge = CloudBridge(settings, tmp_path, client=K2Client(settings, api_key="k"))
+        events = EventStore(tmp_path / "events.sqlite")
+
+        class Publisher:  # the transport's publish, kept
+            def __init__(self):
+                self.sent = []
+
+            def publish(self, topic, payload, qos=0, retain=False, **kw):
+                self.sent.append((topic, payload))
+
+        path = StreamPath([], "k2edge/t1", Publisher(), events, {})
+        esc = StreamEscalations(bridge, EscalationJobs(tmp_path / "jobs.sqlite3"), events, path)
+        body = event_payload("cam", {"event": "line_cross", "track_id": 1, "label": "person", "line": "door",
+                                     "box": [10.0, 10.0, 50.0, 90.0]}, 2)
+        t.frame("cam", 2, now - 0.03, now - 0.02, now, detections=1, events=1)
+        t.event("cam", body)
+        assert esc.submit("cam", body, (select([EscalationRule(on="line_cross")], body, None, "cam"), [], None))
+        events.add([(body["event_id"], "k2edge/t1/streams/cam/events", json.dumps(body).encode())])
+        (job,) = esc.jobs.due(time.time(), set())
+        assert esc.run(job) == "described"
+        (call,) = k2.chat_requests
+    spans = _flushed(t, exporter)
+    (event,) = [s for s in spans if s["name"] == "event line_cross"]
+    (chat,) = [s for s in spans if s["name"] == "chat kimi-k2.5"]
+    assert chat["parent_id"] == event["span_id"] and chat["attributes"]["k2edge.event.id"] == body["event_id"]
+    assert call.headers["traceparent"] == f"00-{chat['trace_id']}-{chat['span_id']}-01"
 
 
 def test_log_lines_under_a_span_carry_its_trace_id(memory, caplog):

@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .. import tracing
 from ..cloud_bridge.errors import (BreakerOpen, CloudAuthError, CloudConfigError, CloudError, CloudQuotaError,
                                    CloudRejected)
 from ..cloud_bridge.image import PreparedImage, prepare_image
@@ -293,7 +294,10 @@ class StreamEscalations:
             return self._wait(job, 0.2, f"{self.settings.concurrency} cloud calls are in flight")
         try:
             deadline = self.settings.timeout_s * (self.settings.max_retries + 1) + 1.0
-            answer = b.client.ask(_prepared(job.images), job_text(job.request), deadline, json_mode=job.request["verify"])
+            # the call's span: the event span's child when its frame was traced; K2 gets its traceparent
+            with tracing.description_span(job.event_id, self.settings.model, self.settings.base_url):
+                answer = b.client.ask(_prepared(job.images), job_text(job.request), deadline,
+                                      json_mode=job.request["verify"])
         except CloudError as exc:
             return self._failed_call(job, exc)
         finally:
