@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -129,6 +130,35 @@ def test_malformed_requests_get_precise_errors_and_the_daemon_keeps_serving(run_
     unknown = next(a for c, a in answers.items() if corr.get(c, ("",))[0] == "unknown_model")
     assert unknown["id"] == "m1"
     client.close()
+
+
+def test_a_failing_turn_of_the_serving_loop_is_logged_and_serving_goes_on(run_daemon, broker, tmp_path):
+    """A bug in one turn of the serving loop (here: building the telemetry fails, injected into the real daemon
+    process through sitecustomize) is logged once with its traceback; requests are still answered and the
+    telemetry comes back once it builds again. Before, the exception ended the serving loop and the process."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "from k2edge.service import daemon\n"
+        "_real, _calls = daemon.Daemon.telemetry_payload, [0]\n"
+        "def telemetry_payload(self):\n"
+        "    _calls[0] += 1\n"
+        "    if _calls[0] <= 3:\n"
+        "        raise RuntimeError('injected telemetry failure')\n"
+        "    return _real(self)\n"
+        "daemon.Daemon.telemetry_payload = telemetry_payload\n")
+    d = run_daemon(env={"PYTHONPATH": f"{inject}{os.pathsep}{ROOT}"})
+    client = Client(broker.port).connect()
+    client.subscribe("k2edge/t1/telemetry")
+    client.publish(TOPIC, _image_request(SAMPLES[3], rid="after-the-failure"))
+    client.wait_answers(1)
+    assert client.answers[0][0]["status"] == "ok"
+    client.wait_for(lambda c: any(t.endswith("/telemetry") for t, _ in c.other), 60)
+    client.close()
+    assert d.proc.poll() is None
+    log = d.output()
+    assert log.count("serving loop: RuntimeError: injected telemetry failure (serving goes on)") == 1, log
+    assert "Traceback" in log
 
 
 def test_a_burst_beyond_the_queue_waits_at_the_broker_instead_of_busy(run_daemon, broker, slow_model):

@@ -349,47 +349,58 @@ class Daemon:
         last_purge = time.monotonic()
         last_status = ""
         last_summary = self._status_summary()
+        failures: dict[str, int] = {}  # what made a turn fail, and how often
         while not self._draining.is_set():
-            now = time.monotonic()
-            connected = self.transport.connected.is_set()
-            # (re)connected: the will may have said offline; or the control connection can take deploys now
-            seen = (self.transport.connections, self._control_ready.is_set() or self.control.subscribed.is_set())
-            if seen != announced:
-                announced = seen
-                self.publish_status()
-            if connected and not ready:
-                ready = True
-                self.notify.notify("READY=1", f"STATUS=serving {', '.join(self.batchers)} on {cfg.mqtt.host}:{cfg.mqtt.port}")
-                last_status = "serving"
-                log.info("serving %s on %s (prefix %s)", ", ".join(self.batchers), f"{cfg.mqtt.host}:{cfg.mqtt.port}", cfg.prefix)
-            status = "serving" if connected else "waiting for the broker"
-            if ready and status != last_status:
-                self.notify.notify(f"STATUS={status}")
-                last_status = status
-            # systemd arms the watchdog at READY=1; before that the engine builds own the time
-            if watchdog and ready and now - last_dog >= watchdog and self.alive():
-                self.notify.notify("WATCHDOG=1")
-                last_dog = now
-            if now - last_flush >= 1.0:
-                self.book.flush()
-                if self.escalation.bridge is not None:
-                    self.escalation.tick()
-                if self.streams is not None:
-                    self.streams.tick()
-                if self.metrics is not None:
-                    self._observe()
-                last_flush = now
-            if connected and now - last_telemetry >= cfg.service.telemetry_interval_s:
-                self.transport.publish(topics.telemetry_topic(cfg.prefix), self.telemetry_payload(), qos=0)
-                last_telemetry = now
-                summary = self._status_summary()
-                # keep the retained status true: breaker, outbox, thermal; a stream's live figures
-                if summary != last_summary or (self.streams is not None and self.streams.any_up()):
+            try:
+                now = time.monotonic()
+                connected = self.transport.connected.is_set()
+                # (re)connected: the will may have said offline; or the control connection can take deploys now
+                seen = (self.transport.connections, self._control_ready.is_set() or self.control.subscribed.is_set())
+                if seen != announced:
+                    announced = seen
                     self.publish_status()
-                    last_summary = summary
-                if self.escalation.bridge is not None and now - last_purge > 3600:
-                    self.escalation.bridge.outbox.purge_delivered()
-                    last_purge = now
+                if connected and not ready:
+                    ready = True
+                    self.notify.notify("READY=1", f"STATUS=serving {', '.join(self.batchers)} on {cfg.mqtt.host}:{cfg.mqtt.port}")
+                    last_status = "serving"
+                    log.info("serving %s on %s (prefix %s)", ", ".join(self.batchers), f"{cfg.mqtt.host}:{cfg.mqtt.port}", cfg.prefix)
+                status = "serving" if connected else "waiting for the broker"
+                if ready and status != last_status:
+                    self.notify.notify(f"STATUS={status}")
+                    last_status = status
+                # systemd arms the watchdog at READY=1; before that the engine builds own the time
+                if watchdog and ready and now - last_dog >= watchdog and self.alive():
+                    self.notify.notify("WATCHDOG=1")
+                    last_dog = now
+                if now - last_flush >= 1.0:
+                    self.book.flush()
+                    if self.escalation.bridge is not None:
+                        self.escalation.tick()
+                    if self.streams is not None:
+                        self.streams.tick()
+                    if self.metrics is not None:
+                        self._observe()
+                    last_flush = now
+                if connected and now - last_telemetry >= cfg.service.telemetry_interval_s:
+                    self.transport.publish(topics.telemetry_topic(cfg.prefix), self.telemetry_payload(), qos=0)
+                    last_telemetry = now
+                    summary = self._status_summary()
+                    # keep the retained status true: breaker, outbox, thermal; a stream's live figures
+                    if summary != last_summary or (self.streams is not None and self.streams.any_up()):
+                        self.publish_status()
+                        last_summary = summary
+                    if self.escalation.bridge is not None and now - last_purge > 3600:
+                        self.escalation.bridge.outbox.purge_delivered()
+                        last_purge = now
+            except Exception as exc:  # a bug in one turn (a status, a tick) must not end serving: log it, go on
+                failed = f"{type(exc).__name__}: {exc}"[:300]
+                if len(failures) >= 100:  # failures whose text varies: the counts start again
+                    failures.clear()
+                if failed not in failures:  # each distinct failure with its traceback once; then counted
+                    log.exception("serving loop: %s (serving goes on)", failed)
+                failures[failed] = failures.get(failed, 0) + 1
+                if failures[failed] in (10, 100, 1000):
+                    log.error("serving loop: %s, %d times", failed, failures[failed])
             self._draining.wait(0.2)
 
     # drain, in DRAIN order -------------------------------------------------------------------------
