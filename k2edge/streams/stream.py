@@ -394,7 +394,7 @@ class Stream:
         now = time.monotonic() if now is None else now
         with self._lock:
             r = self._rates
-            r.append((now, self.reader.decoded, self.processed))
+            r.append((now, self.reader.decoded + self.reader.skipped, self.processed))  # the source's frames, decoded or not
             while len(r) > 2 and now - r[1][0] >= RATE_WINDOW_S:
                 r.popleft()
 
