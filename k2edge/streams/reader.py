@@ -135,7 +135,8 @@ class StreamReader:
         self.state = "starting"
         self.last_error: str | None = None
         self.decoded = self.dropped = self.reconnects = self.shed = self.skipped = 0
-        self._skip: NonrefSkip | None = None  # the open capture's, where it can skip non-reference frames
+        # whether to skip non-reference frames: judged across reopenings and loops (the processing side stays the same)
+        self._skip = NonrefSkip() if self.pace != "every" and backend == "pyav" else None
         self._corrupt_closed = 0  # corrupt packets of captures closed since
         self._capture: Capture | None = None
         self.source_fps: float | None = None
@@ -272,9 +273,9 @@ class StreamReader:
 
     def _read(self, gen: int, cap: Capture) -> None:
         start_wall = first_pts = last_pts = None
-        skip = NonrefSkip() if self.pace != "every" and hasattr(cap, "skip_nonref") else None
-        with self._cond:
-            self._skip = skip
+        skip = self._skip if hasattr(cap, "skip_nonref") else None
+        if skip is not None and skip.on:
+            cap.skip_nonref(True)
         for picture, pts in cap.frames():
             now = time.monotonic()
             if not self._current(gen):
