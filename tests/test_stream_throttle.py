@@ -117,6 +117,9 @@ def test_non_reference_frames_are_skipped_only_while_most_decoded_frames_go_unus
     assert _window(skip, t + 4, 10, 6) == [] and skip.on  # 60 % of the reference frames used: frames still go unused
     assert _window(skip, t + 5, 10, 10) == [] and skip.on
     assert _window(skip, t + 6, 10, 10) == [False] and not skip.on  # every one used: the side may take more
+    assert _window(skip, t + 7, 15, 0) == [] and _window(skip, t + 8, 15, 0) == [True]  # paused: nothing used
+    skip.reset()  # a new limit (resumed): every frame decoded from the next one, judged afresh
+    assert not skip.on and _window(skip, t + 9, 15, 15) == [False] and _window(skip, t + 10, 15, 15) == []
 
 
 def test_pausing_and_resuming_are_events_only_for_a_stream_that_is_there():

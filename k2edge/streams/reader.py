@@ -186,6 +186,8 @@ class StreamReader:
         """Keep at most ``max_fps`` of the frames ``fps`` keeps, from the next frame on (None: all; 0: none,
         the stream paused); the rest are counted as shed."""
         with self._cond:
+            if max_fps != self._limit_gate.max_fps and self._skip is not None:
+                self._skip.reset()
             self._limit_gate.set(max_fps)
             if max_fps == 0 and self._frame is not None:  # paused: the frame waiting is not processed either
                 self._frame = None

@@ -205,12 +205,24 @@ class NonrefSkip:
         self.on = False
         self._since: float | None = None
         self._decoded = self._used = 0
+        self._reset = False
+
+    def reset(self) -> None:
+        """Decode every frame again from the next one and judge afresh: what kept the use low changed (a new thermal
+        limit: a stream that resumes after a pause is processed at its full rate at once, not a window later)."""
+        self._since, self._decoded, self._used = None, 0, 0
+        if self.on:
+            self.on, self._reset = False, True
 
     def decoded(self, now: float) -> bool | None:
-        """A frame left the decoder at ``now`` (monotonic s); the new setting when the window's judgement changes it."""
+        """A frame left the decoder at ``now`` (monotonic s); the new setting when the window's judgement (or a
+        :meth:`reset`) changes it."""
         if self._since is None:
             self._since = now
         self._decoded += 1
+        if self._reset:
+            self._reset = False
+            return False
         if now - self._since < self.window_s or self._decoded < 3:
             return None
         share, self._since, self._decoded, self._used = self._used / self._decoded, now, 0, 0
