@@ -17,14 +17,15 @@ from k2edge.streams.source import parse_source, redact
 av = pytest.importorskip("av")
 
 
-def _video(path, frames=30, fps=15, size=(64, 48)):
-    """A plain H.264 clip whose frame i has grey level 4 * i (so a decoded frame tells its index)."""
+def _video(path, frames=30, fps=15, size=(64, 48), b_frames=False):
+    """A plain H.264 clip whose frame i has grey level 4 * i mod 256 (so a decoded frame tells its index); ``b_frames``: with
+    B-frames, one in three a non-reference frame."""
     with av.open(str(path), "w") as c:
         s = c.add_stream("libx264", rate=fps)
         s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
-        s.options = {"crf": "0", "preset": "ultrafast", "g": "5"}
+        s.options = {"crf": "20", "preset": "veryfast", "bf": "2"} if b_frames else {"crf": "0", "preset": "ultrafast", "g": "5"}
         for i in range(frames):
-            img = np.full((size[1], size[0], 3), 4 * i, np.uint8)
+            img = np.full((size[1], size[0], 3), 4 * i % 256, np.uint8)
             for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
                 c.mux(p)
         for p in s.encode():
@@ -165,6 +166,34 @@ def test_newest_frame_only_when_the_taker_is_slow(tmp_path):
     assert len(got) < 45 and r.dropped == 45 - len(got)
     for f, newest in got:  # always the newest frame decoded, never one from a backlog
         assert f.index >= newest
+
+
+@pytest.mark.parametrize("taker_s", [0.2, 0.0])
+def test_a_slow_taker_lets_the_decoder_skip_non_reference_frames(tmp_path, taker_s):
+    """A taker using a sixth of a 30 fps file's frames (0.2 s a frame): after a second the decoder skips its
+    non-reference frames (counted as skipped, never as decoded) and the taker still gets the newest frame decoded. A
+    taker keeping up (every frame) decodes every frame."""
+    path = _video(tmp_path / "b.mp4", frames=75, fps=30, b_frames=True)
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="realtime")
+    r.start()
+    got = []
+    while r.state not in ("ended", "down") or r.ready():
+        newest = r.last_index
+        f = r.take()
+        if f is not None:
+            got.append((f, newest))
+            time.sleep(taker_s)
+        else:
+            with rec.cond:
+                rec.cond.wait(0.005)
+    assert r.decoded + r.skipped == 75
+    if taker_s:
+        assert r.skipped >= 10 and r.decoded == r.last_index + 1  # a third of the frames after the first second
+        for f, newest in got:
+            assert f.index >= newest
+    else:
+        assert r.skipped == 0 and len(got) >= 50  # the taker was ready for nearly every frame: none skipped
 
 
 def test_loop_starts_again_and_keeps_counting(tmp_path):

@@ -14,7 +14,7 @@ from k2edge.config.schema import ConfigError, load_config
 from k2edge.streams.reader import StreamReader
 from k2edge.streams.source import parse_source
 from k2edge.streams.stream import Stream
-from k2edge.streams.throttle import FrameGate, limit_events, stream_limit
+from k2edge.streams.throttle import SKIP_WINDOW_S, FrameGate, NonrefSkip, limit_events, stream_limit
 
 
 # what each state allows --------------------------------------------------------------------------
@@ -94,6 +94,34 @@ def test_the_gate_none_keeps_all_zero_keeps_none_and_a_clock_jump_restarts_it():
 
 
 # pause and resume ------------------------------------------------------------------------------------
+def _window(skip: NonrefSkip, t: float, decoded: int, used: int) -> list:
+    """``decoded`` frames over one window from ``t``, ``used`` of them taken; the settings it changed to."""
+    changes = []
+    for i in range(decoded):
+        if i < used:
+            skip.used()
+        change = skip.decoded(t + i * SKIP_WINDOW_S / decoded)
+        if change is not None:
+            changes.append(change)
+    return changes
+
+
+def test_non_reference_frames_are_skipped_only_while_most_decoded_frames_go_unused():
+    """A processing side that uses under a third of the frames decoded turns skipping on; while skipping, it stays
+    on as long as frames still go unused, and goes off once nearly every frame decoded is used."""
+    skip, t = NonrefSkip(), 100.0
+    assert _window(skip, t, 15, 15) == [] and not skip.on  # every frame used: decode them all
+    assert _window(skip, t + 1, 15, 6) == [] and not skip.on  # 40 % used: still above a third
+    assert _window(skip, t + 2, 15, 4) == [] and not skip.on  # the window ends with the next frame
+    assert _window(skip, t + 3, 10, 4) == [True] and skip.on  # 4 of 15 (27 %) judged: skipping
+    assert _window(skip, t + 4, 10, 6) == [] and skip.on  # 60 % of the reference frames used: frames still go unused
+    assert _window(skip, t + 5, 10, 10) == [] and skip.on
+    assert _window(skip, t + 6, 10, 10) == [False] and not skip.on  # every one used: the side may take more
+    assert _window(skip, t + 7, 15, 0) == [] and _window(skip, t + 8, 15, 0) == [True]  # paused: nothing used
+    skip.reset()  # a new limit (resumed): every frame decoded from the next one, judged afresh
+    assert not skip.on and _window(skip, t + 9, 15, 15) == [False] and _window(skip, t + 10, 15, 15) == []
+
+
 def test_pausing_and_resuming_are_events_only_for_a_stream_that_is_there():
     cause = "tj 97.0 °C >= critical_c 95 °C"
     normal, warm, critical = (stream_limit(s, 15.0, cause=cause) for s in ("normal", "warm", "critical"))

@@ -75,7 +75,7 @@ class PrometheusMetrics:
     against FP32, as its task measures; ``verdict``: 1 passed, 0 inconclusive (too few check samples), -1 failed;
     ``judged``: the samples or FP32 boxes the verdict stands on; no series for a model without INT8 layers),
     ``stream_frames_total{stream,outcome}`` (``decoded``, ``processed``, ``dropped``, ``shed`` by the thermal
-    limit), ``stream_max_fps{stream}`` (the most a stream is processed at now: 0 paused), ``stream_up{stream}``,
+    limit, ``skipped``: non-reference frames not decoded while the processing side used few), ``stream_max_fps{stream}`` (the most a stream is processed at now: 0 paused), ``stream_up{stream}``,
     ``stream_reconnects_total{stream}``, ``stream_frame_age_seconds{stream}`` (histogram, decoded to published);
     ``media_bytes``, ``media_files``, ``media_degraded``, ``media_removed_total{reason}`` (``budget``, ``age``);
     ``trace_spans_dropped_total`` (spans the tracing exporter lost).
@@ -104,8 +104,8 @@ class PrometheusMetrics:
         self._int8 = Gauge("k2edge_int8_check", "Each served model's INT8 engines measured against FP32 at build, "
                            "by measure", ["model", "profile", "measure"], registry=r)
         self._stream_frames = Counter("k2edge_stream_frames", "Frames of each stream: decoded, processed, dropped "
-                                      "(decoded and never processed, fps throttling included) or shed (by the thermal "
-                                      "limit)", ["stream", "outcome"], registry=r)
+                                      "(decoded and never processed, fps throttling included), shed (by the thermal "
+                                      "limit) or skipped (non-reference frames not decoded while few were used)", ["stream", "outcome"], registry=r)
         self._stream_max_fps = Gauge("k2edge_stream_max_fps", "The most each stream is processed at now, by the thermal "
                                      "state (its own rate when not throttled, NaN when that is not known; 0 paused)",
                                      ["stream"], registry=r)
@@ -235,7 +235,7 @@ class PrometheusMetrics:
     def set_stream(self, stream: str, up: bool, counts: Mapping[str, int], reconnects: int) -> None:
         """A stream's state and its running totals (counters only ever move forward to them). Stream names come
         from the config, a closed set."""
-        for outcome in ("decoded", "processed", "dropped", "shed"):
+        for outcome in ("decoded", "processed", "dropped", "shed", "skipped"):
             self._advance(self._stream_frames.labels(stream=stream, outcome=outcome), (stream, outcome), counts.get(outcome, 0))
         self._advance(self._stream_reconnects.labels(stream=stream), (stream, "reconnects"), reconnects)
         self._stream_up.labels(stream=stream).set(1 if up else 0)

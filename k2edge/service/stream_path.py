@@ -383,7 +383,8 @@ class StreamPath:
         if self.metrics is not None:
             r = s.reader
             self.metrics.set_stream(s.name, r.state == "up", {"decoded": r.decoded, "processed": s.processed,
-                                                              "dropped": r.dropped, "shed": r.shed}, r.reconnects)
+                                                              "dropped": r.dropped, "shed": r.shed, "skipped": r.skipped},
+                                  r.reconnects)
             self.metrics.set_stream_limit(s.name, s.limit.max_fps)
 
     def any_up(self) -> bool:

@@ -129,6 +129,10 @@ class PyAVCapture:
         except OSError as exc:
             raise SourceError(f"{self._shown}: {exc.strerror or exc}") from None
 
+    def skip_nonref(self, on: bool) -> None:
+        """Skip decoding non-reference frames (on), or decode every frame again; from the next packet on."""
+        self.stream.codec_context.skip_frame = "NONREF" if on else "DEFAULT"
+
     def close(self) -> None:
         container, self.container = getattr(self, "container", None), None
         if container is not None:

@@ -25,6 +25,10 @@ Two :class:`~k2edge.streams.throttle.FrameGate` s pick the frames kept, on the f
 pts, a camera's arrival): ``fps`` (the rest are dropped, as configured) and then the thermal limit
 (:meth:`StreamReader.limit`; the rest are *shed*, counted apart). A limit of 0 pauses the stream: every
 frame is read and discarded, so the connection stays open and no stall is declared.
+
+While the processing side uses under a third of the frames decoded (a model slower than the camera, ``fps``, the
+thermal limit), a PyAV capture skips decoding non-reference frames (:class:`~k2edge.streams.throttle.NonrefSkip`),
+counted as *skipped*; pace ``every`` decodes every frame.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import numpy as np
 from ..backoff import backoff
 from .capture import Capture, SourceError, open_capture
 from .source import SourceSpec
-from .throttle import FrameGate
+from .throttle import FrameGate, NonrefSkip
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +134,9 @@ class StreamReader:
         self._threads: list[threading.Thread] = []
         self.state = "starting"
         self.last_error: str | None = None
-        self.decoded = self.dropped = self.reconnects = self.shed = 0
+        self.decoded = self.dropped = self.reconnects = self.shed = self.skipped = 0
+        # whether to skip non-reference frames: judged across reopenings and loops (the processing side stays the same)
+        self._skip = NonrefSkip() if self.pace != "every" and backend == "pyav" else None
         self._corrupt_closed = 0  # corrupt packets of captures closed since
         self._capture: Capture | None = None
         self.source_fps: float | None = None
@@ -180,6 +186,8 @@ class StreamReader:
         """Keep at most ``max_fps`` of the frames ``fps`` keeps, from the next frame on (None: all; 0: none,
         the stream paused); the rest are counted as shed."""
         with self._cond:
+            if max_fps != self._limit_gate.max_fps and self._skip is not None:
+                self._skip.reset()
             self._limit_gate.set(max_fps)
             if max_fps == 0 and self._frame is not None:  # paused: the frame waiting is not processed either
                 self._frame = None
@@ -195,6 +203,8 @@ class StreamReader:
         with self._cond:
             frame, self._frame = self._frame, None
             if frame is not None:
+                if self._skip is not None:
+                    self._skip.used()
                 self._cond.notify_all()  # pace "every": the thread may decode the next
             return frame
 
@@ -264,11 +274,15 @@ class StreamReader:
                 self._cond.wait_for(lambda: not self._current(gen), delay)
 
     def _read(self, gen: int, cap: Capture) -> None:
-        start_wall = first_pts = None
+        start_wall = first_pts = last_pts = None
+        skip = self._skip if hasattr(cap, "skip_nonref") else None
+        if skip is not None and skip.on:
+            cap.skip_nonref(True)
         for picture, pts in cap.frames():
             now = time.monotonic()
             if not self._current(gen):
                 return
+            skipping = None
             if self.pace == "realtime":  # a file as a camera: each frame at its time
                 if start_wall is None:
                     start_wall, first_pts = now, pts
@@ -285,6 +299,11 @@ class StreamReader:
                 self._next_index += 1
                 self.decoded += 1
                 self._last_frame = now
+                if skip is not None:
+                    if skip.on and last_pts is not None and self.source_fps:  # the frames between were not decoded
+                        self.skipped += min(max(round((pts - last_pts) * self.source_fps) - 1, 0), 16)
+                    skipping = skip.decoded(now)
+                last_pts = pts
                 first = self.state != "up"
                 t = pts if not self.spec.live else now
                 if not self._fps_gate.keep(t):
@@ -301,6 +320,9 @@ class StreamReader:
                     if self._frame is not None:
                         self.dropped += 1  # never processed: replaced by a newer one
                     self._frame = frame
+            if skipping is not None:
+                cap.skip_nonref(skipping)
+                log.debug("stream %s: %s non-reference frames", self.name, "skipping" if skipping else "decoding")
             if first:
                 if self.state == "reconnecting":
                     self.reconnects += 1

@@ -394,7 +394,7 @@ class Stream:
         now = time.monotonic() if now is None else now
         with self._lock:
             r = self._rates
-            r.append((now, self.reader.decoded, self.processed))
+            r.append((now, self.reader.decoded + self.reader.skipped, self.processed))  # the source's frames, decoded or not
             while len(r) > 2 and now - r[1][0] >= RATE_WINDOW_S:
                 r.popleft()
 
@@ -427,7 +427,7 @@ class Stream:
         return {"state": state, "source": r.spec.shown, "model": self.model, "fps_in": round(fps_in, 2),
                 "fps_processed": round(fps_processed, 2), "frame_age_ms": self.frame_age(),
                 "frame_size": list(self.frame_size) if self.frame_size else None, "decoded": r.decoded,
-                "processed": self.processed, "dropped": r.dropped, "shed": r.shed, "limit": self.limit.to_dict(),
+                "processed": self.processed, "dropped": r.dropped, "shed": r.shed, "skipped": r.skipped, "limit": self.limit.to_dict(),
                 "corrupt": r.corrupt, "reconnects": r.reconnects,
                 "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
                 "snapshots": snapshots if self.snapshots else None,

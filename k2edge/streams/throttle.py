@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FrameGate", "StreamLimit", "limit_events", "paused_event", "resumed_event", "stream_limit"]
+__all__ = ["FrameGate", "NonrefSkip", "StreamLimit", "limit_events", "paused_event", "resumed_event", "stream_limit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,3 +176,61 @@ def _choice(setting: float | None, setting_name: str, default: float | None, def
 
 def _round(v: float | None) -> float | None:
     return None if v is None else round(float(v), 3)
+
+
+SKIP_WINDOW_S = 1.0
+"""How often :class:`NonrefSkip` judges the share of decoded frames the processing side used."""
+SKIP_ON_SHARE = 1 / 3
+"""Skip non-reference frames when the processing side used fewer than this share of the frames decoded: an
+IBBP stream's reference frames alone are a third of it, so no frame it would have taken is lost."""
+SKIP_OFF_SHARE = 0.9
+"""Decode every frame again when, while skipping, the processing side used at least this share of those decoded:
+it may be able to take more than the reference frames."""
+
+
+class NonrefSkip:
+    """Whether the decoder may skip non-reference frames (B-frames no other frame is predicted from): judged once a
+    window from the share of decoded frames that were used (taken for processing) rather than replaced in the slot,
+    dropped by ``fps`` or shed.
+
+    A stream decodes every frame of its source whatever the model takes: a processing side three times slower than
+    the camera (the stream overload bench: YOLOv8n on two cores, four 15 fps streams, 3.5 frames/s each) spends
+    three quarters of its decoding on frames it replaces. Non-reference frames can be skipped without breaking the
+    decode of the others (FFmpeg's ``skip_frame = NONREF``); the newest frame in the slot is then a reference
+    frame, at most the stream's B-frame run older. Streams without B-frames (most cameras' H.264) skip nothing.
+    """
+
+    def __init__(self, window_s: float = SKIP_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.on = False
+        self._since: float | None = None
+        self._decoded = self._used = 0
+        self._reset = False
+
+    def reset(self) -> None:
+        """Decode every frame again from the next one and judge afresh: what kept the use low changed (a new thermal
+        limit: a stream that resumes after a pause is processed at its full rate at once, not a window later)."""
+        self._since, self._decoded, self._used = None, 0, 0
+        if self.on:
+            self.on, self._reset = False, True
+
+    def decoded(self, now: float) -> bool | None:
+        """A frame left the decoder at ``now`` (monotonic s); the new setting when the window's judgement (or a
+        :meth:`reset`) changes it."""
+        if self._since is None:
+            self._since = now
+        self._decoded += 1
+        if self._reset:
+            self._reset = False
+            return False
+        if now - self._since < self.window_s or self._decoded < 3:
+            return None
+        share, self._since, self._decoded, self._used = self._used / self._decoded, now, 0, 0
+        if self.on != (share < SKIP_ON_SHARE if not self.on else share < SKIP_OFF_SHARE):
+            self.on = not self.on
+            return self.on
+        return None
+
+    def used(self) -> None:
+        """A decoded frame was taken for processing."""
+        self._used += 1
