@@ -328,3 +328,37 @@ def test_conv_then_batchnorm_is_one_layer_in_the_emulation(tmp_path):
     variant_files(nm, stats, tmp_path, QuantSettings(), (), (), dla_ties(nm.graph, set()))
     quantised = {n.input[0] for n in onnx.load(str(tmp_path / "qdq.onnx")).graph.node if n.op_type == "QuantizeLinear"}
     assert "c" not in quantised and "x" in quantised
+
+
+def test_fp16_conversion_folds_a_batchnorm_variance_beyond_fp16(tmp_path):
+    """A BatchNorm running variance above FP16's 65504 (PP-OCRv4's DBNet has 9.8e7) is clamped when its parameters
+    are converted one by one; the FP16 model k2edge runs folds them into scale and shift first, as TensorRT does."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from k2edge.engine.quantize import to_fp16
+
+    rng = np.random.default_rng(0)
+    params = {"g": [1e4, 1.0, 2.0, 0.5], "b": [0.1, -0.2, 0.3, 0.0], "m": [0.0, 0.1, -0.1, 0.2], "v": [1e8, 1.0, 0.5, 2.0]}
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in params.items()]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["bn"], name="bn"),
+             helper.make_node("Relu", ["bn"], ["y"], name="relu")]
+    g = helper.make_graph(nodes, "bn_range", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], inits)
+    model = normalise(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])).model
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    ref = run(model)
+    assert np.abs(ref[0, 0]).max() > 0.1  # the channel with the large variance carries a signal
+    clamped = run(convert_float_to_float16(model, keep_io_types=True))
+    assert np.abs(clamped[0, 0] - ref[0, 0]).max() > 10 * np.abs(ref[0, 0]).max()  # what the folding prevents
+    for kept in ((), ["relu"]):
+        got = run(to_fp16(model, kept))
+        np.testing.assert_allclose(got, ref, rtol=0.02, atol=0.02)
+    assert [n.op_type for n in to_fp16(model).graph.node if n.op_type != "Cast"] == ["Conv", "BatchNormalization", "Relu"]
