@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 # 5: a decoupled detection head's branches (YOLOv8's Detect cv2/cv3) kept in float with the decoding
 # 6: only the decoding in float; fallback by sensitivity, learned layers with their quantisers; exact tolerance
 # 7: the calibration method picked per model by the check (``auto``); 8: the emulation keeps Q/DQ unfused (a
-# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8)
-QUANT_VERSION = "8"
+# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8); 9: no Q/DQ that only float
+# nodes read, none on a model output
+QUANT_VERSION = "9"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
@@ -699,15 +700,68 @@ def base_qdq(model: NormalisedModel, stats: TensorStatistics, settings: QuantSet
     return onnx.load(str(dest))
 
 
-def finish_qdq(base: onnx.ModelProto, model: NormalisedModel, fallback_nodes=()) -> onnx.ModelProto:
+def finish_qdq(base: onnx.ModelProto, model: NormalisedModel, fallback_nodes=(), float_nodes=()) -> onnx.ModelProto:
     """``base`` (:func:`base_qdq`, left intact) with ``fallback_nodes`` moved out of INT8 with their quantisers
-    (:func:`unquantise_layers`), their outputs rounded to FP16, and no Q/DQ between a Conv and the BatchNorm
-    TensorRT fuses into it (:func:`conv_bn_outputs`)."""
+    (:func:`unquantise_layers`), their outputs rounded to FP16, no Q/DQ between a Conv and the BatchNorm
+    TensorRT fuses into it (:func:`conv_bn_outputs`), and no Q/DQ that only float layers read
+    (:func:`float_read_tensors`; ``float_nodes``: the plan's non-INT8 nodes and the card's float ones)."""
     graph = model.graph
     qdq = unquantise_layers(base, model.model, fallback_nodes)  # a copy, even with nothing to move
     if fallback_nodes:
         qdq = round_fp16(qdq, {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs})
-    return drop_qdq(qdq, conv_bn_outputs(graph))
+    qdq = drop_qdq(qdq, conv_bn_outputs(graph) | float_read_tensors(qdq, set(float_nodes) | set(fallback_nodes)))
+    return _without_output_qdq(qdq)
+
+
+def float_read_tensors(qdq: onnx.ModelProto, float_nodes) -> set[str]:
+    """The tensors whose Q/DQ pair only float nodes read.
+
+    ``quantize_static`` quantises the output of an INT8 elementwise node whoever reads it; read by a node the plan
+    keeps in float (a HardSwish's division, a HardSigmoid) or by a layer the fallback moved, that pair rounds a
+    tensor no INT8 layer reads, and TensorRT, which honours every Q/DQ it is given, would round it too. On
+    PP-OCRv4's DBNet, 34 such pairs before its HardSwish divisions and HardSigmoid gates held the map's cosine to
+    FP32 at 0.95 with every learned layer moved out of INT8, so no fallback could reach the check's tolerance.
+    """
+    float_nodes = set(float_nodes)
+    readers: dict[str, list] = {}
+    for n in qdq.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    out = set()
+    for q in qdq.graph.node:
+        if q.op_type != "QuantizeLinear":
+            continue
+        dqs = readers.get(q.output[0], [])
+        final = [r for d in dqs for r in readers.get(d.output[0], [])]
+        if dqs and final and all(d.op_type == "DequantizeLinear" for d in dqs) and all(r.name in float_nodes for r in final):
+            out.add(q.input[0])
+    return out
+
+
+def _without_output_qdq(qdq: onnx.ModelProto) -> onnx.ModelProto:
+    """``qdq`` without a Q/DQ pair that ends in a model output (the output of PP-OCRv4's DBNet's final Sigmoid, its
+    probability map, came out rounded to INT8 steps of 1/127): the producer writes the output itself, as a layer
+    the plan ends with writes its output in float."""
+    outputs = {o.name for o in qdq.graph.output}
+    producer = {o: n for n in qdq.graph.node for o in n.output}
+    drop = set()
+    for dq in qdq.graph.node:
+        if dq.op_type != "DequantizeLinear" or dq.output[0] not in outputs:
+            continue
+        q = producer.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear" or q.input[0] not in producer:
+            continue
+        inner = q.input[0]
+        if sum(inner in n.input for n in qdq.graph.node) != 1 or sum(q.output[0] in n.input for n in qdq.graph.node) != 1:
+            continue  # the inner tensor or the quantised one has other readers: keep the pair
+        src = producer[inner]
+        src.output[list(src.output).index(inner)] = dq.output[0]
+        drop |= {id(q), id(dq)}
+    if drop:
+        kept = [n for n in qdq.graph.node if id(n) not in drop]
+        del qdq.graph.node[:]
+        qdq.graph.node.extend(kept)
+    return qdq
 
 
 def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, settings: QuantSettings,
@@ -727,7 +781,7 @@ def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, s
     """
     graph = model.graph
     base = base_qdq(model, stats, settings, exclude_nodes, keep_float, ties, dest / "qdq.onnx")
-    onnx.save(finish_qdq(base, model, fallback_nodes), str(dest / "qdq.onnx"))
+    onnx.save(finish_qdq(base, model, fallback_nodes, set(exclude_nodes) | set(keep_float)), str(dest / "qdq.onnx"))
     moved = set(keep_float) | set(fallback_nodes)
     # no range where no INT8 layer reads: the card's float layers' outputs, and a moved layer's unless an INT8
     # layer reads it (then the range keeps that reader INT8)
