@@ -702,25 +702,28 @@ def base_qdq(model: NormalisedModel, stats: TensorStatistics, settings: QuantSet
 
 def finish_qdq(base: onnx.ModelProto, model: NormalisedModel, fallback_nodes=(), float_nodes=()) -> onnx.ModelProto:
     """``base`` (:func:`base_qdq`, left intact) with ``fallback_nodes`` moved out of INT8 with their quantisers
-    (:func:`unquantise_layers`), their outputs rounded to FP16, no Q/DQ between a Conv and the BatchNorm
-    TensorRT fuses into it (:func:`conv_bn_outputs`), and no Q/DQ that only float layers read
-    (:func:`float_read_tensors`; ``float_nodes``: the plan's non-INT8 nodes and the card's float ones)."""
+    (:func:`unquantise_layers`), their outputs rounded to FP16 and quantised only where an INT8 node reads them
+    (:func:`float_read_tensors`; ``float_nodes``: the plan's non-INT8 nodes and the card's float ones), no Q/DQ
+    between a Conv and the BatchNorm TensorRT fuses into it (:func:`conv_bn_outputs`), and none on a model output.
+    An INT8 node's output keeps the Q/DQ the quantiser gave it: TensorRT writes it in INT8."""
     graph = model.graph
     qdq = unquantise_layers(base, model.model, fallback_nodes)  # a copy, even with nothing to move
+    moved = {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs}
     if fallback_nodes:
-        qdq = round_fp16(qdq, {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs})
-    qdq = drop_qdq(qdq, conv_bn_outputs(graph) | float_read_tensors(qdq, set(float_nodes) | set(fallback_nodes)))
-    return _without_output_qdq(qdq)
+        qdq = round_fp16(qdq, moved)
+    moved |= {f"{o}/fp16_rounded" for o in moved}
+    float_read = float_read_tensors(qdq, set(float_nodes) | set(fallback_nodes)) & moved
+    return _without_output_qdq(drop_qdq(qdq, conv_bn_outputs(graph) | float_read))
 
 
 def float_read_tensors(qdq: onnx.ModelProto, float_nodes) -> set[str]:
-    """The tensors whose Q/DQ pair only float nodes read.
+    """The tensors whose Q/DQ pair only ``float_nodes`` read.
 
-    ``quantize_static`` quantises the output of an INT8 elementwise node whoever reads it; read by a node the plan
-    keeps in float (a HardSwish's division, a HardSigmoid) or by a layer the fallback moved, that pair rounds a
-    tensor no INT8 layer reads, and TensorRT, which honours every Q/DQ it is given, would round it too. On
-    PP-OCRv4's DBNet, 34 such pairs before its HardSwish divisions and HardSigmoid gates held the map's cosine to
-    FP32 at 0.95 with every learned layer moved out of INT8, so no fallback could reach the check's tolerance.
+    ``quantize_static`` quantises the output of an INT8 elementwise node whoever reads it. When the fallback moves
+    that node out of INT8, the pair kept rounding its output before the nodes the plan keeps in float (a
+    HardSwish's division, a HardSigmoid), and TensorRT, which honours every Q/DQ it is given, would round it too:
+    on PP-OCRv4's DBNet, 34 such pairs held the map's cosine to FP32 at 0.95 with every learned layer moved out
+    of INT8, so no fallback could reach the check's tolerance.
     """
     float_nodes = set(float_nodes)
     readers: dict[str, list] = {}
