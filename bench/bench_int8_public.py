@@ -15,7 +15,7 @@ FP32's). "INT8 share" is the share of learned-layer FLOPs whose input and weight
 Bounds (docs/int8.md): YOLOv8n >= 80 % INT8 with recall and precision >= 0.90 on >= 100 images; the classifier
 >= 90 % INT8 with top-1 within 0.5 point of FP32 on >= 400 lines; DBNet >= 50 % INT8 with mean cosine >= 0.99.
 
-    python bench/bench_int8_public.py [--models yolov8n,cls,dbnet] [--profiles gpu,c4] [--json out.json]
+    python bench/bench_int8_public.py [--models yolov8n,cls,dbnet] [--profiles gpu,c4] [--json out.json] [--decoding-head]
 
 The load average is printed beside every build time: the machine this runs on may be shared.
 """
@@ -159,7 +159,14 @@ def main() -> int:
     ap.add_argument("--models", default="yolov8n,cls,dbnet")
     ap.add_argument("--profiles", default="gpu,c4")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--decoding-head", action="store_true",
+                    help="a detector's float head is its decoding only (DFL, box arithmetic, final concat, class "
+                         "sigmoid), the Detect module's branches INT8: the variant docs/int8.md measures beside the default")
     args = ap.parse_args()
+    if args.decoding_head:
+        from k2edge.engine import quantize
+
+        quantize.detect_branches = lambda graph, head: set()  # float_nodes keeps only the decoding
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
