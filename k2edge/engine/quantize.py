@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 # 5: a decoupled detection head's branches (YOLOv8's Detect cv2/cv3) kept in float with the decoding
 # 6: only the decoding in float; fallback by sensitivity, learned layers with their quantisers; exact tolerance
 # 7: the calibration method picked per model by the check (``auto``); 8: the emulation keeps Q/DQ unfused (a
-# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8); 9: no Q/DQ that only float
-# nodes read, none on a model output
+# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8); 9: a moved layer's output is
+# quantised only where an INT8 node reads it, no model output is
 QUANT_VERSION = "9"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
