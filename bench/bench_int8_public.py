@@ -15,7 +15,7 @@ FP32's). "INT8 share" is the share of learned-layer FLOPs whose input and weight
 Bounds (docs/int8.md): YOLOv8n >= 80 % INT8 with recall and precision >= 0.90 on >= 100 images; the classifier
 >= 90 % INT8 with top-1 within 0.5 point of FP32 on >= 400 lines; DBNet >= 50 % INT8 with mean cosine >= 0.99.
 
-    python bench/bench_int8_public.py [--models yolov8n,cls,dbnet] [--profiles gpu,c4] [--json out.json]
+    python bench/bench_int8_public.py [--models yolov8n,cls,dbnet] [--profiles gpu,c4] [--json out.json] [--decoding-head]
 
 The load average is printed beside every build time: the machine this runs on may be shared.
 """
@@ -38,18 +38,6 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 PROFILES = {"gpu": {"name": "gpu-int8-fp16", "edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}},
             "c4": "c4"}
-DBNET_CARD = """# PP-OCRv4's DBNet text detector as rapidocr_onnxruntime ships it, at 480 x 480: its probability map as a tensor
-task = "tensor"
-
-[input]
-name = "x"
-size = [480, 480]
-resize = "stretch"
-color = "BGR"
-scale = 0.00392156862745098
-mean = [0.485, 0.456, 0.406]
-std = [0.229, 0.224, 0.225]
-"""
 # sizes: calibration (every fifth held out for the check), evaluation
 SIZES = {"yolov8n": (500, 100), "cls": (1280, 400), "dbnet": (150, 40)}
 INT8 = ROOT / "tests" / "fixtures" / "int8"  # the public models' cards and the packages' file manifest
@@ -70,9 +58,6 @@ def models(tmp: Path) -> dict:
         spec = importlib.util.find_spec(package)
         return Path(list(spec.submodule_search_locations)[0]) / resource
 
-    det = tmp / "dbnet"
-    det.mkdir()
-    (det / "card.toml").write_text(DBNET_CARD)
     return {
         "yolov8n": dict(model=packaged("nudenet", MANIFEST["nudenet-320n"]["resource"]),
                         card=INT8 / "nudenet-320n" / "card.toml",
@@ -80,7 +65,7 @@ def models(tmp: Path) -> dict:
         "cls": dict(model=packaged("rapidocr_onnxruntime", MANIFEST["ppocr-cls"]["resource"]),
                     card=INT8 / "ppocr-cls" / "card.toml",
                     calib=lambda d, n: ps.textline_set(d, n, 21), eval=lambda d, n: ps.textline_set(d, n, 22)),
-        "dbnet": dict(model=packaged("rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx"), card=det / "card.toml",
+        "dbnet": dict(model=ps.dbnet_model(), card=ps.DBNET_CARD,
                       calib=lambda d, n: ps.page_set(d, n, 31), eval=lambda d, n: ps.page_set(d, n, 32)),
     }
 
@@ -174,7 +159,14 @@ def main() -> int:
     ap.add_argument("--models", default="yolov8n,cls,dbnet")
     ap.add_argument("--profiles", default="gpu,c4")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--decoding-head", action="store_true",
+                    help="a detector's float head is its decoding only (DFL, box arithmetic, final concat, class "
+                         "sigmoid), the Detect module's branches INT8: the variant docs/int8.md measures beside the default")
     args = ap.parse_args()
+    if args.decoding_head:
+        from k2edge.engine import quantize
+
+        quantize.detect_branches = lambda graph, head: set()  # float_nodes keeps only the decoding
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

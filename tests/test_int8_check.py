@@ -202,11 +202,11 @@ def test_fallback_moves_the_most_sensitive_layers_to_fp16_until_the_tolerance_ho
     accident), and the plan's FLOP shares are those of the Q/DQ model."""
     from k2edge.engine.quantize import learned_layers, qdq_int8_layers
 
-    card = tmp_path / "silu.card.toml"  # a tolerance a few layers in FP16 meet (all-INT8: cosine 0.9993)
-    card.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 0.9995 }\n')
+    card = tmp_path / "silu.card.toml"  # a tolerance a few layers in FP16 meet (all-INT8: cosine 0.99952)
+    card.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 0.9996 }\n')
     engine = Engine.build(silu / "silu.onnx", GPU_CHAIN, card=card, cache_dir=tmp_path)
     check = engine.info.int8_check
-    assert check.status == "fallback" and check.before["cosine"] < 0.9995 <= check.measures["cosine"]
+    assert check.status == "fallback" and check.before["cosine"] < 0.9996 <= check.measures["cosine"]
     moved = engine.plan.int8_fallback
     assert moved and all(f["precision"] == "fp16" and f["device"] == "gpu" and f["sensitivity"] >= 0 for f in moved)
     assert moved[0]["sensitivity"] > 0
@@ -267,8 +267,8 @@ def test_tensorrt_route_gives_fallback_layers_fp16_and_keeps_the_ranges_int8_rea
 
     double = TrtDouble().install(monkeypatch)
     try:
-        card = tmp_path / "silu.card.toml"  # a tolerance a few layers in FP16 meet
-        card.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 0.9995 }\n')
+        card = tmp_path / "silu.card.toml"  # a tolerance a few layers in FP16 meet (all-INT8 on the GPU: cosine 0.99952)
+        card.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 0.9997 }\n')
         engine = Engine.build(silu / "silu.onnx", "c4", backend="tensorrt", card=card, cache_dir=tmp_path)
         moved = {f["node"] for f in engine.plan.int8_fallback}
         assert moved

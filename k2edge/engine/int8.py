@@ -273,7 +273,8 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
         return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method)
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes
                                          if n.name in inputs.devices and n.name not in inputs.keep_float])
-    scores = sensitivity(probe(), finish_qdq(bases[-1], model), model.model, units, progress)
+    floats = set(inputs.exclude) | set(inputs.keep_float)
+    scores = sensitivity(probe(), finish_qdq(bases[-1], model, (), floats), model.model, units, progress)
     names = rank(scores, list(units))
 
     def moved(k: int) -> tuple[str, ...]:
@@ -283,7 +284,7 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
 
     def holds(k: int) -> bool:
         if k not in tried:
-            tried[k] = runner.measure([finish_qdq(b, model, moved(k)) for b in bases])
+            tried[k] = runner.measure([finish_qdq(b, model, moved(k), floats) for b in bases])
             if progress:
                 progress("int8 fallback", len(tried) - 1, max(len(tried) - 1, search_budget(len(names))))
         return meets(tried[k], tol)
@@ -308,7 +309,7 @@ def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner
     tried = []
     for settings in candidate_settings(inputs.settings):
         bases = _bases(model, stats, plan, inputs, tmp, settings)
-        first = runner.measure([finish_qdq(b, model) for b in bases])
+        first = runner.measure([finish_qdq(b, model, (), set(inputs.exclude) | set(inputs.keep_float)) for b in bases])
         tol, notes = _tolerance(first, inputs, len(inputs.check_idx))
         tried.append((settings, bases, first, tol, notes))
         if meets(first, tol):

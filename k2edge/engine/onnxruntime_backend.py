@@ -36,7 +36,7 @@ from ..tracing.tracer import segments as traced_segments
 log = logging.getLogger(__name__)
 ort = LazyModule("onnxruntime", "pip install onnxruntime")
 
-BACKEND_VERSION = "2"  # 2: segment models may carry a dynamic batch axis
+BACKEND_VERSION = "3"  # 2: segment models may carry a dynamic batch axis; 3: FP16 folds BatchNorm parameters first
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,7 @@ def _segment_models(model: NormalisedModel, plan: PartitionPlan, quant: QuantArt
         else:
             sub = extract_submodel(model.model, seg.inputs, seg.outputs, name)
             if precision == "fp16":
-                keep32 = [n for n, p in seg.layer_precision.items() if p == "fp32"]
-                from onnxruntime.transformers.float16 import convert_float_to_float16
-
-                sub = convert_float_to_float16(sub, keep_io_types=True, node_block_list=keep32) if keep32 else to_fp16(sub)
+                sub = to_fp16(sub, [n for n, p in seg.layer_precision.items() if p == "fp32"])
         yield seg, precision, sub, notes
 
 

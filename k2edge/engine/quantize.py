@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 # 5: a decoupled detection head's branches (YOLOv8's Detect cv2/cv3) kept in float with the decoding
 # 6: only the decoding in float; fallback by sensitivity, learned layers with their quantisers; exact tolerance
 # 7: the calibration method picked per model by the check (``auto``); 8: the emulation keeps Q/DQ unfused (a
-# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8)
-QUANT_VERSION = "8"
+# decision cached before measured ONNX Runtime's saturating integer kernels, not INT8); 9: a moved layer's output is
+# quantised only where an INT8 node reads it, no model output is
+QUANT_VERSION = "9"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
@@ -699,15 +700,71 @@ def base_qdq(model: NormalisedModel, stats: TensorStatistics, settings: QuantSet
     return onnx.load(str(dest))
 
 
-def finish_qdq(base: onnx.ModelProto, model: NormalisedModel, fallback_nodes=()) -> onnx.ModelProto:
+def finish_qdq(base: onnx.ModelProto, model: NormalisedModel, fallback_nodes=(), float_nodes=()) -> onnx.ModelProto:
     """``base`` (:func:`base_qdq`, left intact) with ``fallback_nodes`` moved out of INT8 with their quantisers
-    (:func:`unquantise_layers`), their outputs rounded to FP16, and no Q/DQ between a Conv and the BatchNorm
-    TensorRT fuses into it (:func:`conv_bn_outputs`)."""
+    (:func:`unquantise_layers`), their outputs rounded to FP16 and quantised only where an INT8 node reads them
+    (:func:`float_read_tensors`; ``float_nodes``: the plan's non-INT8 nodes and the card's float ones), no Q/DQ
+    between a Conv and the BatchNorm TensorRT fuses into it (:func:`conv_bn_outputs`), and none on a model output.
+    An INT8 node's output keeps the Q/DQ the quantiser gave it: TensorRT writes it in INT8."""
     graph = model.graph
     qdq = unquantise_layers(base, model.model, fallback_nodes)  # a copy, even with nothing to move
+    moved = {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs}
     if fallback_nodes:
-        qdq = round_fp16(qdq, {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs})
-    return drop_qdq(qdq, conv_bn_outputs(graph))
+        qdq = round_fp16(qdq, moved)
+    moved |= {f"{o}/fp16_rounded" for o in moved}
+    float_read = float_read_tensors(qdq, set(float_nodes) | set(fallback_nodes)) & moved
+    return _without_output_qdq(drop_qdq(qdq, conv_bn_outputs(graph) | float_read))
+
+
+def float_read_tensors(qdq: onnx.ModelProto, float_nodes) -> set[str]:
+    """The tensors whose Q/DQ pair only ``float_nodes`` read.
+
+    ``quantize_static`` quantises the output of an INT8 elementwise node whoever reads it. When the fallback moves
+    that node out of INT8, the pair kept rounding its output before the nodes the plan keeps in float (a
+    HardSwish's division, a HardSigmoid), and TensorRT, which honours every Q/DQ it is given, would round it too:
+    on PP-OCRv4's DBNet, 34 such pairs held the map's cosine to FP32 at 0.95 with every learned layer moved out
+    of INT8, so no fallback could reach the check's tolerance.
+    """
+    float_nodes = set(float_nodes)
+    readers: dict[str, list] = {}
+    for n in qdq.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    out = set()
+    for q in qdq.graph.node:
+        if q.op_type != "QuantizeLinear":
+            continue
+        dqs = readers.get(q.output[0], [])
+        final = [r for d in dqs for r in readers.get(d.output[0], [])]
+        if dqs and final and all(d.op_type == "DequantizeLinear" for d in dqs) and all(r.name in float_nodes for r in final):
+            out.add(q.input[0])
+    return out
+
+
+def _without_output_qdq(qdq: onnx.ModelProto) -> onnx.ModelProto:
+    """``qdq`` without a Q/DQ pair that ends in a model output (the output of PP-OCRv4's DBNet's final Sigmoid, its
+    probability map, came out rounded to INT8 steps of 1/127): the producer writes the output itself, as a layer
+    the plan ends with writes its output in float."""
+    outputs = {o.name for o in qdq.graph.output}
+    producer = {o: n for n in qdq.graph.node for o in n.output}
+    drop = set()
+    for dq in qdq.graph.node:
+        if dq.op_type != "DequantizeLinear" or dq.output[0] not in outputs:
+            continue
+        q = producer.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear" or q.input[0] not in producer:
+            continue
+        inner = q.input[0]
+        if sum(inner in n.input for n in qdq.graph.node) != 1 or sum(q.output[0] in n.input for n in qdq.graph.node) != 1:
+            continue  # the inner tensor or the quantised one has other readers: keep the pair
+        src = producer[inner]
+        src.output[list(src.output).index(inner)] = dq.output[0]
+        drop |= {id(q), id(dq)}
+    if drop:
+        kept = [n for n in qdq.graph.node if id(n) not in drop]
+        del qdq.graph.node[:]
+        qdq.graph.node.extend(kept)
+    return qdq
 
 
 def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, settings: QuantSettings,
@@ -727,7 +784,7 @@ def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, s
     """
     graph = model.graph
     base = base_qdq(model, stats, settings, exclude_nodes, keep_float, ties, dest / "qdq.onnx")
-    onnx.save(finish_qdq(base, model, fallback_nodes), str(dest / "qdq.onnx"))
+    onnx.save(finish_qdq(base, model, fallback_nodes, set(exclude_nodes) | set(keep_float)), str(dest / "qdq.onnx"))
     moved = set(keep_float) | set(fallback_nodes)
     # no range where no INT8 layer reads: the card's float layers' outputs, and a moved layer's unless an INT8
     # layer reads it (then the range keeps that reader INT8)
@@ -802,11 +859,65 @@ def read_trt_calibration_cache(path: Path) -> dict[str, float]:
     return out
 
 
-def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """FP16 weights and activations inside, FP32 at the model's inputs and outputs."""
+FP16_MAX = 65504.0
+
+
+def to_fp16(model: onnx.ModelProto, keep_fp32=()) -> onnx.ModelProto:
+    """FP16 weights and activations inside (except the nodes of ``keep_fp32``), FP32 at the model's inputs and
+    outputs; every BatchNormalization's parameters folded first (:func:`fold_batch_norm_params`)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    model = fold_batch_norm_params(model)
+    if keep_fp32:
+        return convert_float_to_float16(model, keep_io_types=True, node_block_list=list(keep_fp32))
     return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)
+
+
+def fold_batch_norm_params(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each BatchNormalization's four parameters folded, in float64, into a scale and a shift (as
+    ``scale``/``B``, with mean 0, variance 1 and epsilon 0): the same function, node for node.
+
+    Why: converting the parameters to FP16 one by one clamps any above 65504. PP-OCRv4's DBNet has a running
+    variance of 9.8e7 in its head; clamped, that channel came out 39 times too large and the FP16 engine's map
+    had a cosine of 0.38-0.81 to FP32's. TensorRT folds a BatchNorm into its Conv in FP32 before it converts
+    the weights; this does the same for the BatchNorm alone. A BatchNorm whose parameters are not initializers
+    is left as it is.
+    """
+    from onnx import numpy_helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    inits = {i.name: i for i in graph.initializer}
+    readers: dict[str, int] = {}
+    for n in graph.node:
+        for t in n.input:
+            readers[t] = readers.get(t, 0) + 1
+    added, dropped = [], set()
+    for node in graph.node:
+        if node.op_type != "BatchNormalization" or len(node.output) != 1 or any(t not in inits for t in node.input[1:5]):
+            continue
+        gamma, beta, mean, var = (numpy_helper.to_array(inits[t]).astype(np.float64) for t in node.input[1:5])
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        scale = gamma / np.sqrt(var + eps)
+        shift = beta - mean * scale
+        names = [f"{node.name or node.output[0]}/folded_{k}" for k in ("scale", "shift", "mean", "var")]
+        for name, value in zip(names, (scale, shift, np.zeros_like(mean), np.ones_like(var))):
+            added.append(numpy_helper.from_array(value.astype(np.float32), name))
+        for t in node.input[1:5]:
+            readers[t] -= 1
+            if readers[t] == 0:
+                dropped.add(t)
+        node.input[1:5] = names
+        for a in node.attribute:
+            if a.name == "epsilon":
+                a.f = 0.0
+        if not any(a.name == "epsilon" for a in node.attribute):
+            node.attribute.append(onnx.helper.make_attribute("epsilon", 0.0))
+    keep = [i for i in graph.initializer if i.name not in dropped]
+    del graph.initializer[:]
+    graph.initializer.extend(keep + added)
+    return out
 
 
 def candidate_settings(settings: QuantSettings) -> tuple[QuantSettings, ...]:

@@ -133,6 +133,20 @@ def page_image(rng: np.random.Generator, size: int = 480) -> Image.Image:
     return page
 
 
+DBNET_RESOURCE = ("rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx")
+DBNET_CARD = ROOT / "tests" / "fixtures" / "int8" / "ppocrv4-det" / "card.toml"
+
+
+def dbnet_model() -> Path | None:
+    """PP-OCRv4's DBNet text detector inside the installed ``rapidocr_onnxruntime`` (None when it is not installed)."""
+    package, resource = DBNET_RESOURCE
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / resource
+    return path if path.is_file() else None
+
+
 def page_set(dest: Path, n: int, seed: int) -> Path:
     """``n`` pages (:func:`page_image`) as JPEGs in ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
