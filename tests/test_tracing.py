@@ -409,8 +409,10 @@ def test_the_sampler_decides_as_the_sdks_samplers_do():
     assert Sampler("always_on").sampled(None, ids[0]) and not Sampler("parentbased_always_off").sampled(None, ids[0])
 
 
-def test_a_retried_cloud_call_shows_its_retries_on_its_span(memory):
-    """A 503 with Retry-After, then an answer: the chat span has a retry event with the wait, and two attempts."""
+@pytest.mark.parametrize("call", ["complete", "ask"])
+def test_a_retried_cloud_call_shows_its_retries_on_its_span(memory, call):
+    """A 503 with Retry-After, then an answer: the chat span has a retry event with the wait, and two attempts; the
+    same for a request's call (complete) and a stream event's (ask: one retry loop serves both)."""
     from k2_server import K2StandIn, answer, status
 
     from k2edge.cloud_bridge.client import K2Client
@@ -421,7 +423,8 @@ def test_a_retried_cloud_call_shows_its_retries_on_its_span(memory):
         k2.script(status(503, retry_after=0.05), answer("ok"))
         client = K2Client(CloudSettings(base_url=k2.url, model="kimi-k2.5", timeout_s=5.0, max_retries=2), "k")
         with tracing.description_span("ev-8", "kimi-k2.5", k2.url):
-            assert client.complete(None, None, "again?", None, 10.0).attempts == 2
+            ans = client.complete(None, None, "again?", None, 10.0) if call == "complete" else client.ask([], "again?", 10.0)
+            assert ans.attempts == 2
         first, second = k2.chat_requests
     (chat,) = [s for s in _flushed(t, exporter) if s["name"] == "chat kimi-k2.5"]
     assert first.headers["traceparent"] == second.headers["traceparent"]  # one span for the call, retries inside

@@ -304,12 +304,7 @@ class K2Client:
         """
         del mime  # the bytes decide the MIME type; see prepare_image
         start = self._clock()
-        end = start + deadline_s
-        if not self.settings.model:
-            raise CloudConfigError("no cloud model configured: set model (k2edge cloud check lists what the server offers)")
-        if not self.breaker.allow():
-            raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
-                              f"next probe in {self.breaker.retry_in_s():.0f} s")
+        self._admit()
         with_image = image_bytes is not None and self.sends_images()
         tracing.note(**{"k2edge.cloud.breaker": str(self.breaker.state)})
         try:
@@ -317,6 +312,40 @@ class K2Client:
         except CloudError:
             self.breaker.release_probe()
             raise
+
+        def adapt(f: _Failure, body: dict, attempts: int) -> dict | None:
+            nonlocal with_image
+            if not (with_image and self._refuses_images(f)):
+                return None
+            self.breaker.record_success()  # the server is up; it takes no images
+            if self.settings.vision != "auto":
+                raise CloudRejected(f"the cloud refused the image ({self._scrub(f.detail)}); set [cloud] vision = "
+                                    "\"off\" or \"auto\" for a text-only deployment", status=f.status,
+                                    attempts=attempts) from None
+            if not self.vision_refused:
+                log.warning("the cloud refused image content (%s); sending the edge's findings as text from now on "
+                            "([cloud] vision = \"auto\")", self._scrub(f.detail))
+            self.vision_refused = True
+            with_image = False
+            return self.request_body(image_bytes, prompt, top_k, detections, with_image)
+
+        text, model, attempts = self._send(body, start, deadline_s, adapt)
+        return CloudAnswer(text, model, (self._clock() - start) * 1e3, attempts, "image" if with_image else "text")
+
+    def _admit(self) -> None:
+        """Raise when no call may be made: no model configured, or the breaker open."""
+        if not self.settings.model:
+            raise CloudConfigError("no cloud model configured: set model (k2edge cloud check lists what the server offers)")
+        if not self.breaker.allow():
+            raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
+                              f"next probe in {self.breaker.retry_in_s():.0f} s")
+
+    def _send(self, body: dict, start: float, deadline_s: float, adapt) -> tuple[str, str, int]:
+        """``body`` sent until answered, with bounded retries within ``deadline_s`` of ``start``; the breaker counts
+        one failure per call. ``adapt(failure, body, attempts)`` may answer a failure with a changed request (asked
+        again at once), return None (the failure is classified: raised, or retried after a wait), or raise.
+        Returns ``(text, model, attempts)``."""
+        end = start + deadline_s
         attempts = 0
         while True:
             remaining = end - self._clock()
@@ -331,29 +360,19 @@ class K2Client:
             try:
                 text, model = self.wire.send(body, min(self.settings.timeout_s, remaining))
             except _Failure as f:
-                if with_image and self._refuses_images(f):
-                    self.breaker.record_success()  # the server is up; it takes no images
-                    if self.settings.vision != "auto":
-                        raise CloudRejected(f"the cloud refused the image ({self._scrub(f.detail)}); set [cloud] vision = "
-                                            "\"off\" or \"auto\" for a text-only deployment", status=f.status,
-                                            attempts=attempts) from None
-                    if not self.vision_refused:
-                        log.warning("the cloud refused image content (%s); sending the edge's findings as text from now on "
-                                    "([cloud] vision = \"auto\")", self._scrub(f.detail))
-                    self.vision_refused = True
-                    with_image = False
-                    body = self.request_body(image_bytes, prompt, top_k, detections, with_image)
+                changed = adapt(f, body, attempts)
+                if changed is not None:
+                    body = changed
                     continue
                 wait = self._classify(f, attempts, deadline_s, end)
                 log.debug("cloud attempt %d failed (%s); retrying in %.2f s", attempts, self._scrub(f.detail), wait)
                 tracing.event("retry", **{"k2edge.cloud.attempt": attempts, "k2edge.cloud.wait_s": wait, "error.type": f.kind})
                 self._sleep(wait)
                 continue
-            latency_ms = (self._clock() - start) * 1e3
             self.breaker.record_success()
-            log.debug("cloud answered in %.0f ms after %d attempt(s)", latency_ms, attempts)
+            log.debug("cloud answered in %.0f ms after %d attempt(s)", (self._clock() - start) * 1e3, attempts)
             tracing.note(**{"k2edge.cloud.attempts": attempts, "gen_ai.response.model": model})
-            return CloudAnswer(text, model, latency_ms, attempts, "image" if with_image else "text")
+            return text, model, attempts
 
     @staticmethod
     def _refuses_images(f: _Failure) -> bool:
@@ -419,46 +438,27 @@ class K2Client:
             The errors of :meth:`complete`.
         """
         start = self._clock()
-        end = start + deadline_s
-        if not self.settings.model:
-            raise CloudConfigError("no cloud model configured: set model (k2edge cloud check lists what the server offers)")
-        if not self.breaker.allow():
-            raise BreakerOpen(f"cloud circuit breaker open (last error: {self.breaker.last_error or 'unknown'}); "
-                              f"next probe in {self.breaker.retry_in_s():.0f} s")
+        self._admit()
+        tracing.note(**{"k2edge.cloud.breaker": str(self.breaker.state)})
         images = list(images) if self.sends_images() else []
-        body = self.ask_body(images, text, json_mode)
-        attempts = 0
-        while True:
-            remaining = end - self._clock()
-            if remaining < _MIN_ATTEMPT_S:
-                late = CloudTimeout(f"no answer from the cloud within {deadline_s:.2f} s ({attempts} attempt(s))",
-                                    attempts=attempts)
-                if attempts == 0:
-                    self.breaker.release_probe()
-                    raise late
-                self._fail(late)
-            attempts += 1
-            try:
-                answer, model = self.wire.send(body, min(self.settings.timeout_s, remaining))
-            except _Failure as f:
-                if "response_format" in body and f.kind == "status" and f.status in (400, 422) \
-                        and re.search(r"response_format|json", f.detail, re.IGNORECASE):
-                    log.warning("the cloud refused response_format json_object (%s); asking for JSON in the prompt only",
-                                self._scrub(f.detail))
-                    self.json_mode_refused = True
-                    body.pop("response_format")
-                    continue
-                if images and self._refuses_images(f) and self.settings.vision == "auto":
-                    log.warning("the cloud refused image content (%s); sending the text only from now on "
-                                "([cloud] vision = \"auto\")", self._scrub(f.detail))
-                    self.vision_refused, images = True, []
-                    body = self.ask_body(images, text, json_mode)
-                    continue
-                wait = self._classify(f, attempts, deadline_s, end)
-                self._sleep(wait)
-                continue
-            self.breaker.record_success()
-            return CloudAnswer(answer, model, (self._clock() - start) * 1e3, attempts, "image" if images else "text")
+
+        def adapt(f: _Failure, body: dict, attempts: int) -> dict | None:
+            nonlocal images
+            if "response_format" in body and f.kind == "status" and f.status in (400, 422) \
+                    and re.search(r"response_format|json", f.detail, re.IGNORECASE):
+                log.warning("the cloud refused response_format json_object (%s); asking for JSON in the prompt only",
+                            self._scrub(f.detail))
+                self.json_mode_refused = True
+                return {k: v for k, v in body.items() if k != "response_format"}
+            if images and self._refuses_images(f) and self.settings.vision == "auto":
+                log.warning("the cloud refused image content (%s); sending the text only from now on "
+                            "([cloud] vision = \"auto\")", self._scrub(f.detail))
+                self.vision_refused, images = True, []
+                return self.ask_body(images, text, json_mode)
+            return None
+
+        answer, model, attempts = self._send(self.ask_body(images, text, json_mode), start, deadline_s, adapt)
+        return CloudAnswer(answer, model, (self._clock() - start) * 1e3, attempts, "image" if images else "text")
 
     def list_models(self, timeout_s: float | None = None) -> list[str]:
         """Model ids from ``GET /v1/models`` (no breaker, no retries: a check, not a request).
