@@ -153,6 +153,23 @@ def measure(gen: LoadGenerator, target: str, n: int, window: int, warmup: int, p
     return r
 
 
+def interleaved_rounds(gen: LoadGenerator, model: str, targets: list[str], args, pids: dict[str, int]) -> list[dict]:
+    """``args.rounds`` rounds, each measuring every phase of every target, the targets' order rotated a place each
+    round (A/B interleaved: no target always runs first or on a warmer machine); each round printed as it ends."""
+    rounds = []
+    for i in range(args.rounds):
+        order = targets[i % len(targets):] + targets[:i % len(targets)]
+        rnd: dict = {"round": i + 1, "order": order, **{t: {} for t in targets}}
+        for phase, window in PHASES:
+            for target in order:
+                rnd[target][phase] = measure(gen, target, args.requests, window, args.warmup, pids)
+        rounds.append(rnd)
+        print(f"{model} round {i + 1}/{args.rounds}: " + ", ".join(
+            f"{t} {rnd[t]['throughput']['throughput_per_s']:,.0f}/s p50 {rnd[t]['latency']['p50_ms']:.3f} ms"
+            for t in order), flush=True)
+    return rounds
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -381,16 +398,7 @@ def run_tracing(args, model: str) -> dict:
         for target, d in daemons.items():
             wait_until_answering(gen, target, d.proc, tmp / f"{target}.log")
         pids = {t: d.proc.pid for t, d in daemons.items()} | {"broker": broker.proc.pid}
-        for i in range(args.rounds):
-            order = targets[i % len(targets):] + targets[:i % len(targets)]
-            rnd: dict = {"round": i + 1, "order": order, **{t: {} for t in targets}}
-            for phase, window in PHASES:
-                for target in order:
-                    rnd[target][phase] = measure(gen, target, args.requests, window, args.warmup, pids)
-            results["rounds"].append(rnd)
-            print(f"{model} round {i + 1}/{args.rounds}: " + ", ".join(
-                f"{t} {rnd[t]['throughput']['throughput_per_s']:,.0f}/s p50 {rnd[t]['latency']['p50_ms']:.3f} ms"
-                for t in order), flush=True)
+        results["rounds"] += interleaved_rounds(gen, model, targets, args, pids)
         answered = sum(x["n"] + x["warmup"] for r in results["rounds"] for x in r["on"].values())
         time.sleep(1.0)  # the exporter's last batch
         results["spans_received"], results["traced_answers"] = otlp.count, answered
@@ -457,16 +465,7 @@ def run_model(args, model: str) -> dict:
         startup = {"k2edge": wait_until_answering(gen, "k2edge", daemon.proc, tmp / "daemon.log") - t_start,
                    "peer": wait_until_answering(gen, "peer", peer, tmp / "peer.log") - t_start}
         pids = {"k2edge": daemon.proc.pid, "peer": peer.pid, "broker": broker.proc.pid}
-        for i in range(args.rounds):
-            order = ("k2edge", "peer") if i % 2 == 0 else ("peer", "k2edge")
-            rnd: dict = {"round": i + 1, "order": list(order), "k2edge": {}, "peer": {}}
-            for phase, window in PHASES:
-                for target in order:
-                    rnd[target][phase] = measure(gen, target, args.requests, window, args.warmup, pids)
-            results["rounds"].append(rnd)
-            print(f"{model} round {i + 1}/{args.rounds}: " + ", ".join(
-                f"{t} {rnd[t]['throughput']['throughput_per_s']:,.0f}/s p50 {rnd[t]['latency']['p50_ms']:.3f} ms"
-                for t in order), flush=True)
+        results["rounds"] += interleaved_rounds(gen, model, ["k2edge", "peer"], args, pids)
         results["startup_s"] = startup
         results["summary"] = summarise(results["rounds"])
         if args.profile_dir:
