@@ -13,7 +13,7 @@ def test_jobs_due_together_are_fired_in_one_call_in_time_order_and_later_ones_wa
     calls, fired = [], threading.Event()
 
     def fire(jobs):
-        calls.append(list(jobs))
+        calls.append([job for _, job in jobs])
         if sum(len(c) for c in calls) == 3:
             fired.set()
 
@@ -53,3 +53,23 @@ def test_a_timer_observes_late_deliveries_and_arms_later_jobs_earlier():
     timer.observe(0.04)
     timer.observe(0.01)
     assert abs(timer.margin() - 0.08) < 1e-9
+
+
+def test_a_late_delivery_moves_the_jobs_already_waiting_earlier_but_never_before_their_floor():
+    """Jobs armed in a burst fire by the margin their predecessors taught the timer, not the one they were armed with."""
+    fired, first = [], threading.Event()
+
+    def fire(jobs):
+        fired.extend(job for _, job in jobs)
+        first.set()
+
+    timer = FallbackTimer(fire)
+    now = clock()
+    timer.arm(now + 600, "early", floor=now)
+    timer.arm(now + 600, "held", floor=now + 300)
+    timer.start()
+    assert not first.wait(0.2)  # nothing is due yet
+    timer.observe(300.0)  # a reply reached the broker 300 s late: every job now fires 600 s early
+    assert first.wait(10)
+    timer.stop()
+    assert fired == ["early"]  # "held" keeps its floor, 300 s away

@@ -278,12 +278,15 @@ class Escalation:
         settled = Settled()
         if self._falls_back(req, d, local, deadline):
             # the local answer is ready when the cloud wait ends: due at the deadline less the reserve for
-            # the publish (and for computing it, when a decision made before inference left it to do)
-            reserve = min(0.5 * budget, max(c.deadline_reserve_ms / 1e3, 0.1 * budget) + self.fallbacks.margin())
+            # the publish (and for computing it, when a decision made before inference left it to do); the
+            # timer fires it earlier by how late this machine delivers such replies, the cloud's wait
+            # keeping at least half the budget
+            reserve = min(0.5 * budget, max(c.deadline_reserve_ms / 1e3, 0.1 * budget))
             cost = 0.0 if computed is not None or w.runtime is None else min(1.0, 2 * w.runtime.batch1_s)
             ready = self._local_answer(w, d, computed, clock()) if computed is not None else None
             due = deadline.at - reserve - cost
-            self.fallbacks.arm(due, _Fallback(w, d, local, settled, oid, clock(), due, ready))
+            self.fallbacks.arm(due, _Fallback(w, d, local, settled, oid, clock(), due, ready),
+                               floor=deadline.at - 0.5 * budget - cost)
         with self._lock:
             self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w, settled)
         return True
@@ -301,12 +304,13 @@ class Escalation:
                           "answered locally", True, escalated=True, decision=d, local=computed)
         return answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
 
-    def _fall_back(self, jobs: list["_Fallback"]) -> None:
+    def _fall_back(self, jobs: list[tuple[float, "_Fallback"]]) -> None:
         """The deadline came before the cloud's outcome: the local answers, degraded (the timer's thread)."""
         replies = []
-        for job in jobs:
+        for due, job in jobs:
             if not job.settled.claim():
                 continue
+            job.due = due  # the timer learns how late the reply is against this
             w = job.w
             try:
                 if job.body is None:  # decided before inference: computed now, in time for the deadline
@@ -425,7 +429,7 @@ class _Fallback:
     settled: Settled
     oid: str
     sent: float
-    due: float
+    due: float  # when its local answer is due (set again to when the timer fired it)
     body: dict | None  # the local answer, built when it was armed (None: computed when due)
 
 
