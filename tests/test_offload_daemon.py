@@ -209,6 +209,11 @@ def test_cloud_work_resumed_after_a_restart_is_answered_like_a_live_cloud_answer
         d.proc.send_signal(signal.SIGTERM)
         # the drain hands the queued cloud work back to the outbox (unleased) before it waits for the running calls
         _wait(lambda: _outbox_rows(state, "lease_owner IS NULL") >= 2, "queued cloud work handed back")
+        # and the draining daemon leaves it there: its outbox loop (a poll a second) takes nothing back
+        left = time.monotonic() + 2.5
+        while time.monotonic() < left:
+            assert _outbox_rows(state, "lease_owner IS NULL") >= 2, "the draining daemon took handed-back work again"
+            time.sleep(0.1)
     assert d.proc.wait(timeout=60) == 0  # the running calls failed when the stand-in stopped: answered locally
 
     with K2StandIn() as k2:

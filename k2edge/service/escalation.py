@@ -149,9 +149,11 @@ class Escalation:
 
     def hand_back_queued(self) -> None:
         """Hand the cloud calls that have not started back to the outbox (unleased) for the next start. The
-        drain does it first, so that a drain waiting for open requests never lets a queued call start."""
+        drain does it first, so that a drain waiting for open requests never lets a queued call start; the
+        outbox loop takes no row from then on (it would take these back and call the cloud while draining)."""
         if self.pool is None:
             return
+        self._stop.set()
         with self._lock:
             queued = [oid for oid, fut in self._waiting.items() if fut.cancel()]
             for oid in queued:
