@@ -15,7 +15,7 @@ from k2edge.config.resolve import load_labels, model_card
 from k2edge.engine.check import meets
 from k2edge.engine.int8 import CheckRunner, decide_int8
 from k2edge.engine.quantize import calibration_split, float_nodes, ort_settings, stage_batches
-from int8_support import forced_ties_qdq, int8_decision
+from int8_support import GPU_CHAIN, forced_ties_qdq, int8_decision
 from k2edge.model.datasets import open_calibration, open_dataset
 from k2edge.model.ingest import normalise
 from k2edge.tasks import Preprocess, TaskDecoder
@@ -24,7 +24,6 @@ from test_int8_fixtures import INT8, REFERENCE, SILU, packaged_model
 ROOT = Path(__file__).resolve().parents[1]
 DETECTOR = ROOT / "models" / "detector"
 GPU_INT8 = {"edge_runtime": {"precision_fallback": ["int8"]}}
-GPU_CHAIN = {"edge_runtime": {"precision_fallback": ["int8", "fp16"]}}
 
 
 def _scales(path) -> dict[str, float]:
@@ -143,8 +142,10 @@ def test_public_yolov8n_keeps_its_top_detection(profile, tmp_path):
     face fell from 0.59 to 0.29 (GPU) / 0.32 (c4)."""
     model = packaged_model("nudenet-320n")
     card = INT8 / "nudenet-320n" / "card.toml"
-    fp32 = Engine.build(model, "cpu-dev", card=card, cache_dir=tmp_path)
-    int8 = Engine.build(model, profile, calib=INT8 / "calib", card=card, cache_dir=tmp_path)
+    # the session's cache: the two profiles share the FP32 engine and the calibration statistics, and
+    # test_int8_public's inconclusive check reuses the GPU decision
+    fp32 = Engine.build(model, "cpu-dev", card=card)
+    int8 = Engine.build(model, profile, calib=INT8 / "calib", card=card)
     assert int8.info.int8_check is not None
     for name, ref in REFERENCE["nudenet-320n"]["photos"].items():
         image = INT8 / ref["file"]

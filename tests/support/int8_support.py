@@ -14,6 +14,10 @@ from k2edge.config.resolve import model_card
 from k2edge.engine.int8 import decide_int8
 from k2edge.engine.quantize import QuantSettings, calibration_statistics, dla_ties, variant_files
 
+# a GPU-only ["int8", "fp16"] chain: one dict for every test that builds a public model with it, so that the
+# tests building the same model with the same calibration share the session cache's decision
+GPU_CHAIN = {"name": "gpu-int8-fp16", "edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}}
+
 INT8_ONLY = {"edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8"]}}
 
 
