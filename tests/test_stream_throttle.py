@@ -149,6 +149,50 @@ def test_a_stream_follows_the_thermal_state_in_its_status():
     assert [e["event"] for e in stream.set_thermal("normal")] == ["stream_up"] and stream.status()["state"] == "up"
 
 
+def test_a_source_back_at_the_instant_a_pause_ends_is_announced_up_once():
+    """The reader (its source back: state up, then its listener) and the thermal sampler (the pause ends) race: the
+    stream is announced up once, whichever thread sees it first, and again only after it went down or paused."""
+    import threading
+
+    for reader_first in (True, False):
+        reader = StreamReader("cam", parse_source("file:///nowhere.mp4"), None, fps=12)  # never started
+        stream = Stream("cam", "boxes", reader)
+        stream.announced(stream.set_thermal("critical", "tj 99 °C"))
+        reader.state = "up"  # the reader sets its state before it tells its listener
+        reader_says = [{"event": "stream_up"}]
+        if reader_first:  # the reader's listener ran while paused, then the pause ended
+            published = stream.announced(reader_says) + stream.announced(stream.set_thermal("normal"))
+        else:  # the pause ended first (the sampler saw the reader up), then the reader's listener ran
+            published = stream.announced(stream.set_thermal("normal")) + stream.announced(reader_says)
+        assert [e["event"] for e in published] == ["stream_up"], (reader_first, published)
+        assert stream.announced([{"event": "stream_up"}]) == []  # up already
+        assert [e["event"] for e in stream.announced([{"event": "stream_down"}, {"event": "stream_up"}])] == \
+            ["stream_down", "stream_up"]
+
+    # the two threads at once, many times: never two stream_ups, never none
+    for _ in range(200):
+        reader = StreamReader("cam", parse_source("file:///nowhere.mp4"), None, fps=12)
+        stream = Stream("cam", "boxes", reader)
+        stream.announced(stream.set_thermal("critical"))
+        reader.state = "up"
+        published, go = [], threading.Barrier(2)
+
+        def sampler():
+            go.wait()
+            published.extend(stream.announced(stream.set_thermal("normal")))
+
+        def listener():
+            go.wait()
+            published.extend(stream.announced([{"event": "stream_up"}]))
+
+        threads = [threading.Thread(target=f) for f in (sampler, listener)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [e["event"] for e in published] == ["stream_up"], published
+
+
 # the config -------------------------------------------------------------------------------------------
 def test_warm_and_hot_fps_are_validated_with_field_paths(tmp_path):
     base = 'device_id = "t"\n[[models]]\nname = "boxes"\nonnx = "m.onnx"\n[[streams]]\nname = "a"\n' \

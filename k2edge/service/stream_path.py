@@ -161,11 +161,11 @@ class StreamPath:
         event = state_event(old, new, reason)
         stream = self.streams[reader.name]
         stream.on_state(old, new, reason)
-        if event is not None and event["event"] == "stream_up" and stream.paused:
-            event = None  # back while paused: its stream_up is when the pause ends
+        # back while paused: its stream_up is when the pause ends; back as a pause ends: announced once
+        events = stream.announced([event] if event is not None else [])
         self._observe(stream)
-        if event is not None:
-            self._publish_events(stream, [event], reader.last_index)
+        if events:
+            self._publish_events(stream, events, reader.last_index)
         if self.on_change is not None:
             self.on_change()
 
@@ -173,7 +173,7 @@ class StreamPath:
         """The thermal governor's state changed (the sampler's thread): every stream's limit, now, and the
         pauses and resumptions it causes as events (the caller republishes the status)."""
         for s in self.streams.values():
-            events = s.set_thermal(state, reason)
+            events = s.announced(s.set_thermal(state, reason))
             self._observe(s)
             if events:
                 self._publish_events(s, events, s.reader.last_index)

@@ -133,6 +133,7 @@ class Stream:
         self.warnings: list[str] = []
         self._in_flight = False
         self._lock = threading.Lock()
+        self._up_announced = False  # a stream_up was published and no stream_down / _ended / _paused since
         self._rates: deque = deque()  # (monotonic, decoded, processed)
         self._ages: deque = deque()   # (monotonic, age s) of the frames processed in the last RATE_WINDOW_S
         self._counts = self.analytics.counts()  # a snapshot for status (other threads), taken after each frame
@@ -210,6 +211,22 @@ class Stream:
         with self._lock:
             self._thermal = (state, cause)
         return self._relimit()
+
+    def announced(self, events: list[dict]) -> list[dict]:
+        """Of the reader's and the thermal limit's events (their two threads), those to publish: a
+        ``stream_up`` only while the stream is up and not paused and once each time it comes up or
+        resumes (a source back at the instant a pause ends is announced by whichever thread sees it first)."""
+        out = []
+        with self._lock:
+            for e in events:
+                if e["event"] == "stream_up":
+                    if self._up_announced or self.limit.paused or self.reader.state != "up":
+                        continue
+                    self._up_announced = True
+                elif e["event"] in ("stream_down", "stream_ended", "stream_paused"):
+                    self._up_announced = False
+                out.append(e)
+        return out
 
     def _relimit(self) -> list[dict]:
         with self._lock:  # the reader's gate too: two threads (sampler, reader) never leave it a stale limit
