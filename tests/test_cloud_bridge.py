@@ -157,6 +157,26 @@ def test_anthropic_mode_body_and_temperature_scaling(k2):
     assert k2.chat_requests[-1].body["temperature"] == pytest.approx(0.5)
 
 
+def test_anthropic_mode_asks_about_several_images_in_order_and_never_sends_response_format(k2):
+    """A stream event's question in Anthropic mode: each image a base64 source with its own media type, in the
+    order given, then the text; JSON is asked for in the prompt only (the messages API has no response_format)."""
+    from k2edge.cloud_bridge.image import prepare_image
+
+    client = K2Client(settings_for(k2, base_url=k2.anthropic_url, mode="anthropic", image_max_side=128), KEY)
+    images = [prepare_image(image_bytes("PNG", (640, 480)), 128), prepare_image(image_bytes("JPEG", (300, 600)), 128),
+              prepare_image(image_bytes("PNG", (64, 64)), 128)]
+    k2.script(answer('{"verdict": "confirmed", "label": "person", "description": "a walker"}'))
+    ans = client.ask(images, "Is this a person? Answer in JSON.", 5.0, json_mode=True)
+    assert ans.text.startswith('{"verdict": "confirmed"')
+    req = k2.chat_requests[-1]
+    assert req.path == "/anthropic/v1/messages" and "response_format" not in req.body
+    *parts, text = req.body["messages"][0]["content"]
+    assert text == {"type": "text", "text": "Is this a person? Answer in JSON."}
+    assert [p["source"]["media_type"] for p in parts] == ["image/png", "image/jpeg", "image/png"]
+    sizes = [Image.open(io.BytesIO(base64.b64decode(p["source"]["data"]))).size for p in parts]
+    assert sizes == [(128, 96), (64, 128), (64, 64)]  # each downscaled to 128 on its longer side, small ones as they are
+
+
 # retries ------------------------------------------------------------------------------------------------
 def test_429_retry_after_seconds_is_honoured(k2):
     """429 with Retry-After: 0.2 s -> waits at least that long, then the second attempt answers."""
