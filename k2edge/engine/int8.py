@@ -38,10 +38,11 @@ from .cache import EngineCache, digest
 from .calibration import TensorStatistics, session
 from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
 from .fallback import SENSITIVITY_SAMPLES, OutputProbe, rank, search_budget, sensitivity, smallest_prefix
-from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
+from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, SEARCH, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
                        base_qdq, calibration_statistics, candidate_settings, dla_ties, fallback_units, finish_qdq,
                        float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers, quant_settings, quant_variant,
                        stage_batches, statistics_key)
+from .range_search import SEARCH_SAMPLES, START, candidate_ranges, search_ranges
 from .shares import with_shares
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,8 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
 
     def build(tmp: Path) -> dict:
         runner = CheckRunner(model, inputs.check_data, inputs.check_idx, preprocess, card.task, decoder, progress)
-        check = _check_and_fall_back(model, plan, stats, inputs, runner, _probe(model, calib, preprocess), tmp, progress)
+        check = _check_and_fall_back(model, plan, stats, inputs, runner, _probe(model, calib, preprocess), tmp, progress,
+                                     _probe(model, calib, preprocess, SEARCH_SAMPLES, spread=True))
         (tmp / "decision.json").write_text(json.dumps(check.to_dict(), indent=1, sort_keys=True))
         return {"status": check.status, "fallback": len(check.fallback)}
 
@@ -249,10 +251,13 @@ def measured_int8_layers(quant: QuantArtefacts, model: NormalisedModel) -> dict[
     return {"gpu": gpu, "dla": dla}
 
 
-def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess) -> Callable[[], OutputProbe]:
-    """The FP32 outputs the sensitivity compares with (made only when a fallback needs them)."""
+def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess, samples: int = SENSITIVITY_SAMPLES,
+           spread: bool = False) -> Callable[[], OutputProbe]:
+    """The FP32 outputs the sensitivity (the first ``samples`` calibration samples) or the range search
+    (``spread``: ``samples`` spread over the calibration samples) compares with, made only when needed."""
     def make() -> OutputProbe:
-        idx = calibration_split(len(calib))[0][:SENSITIVITY_SAMPLES]
+        idx = calibration_split(len(calib))[0]
+        idx = idx[::max(1, len(idx) // samples)][:samples] if spread else idx[:samples]
         shape = model.graph.shape(model.graph.inputs[0])
         return OutputProbe(model.model, model.graph.inputs[0], list(stage_batches(calib, preprocess, shape, idx)))
 
@@ -260,17 +265,19 @@ def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess) -> Ca
 
 
 def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: CheckRunner, probe, tmp: Path,
-                         progress) -> Int8Check:
+                         progress, search_probe=None) -> Int8Check:
     """Steps 3 to 5: the check of all-INT8 (under each calibration method the settings allow, the closest to FP32
     kept) and, if it misses and the chain allows, the smallest fallback."""
-    settings, bases, first, tol, notes = _first_check(model, stats, plan, inputs, runner, tmp)
+    settings, bases, first, tol, notes = _first_check(model, stats, plan, inputs, runner, tmp, search_probe, progress)
     task, n_check, method = runner.task, len(inputs.check_idx), _method_text(settings)
+    searched = dict(settings.searched) or None
     if meets(first, tol):
         return Int8Check(task, verdict(task, first, True, False), inputs.source, n_check, first, tol, notes=tuple(notes),
-                         calibration=method)
+                         calibration=method, ranges=searched)
     if not inputs.allow:
         notes.append("the precision chain ends at int8: no layer falls back")
-        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method)
+        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method,
+                         ranges=searched)
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes
                                          if n.name in inputs.devices and n.name not in inputs.keep_float])
     floats = set(inputs.exclude) | set(inputs.keep_float)
@@ -299,15 +306,18 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
                      for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
     return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
-                     first, tuple(notes), calibration=method)
+                     first, tuple(notes), calibration=method, ranges=searched)
 
 
-def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path):
+def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path, search_probe=None,
+                 progress=None):
     """Steps 3 and 4 per calibration method (:func:`~.quantize.candidate_settings`: ``auto`` tries percentile only
-    when max misses): the all-INT8 artefacts and their check. Returns the closest to FP32 (a tie keeps the first)
-    as (settings, bases, measures, tolerance, notes)."""
+    when max misses; ``search`` searches its ranges first, :func:`_searched`): the all-INT8 artefacts and their
+    check. Returns the closest to FP32 (a tie keeps the first) as (settings, bases, measures, tolerance, notes)."""
     tried = []
     for settings in candidate_settings(inputs.settings):
+        if settings.method == SEARCH and not settings.searched:
+            settings = _searched(model, stats, plan, inputs, tmp, settings, search_probe, progress)
         bases = _bases(model, stats, plan, inputs, tmp, settings)
         first = runner.measure([finish_qdq(b, model, (), set(inputs.exclude) | set(inputs.keep_float)) for b in bases])
         tol, notes = _tolerance(first, inputs, len(inputs.check_idx))
@@ -319,6 +329,24 @@ def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner
         scored = ", ".join(f"{_method_text(t[0])} {_score(t[2], t[3]):+.4f}" for t in tried)
         best[4].append(f"calibration method {_method_text(best[0])} kept: all-INT8 margin to the tolerance {scored}")
     return best
+
+
+def _searched(model, stats, plan, inputs: DecisionInputs, tmp: Path, settings: QuantSettings, probe, progress
+              ) -> QuantSettings:
+    """``settings`` with the range search's ranges (:mod:`.range_search`), searched on the all-INT8 model of the
+    variant the fallback must hold on, from every tensor at its ``mse`` range; the DLA's tied groups and fused
+    gates keep their ranges."""
+    scope = _variant_scopes(plan)[-1]
+    ties = dla_ties(model.graph, scope)
+    start = replace(settings, method=START)
+    base = finish_qdq(base_qdq(model, stats, start, inputs.exclude, inputs.keep_float, ties, tmp / "search.onnx"),
+                      model, (), set(inputs.exclude) | set(inputs.keep_float))
+    (tmp / "search.onnx").unlink()
+    fixed = frozenset(t for g in ties.groups for t in g) | ties.gates
+    ranges, before, after = search_ranges(base, start.ranges(stats), candidate_ranges(stats), probe(), fixed, progress)
+    log.info("INT8 range search: output error %.4f (%s) -> %.4f", before, START, after)
+    base_ranges = stats.ranges("max")
+    return replace(settings, searched=tuple(sorted((t, a) for t, a in ranges.items() if a != base_ranges.get(t))))
 
 
 def _method_text(settings: QuantSettings) -> str:
@@ -395,6 +423,9 @@ def _score(measures: dict, tol: dict) -> float:
 def settings_of(check: Int8Check, settings: QuantSettings) -> QuantSettings:
     """The calibration settings a decision kept (its check's method; ``auto`` resolved)."""
     method = check.calibration.split()[0]
+    searched = tuple(sorted((check.ranges or {}).items()))
+    if method == SEARCH:
+        return replace(settings, method=method, searched=searched)
     return replace(settings, method=method) if settings.method == AUTO else settings
 
 
