@@ -37,11 +37,12 @@ from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 from .calibration import TensorStatistics, session
 from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
-from .fallback import SENSITIVITY_SAMPLES, OutputProbe, rank, search_budget, sensitivity, smallest_prefix
-from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, SEARCH, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
-                       base_qdq, calibration_statistics, candidate_settings, dla_ties, fallback_units, finish_qdq,
-                       float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers, quant_settings, quant_variant,
-                       stage_batches, statistics_key)
+from .fallback import (SENSITIVITY_SAMPLES, OutputProbe, int8_alone_costs, rank, rank_by_cost_per_flop, search_budget,
+                       sensitivity, smallest_prefix)
+from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, SEARCH, QuantArtefacts, QuantSettings,
+                       calibration_split, base_qdq, calibration_statistics, candidate_settings, dla_ties,
+                       fallback_units, finish_qdq, float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers,
+                       quant_settings, quant_variant, stage_batches, statistics_key)
 from .range_search import SEARCH_SAMPLES, START, candidate_ranges, search_ranges
 from .shares import with_shares
 
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 _LOWER_IS_BETTER = ("mean_abs_dp", "max_rel_error", "keypoint_error")
 SENSITIVITY_REASON = "INT8 check below tolerance: among the learned layers whose INT8 costs the model's output most"
+COST_REASON = "INT8 check below tolerance: among the layers whose INT8 alone costs the model's output most per FLOP"
+SECOND_RANKING_BELOW = 0.5  # the sensitivity ranking's fallback kept less than this share of the INT8 FLOPs
 
 
 @dataclass(frozen=True)
@@ -281,32 +284,63 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes
                                          if n.name in inputs.devices and n.name not in inputs.keep_float])
     floats = set(inputs.exclude) | set(inputs.keep_float)
+    measured: dict[frozenset, dict] = {frozenset(): first}  # by the nodes moved, shared by both rankings
+
+    def search(names: list[str]) -> tuple[int | None, dict[int, dict]]:
+        """The smallest prefix of ``names`` whose move meets the tolerance, and every prefix measured."""
+        tried: dict[int, dict] = {0: first}
+
+        def holds(k: int) -> bool:
+            key = frozenset(n for u in names[:k] for n in units[u])
+            if key not in measured:
+                measured[key] = runner.measure([finish_qdq(b, model, tuple(sorted(key)), floats) for b in bases])
+                if progress:
+                    progress("int8 fallback", len(measured) - 1, max(len(measured) - 1, search_budget(len(names))))
+            tried[k] = measured[key]
+            return meets(tried[k], tol)
+
+        return smallest_prefix(holds, len(names)), tried
+
     scores = sensitivity(probe(), finish_qdq(bases[-1], model, (), floats), model.model, units, progress)
     names = rank(scores, list(units))
-
-    def moved(k: int) -> tuple[str, ...]:
-        return tuple(n for u in names[:k] for n in units[u])
-
-    tried = {0: first}
-
-    def holds(k: int) -> bool:
-        if k not in tried:
-            tried[k] = runner.measure([finish_qdq(b, model, moved(k), floats) for b in bases])
-            if progress:
-                progress("int8 fallback", len(tried) - 1, max(len(tried) - 1, search_budget(len(names))))
-        return meets(tried[k], tol)
-
-    best = smallest_prefix(holds, len(names))
+    (best, tried), reason = search(names), SENSITIVITY_REASON
+    flops = _unit_flops(model, units)
+    if best is None or _kept(flops, names[:best]) < SECOND_RANKING_BELOW:
+        # the sensitivity ranking lost most of the INT8: rank by what each layer costs alone, per FLOP
+        costs = int8_alone_costs(probe(), lambda u: finish_qdq(
+            bases[-1], model, tuple(n for v in units if v != u for n in units[v]), floats), units, progress)
+        other = rank_by_cost_per_flop(costs, flops, list(units))
+        k, tried_other = search(other)
+        if k is not None and (best is None or _kept(flops, other[:k]) > _kept(flops, names[:best])):
+            before = "none that met the tolerance" if best is None else f"{100 * _kept(flops, names[:best]):.1f} %"
+            notes.append(f"ranked by INT8-alone cost per FLOP: {100 * _kept(flops, other[:k]):.1f} % of the candidate "
+                         f"layers' FLOPs kept INT8 (by sensitivity: {before})")
+            names, best, tried, scores, reason = other, k, tried_other, costs, COST_REASON
     if best is None:
         best = max(tried, key=lambda k: _score(tried[k], tol))
         notes.append(f"moving all {len(names)} ranked layer(s) out of INT8 did not reach the tolerance; keeping the "
                      f"best found ({best} layer(s))")
     fallback = tuple({"node": n, "device": inputs.devices[n], "precision": next_precision(plan.precision_chain, inputs.devices[n]),
-                      "reason": SENSITIVITY_REASON, "sensitivity": round(scores[u], 6), "unit": u}
+                      "reason": reason, "sensitivity": round(scores[u], 6), "unit": u}
                      for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
     return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
                      first, tuple(notes), calibration=method, ranges=searched)
+
+
+def _unit_flops(model: NormalisedModel, units: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """Per fallback unit, the learned-layer FLOPs in it."""
+    from ..model.cost import node_flops
+
+    learned = set(learned_layers(model.graph))
+    nodes = {n.name: n for n in model.graph.nodes}
+    return {u: sum(node_flops(model.graph, nodes[n]) for n in members if n in learned) for u, members in units.items()}
+
+
+def _kept(flops: dict[str, int], moved: list[str]) -> float:
+    """The share of the units' learned FLOPs that stays INT8 when ``moved`` leave it."""
+    total = sum(flops.values())
+    return 1.0 - sum(flops[u] for u in moved) / total if total else 1.0
 
 
 def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path, search_probe=None,

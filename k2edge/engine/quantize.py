@@ -66,7 +66,7 @@ SEARCH = "search"  # per-tensor ranges searched against the model's output (:mod
 class QuantSettings:
     """How ranges come from the statistics: ``max``, ``percentile`` (of magnitudes, default 99.99) or ``mse``;
     ``search``: per tensor, the candidate that costs the model's output least (:mod:`.range_search`; ``searched``
-    holds the result once the search ran); or ``auto``: the INT8 check picks one of max, percentile and search."""
+    holds the result once the search ran); or ``auto``: the INT8 check picks max or percentile per model."""
 
     method: str = "max"
     percentile: float = DEFAULT_PERCENTILE
