@@ -36,7 +36,7 @@ from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 from .calibration import TensorStatistics, session
-from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
+from .check import COUNTED, Int8Check, compare_outputs, meets, min_check, relaxed, resolvable, tolerance_for, verdict
 from .fallback import (SENSITIVITY_SAMPLES, OutputProbe, int8_alone_costs, rank, rank_by_cost_per_flop, search_budget,
                        sensitivity, smallest_prefix)
 from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, SEARCH, QuantArtefacts, QuantSettings,
@@ -305,8 +305,11 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     names = rank(scores, list(units))
     (best, tried), reason = search(names), SENSITIVITY_REASON
     flops = _unit_flops(model, units)
-    if best is None or _kept(flops, names[:best]) < SECOND_RANKING_BELOW:
-        # the sensitivity ranking lost most of the INT8: rank by what each layer costs alone, per FLOP
+    count, need = min_check(task)
+    powered = int(first.get(count, n_check if count == "samples" else 0)) >= need
+    if powered and (best is None or _kept(flops, names[:best]) < SECOND_RANKING_BELOW):
+        # the sensitivity ranking lost most of the INT8: rank by what each layer costs alone, per FLOP (not on a check
+        # too small for a verdict: it could not vouch for the INT8 the second ranking keeps)
         costs = int8_alone_costs(probe(), lambda u: finish_qdq(
             bases[-1], model, tuple(n for v in units if v != u for n in units[v]), floats), units, progress)
         other = rank_by_cost_per_flop(costs, flops, list(units))
