@@ -14,6 +14,10 @@ of both; a non-learned layer outside any epilogue (a residual Add, a Concat, a p
 unit only makes it read float: its output keeps its Q/DQ where an INT8 reader needs it, so the next Conv is never
 left in float by accident. The search (:func:`smallest_prefix`) finds the fewest of the most sensitive units that
 meet the tolerance on the check set.
+
+Where the loss is many small ones, that ranking gives up most of the INT8 before the tolerance holds (PP-OCRv4's
+DBNet: every layer). The second ranking (:func:`int8_alone_costs`, :func:`rank_by_cost_per_flop`) measures the
+reverse -- each unit alone in INT8, every other out -- and keeps INT8 the units with the least error per FLOP.
 """
 
 from __future__ import annotations

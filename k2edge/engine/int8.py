@@ -13,7 +13,9 @@ daemon builds shares it: the same layers fall back at every batch size.
    task (:mod:`.check`), exactly and with the check's power;
 5. fallback, when the check misses its tolerance and the precision chain continues after int8: learned layers
    ranked by their measured effect on the model's output (:mod:`.fallback`), and the fewest of the most
-   sensitive moved, each with its quantisers, to the chain's next precision on the same device.
+   sensitive moved, each with its quantisers, to the chain's next precision on the same device; when that keeps
+   less than half of the INT8 (on a check with the power for a verdict), ranked again by each one's INT8-alone
+   cost per FLOP, the ranking that keeps more INT8 kept.
 """
 
 from __future__ import annotations
