@@ -16,7 +16,7 @@ Bounds (docs/int8.md): YOLOv8n >= 80 % INT8 with recall and precision >= 0.90 on
 >= 90 % INT8 with top-1 within 0.5 point of FP32 on >= 400 lines; DBNet >= 50 % INT8 with mean cosine >= 0.99.
 
     python bench/bench_int8_public.py [--models yolov8n,cls,dbnet] [--profiles gpu,c4] [--json out.json] [--decoding-head]
-                                      [--calib N]
+                                      [--calib N] [--tolerance JSON]
 
 The load average is printed beside every build time, and the cold build's CPU seconds (every thread of this
 process): the machine this runs on may be shared.
@@ -164,10 +164,14 @@ def main() -> int:
     ap.add_argument("--json", metavar="OUT")
     ap.add_argument("--calib", type=int, metavar="N", help="calibration set size instead of the model's default (every "
                     "fifth of the first 1280 held out for the check: 1000 scenes hold out 200)")
+    ap.add_argument("--tolerance", metavar="JSON", help="the gpu profile's edge_runtime.int8_tolerance (a card's own "
+                    "tolerance wins), e.g. '{\"strict_recall\": 0.93, \"strict_precision\": 0.93}'")
     ap.add_argument("--decoding-head", action="store_true",
                     help="a detector's float head is its decoding only (DFL, box arithmetic, final concat, class "
                          "sigmoid), the Detect module's branches INT8: the variant docs/int8.md measures beside the default")
     args = ap.parse_args()
+    if args.tolerance:
+        PROFILES["gpu"]["edge_runtime"]["int8_tolerance"] = json.loads(args.tolerance)
     if args.decoding_head:
         from k2edge.engine import quantize
 
