@@ -395,3 +395,14 @@ def test_the_fallback_search_finds_the_smallest_prefix_in_few_checks():
     assert smallest_prefix(lambda k: False, 10) is None and smallest_prefix(lambda k: True, 0) is None
     odd = {1: False, 2: True, 3: False, 4: True}
     assert smallest_prefix(lambda k: odd.get(k, True), 8) == 2
+
+
+def test_cost_per_flop_ranking_moves_flopless_units_first_then_the_costliest_per_flop():
+    """The second ranking (INT8 alone, per FLOP): units with no learned FLOPs move first (moving them keeps every
+    INT8 layer INT8), then the highest cost per FLOP; the cheapest per FLOP stay INT8; ties keep graph order."""
+    from k2edge.engine.fallback import rank_by_cost_per_flop
+
+    order = ["conv0", "add", "conv1", "conv2", "conv3"]
+    costs = {"conv0": 0.02, "add": 0.0, "conv1": 0.001, "conv2": 0.004, "conv3": 0.004}
+    flops = {"conv0": 100, "add": 0, "conv1": 1000, "conv2": 1000, "conv3": 1000}
+    assert rank_by_cost_per_flop(costs, flops, order) == ["add", "conv0", "conv2", "conv3", "conv1"]

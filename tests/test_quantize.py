@@ -291,6 +291,71 @@ def test_auto_calibration_keeps_the_method_closer_to_fp32(tmp_path):
     assert scales["images"] < 5.0 / 127  # the kept artefact clips the glint (max's input range would be 10)
 
 
+def test_mse_range_is_the_least_squared_error_clip():
+    """mse: of every clip at a bin edge, the one whose INT8 error (step^2 / 12 inside, the excess outside) over the
+    tensor's own values is least: a lone far outlier is clipped, a heavier far tail is kept."""
+    from k2edge.engine.calibration import TensorStatistics
+
+    rng = np.random.default_rng(0)
+    for outliers, clipped in (([60.0], True), ([60.0] * 400 + [-55.0] * 400, False)):
+        values = np.concatenate([rng.laplace(0, 1, 200000), outliers]).astype(np.float32)
+        stats = TensorStatistics()
+        stats.add({"t": values[None]}, 1)
+        amax = stats.ranges("mse")["t"]
+        mags = np.abs(values).astype(np.float64)
+
+        def err(a):
+            inside = mags <= a
+            return inside.sum() * (a / 127) ** 2 / 12 + ((mags[~inside] - a) ** 2).sum()
+
+        brute = min(np.linspace(0.5, 60, 1200), key=err)
+        assert err(amax) <= err(brute) * 1.01, (amax, brute)  # the histogram's bins are finer than the grid
+        assert (amax < 30) == clipped, amax
+
+
+def test_range_search_lowers_the_output_error_and_its_ranges_are_built(tmp_path):
+    """method search: per tensor, the candidate range that costs the model's output least; the check says
+    "search", the decision carries the searched ranges, the built Q/DQ model has exactly them, and a rebuild
+    takes them from the cache."""
+    from graphs import silu_net, smooth_images
+
+    from k2edge.config.card import load_card
+    from k2edge.engine.calibration import collect_statistics
+    from k2edge.engine.fallback import OutputProbe
+    from k2edge.engine.quantize import QuantSettings, base_qdq, dla_ties, finish_qdq
+    from k2edge.engine.range_search import activation_scales, candidate_ranges, search_ranges
+
+    onnx.save(silu_net(), str(tmp_path / "silu.onnx"))
+    x = smooth_images(60).astype(np.float32).transpose(0, 3, 1, 2) / 255.0
+    for i in range(0, 60, 7):
+        x[i, :, 5, 5] = 10.0  # glints: max's input range is four times what most frames need
+    np.savez(tmp_path / "calib.npz", x=x)
+    nm = normalise(str(tmp_path / "silu.onnx"))
+    stats = collect_statistics(nm.model, [(x[i:i + 1], 1) for i in range(0, 60, 2)])
+    start = QuantSettings("mse").ranges(stats)
+    base = finish_qdq(base_qdq(nm, stats, QuantSettings("mse"), (), (), dla_ties(nm.graph, set()), tmp_path / "b.onnx"), nm)
+    probe = OutputProbe(nm.model, nm.graph.inputs[0], [(x[i:i + 1], 1) for i in (1, 9, 17, 33)])
+    fixed = frozenset({nm.graph.inputs[0]})
+    ranges, before, after = search_ranges(base, start, candidate_ranges(stats), probe, fixed)
+    assert after <= before and ranges[nm.graph.inputs[0]] == start[nm.graph.inputs[0]]
+    assert set(ranges) == set(start)
+
+    card_path = tmp_path / "card.toml"
+    card_path.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\nmethod = "search"\n'
+                         'tolerance = { cosine = 0.99 }\n')
+    card = load_card(card_path)
+    data = open_dataset(tmp_path / "calib.npz")
+    decision = int8_decision(nm, data, Preprocess.from_card(card), EngineCache(tmp_path / "cache"), card=card)
+    check = decision.check
+    assert check.calibration == "search" and check.ranges and check.to_dict()["ranges"] == check.ranges
+    qdq = onnx.load(str(decision.quant.qdq_model))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in qdq.graph.initializer}
+    own = {t: s for t, s in activation_scales(qdq).items() if t in check.ranges}
+    assert own and all(inits[s] == pytest.approx(check.ranges[t] / 127, rel=1e-6) for t, s in own.items())
+    again = int8_decision(nm, data, Preprocess.from_card(card), EngineCache(tmp_path / "cache"), card=card)
+    assert again.cached and again.quant.key == decision.quant.key
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"calibration": {"method": "entropy"}}, "edge_runtime.calibration.method"),
     ({"calibration": {"percentile": 30}}, "edge_runtime.calibration.percentile: must be a number within (50, 100]"),

@@ -28,7 +28,7 @@ The contract (every key optional; a card names only what differs from what the m
     sigmas = [0.026, ...]              # OKS sigmas (COCO's for the 17)
     [quantization]
     keep_float = ["/model.22/dfl/conv/Conv"]   # nodes kept out of INT8 besides a detector's head
-    method = "max"                     # max | percentile (overrides the profile's edge_runtime.calibration)
+    method = "max"                     # auto | max | percentile | mse | search (overrides the profile's edge_runtime.calibration)
     percentile = 99.99                 # for method = "percentile"
     tolerance = { recall = 0.97 }      # the INT8 check's minimum per measure (overrides edge_runtime.int8_tolerance)
 
@@ -248,7 +248,7 @@ class QuantizationSpec(_Strict):
     ``edge_runtime.int8_tolerance``."""
 
     keep_float: tuple[str, ...] = ()
-    method: Literal["auto", "max", "percentile"] | None = None
+    method: Literal["auto", "max", "percentile", "mse", "search"] | None = None
     percentile: float | None = None
     tolerance: dict[str, float] | None = None
 

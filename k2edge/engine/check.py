@@ -329,7 +329,8 @@ class Int8Check:
         fallback: per layer kept out of INT8 by the check: ``{"node", "device", "precision", "reason",
             "sensitivity"}`` (the measure lost with that layer alone in INT8, see :mod:`.int8`).
         before: the measures with every planned layer in INT8 (when a fallback changed them).
-        calibration: the calibration method the ranges came from (``max``, or ``percentile 99.99``).
+        calibration: the calibration method the ranges came from (``max``, ``percentile 99.99``, ``search``).
+        ranges: the searched tensors' ranges when ``calibration`` is ``search`` (tensor -> amax), else None.
     """
 
     task: str
@@ -342,6 +343,7 @@ class Int8Check:
     before: dict | None = None
     notes: tuple[str, ...] = field(default=())
     calibration: str = "max"
+    ranges: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -369,7 +371,7 @@ class Int8Check:
                 "minimum": dict(zip(("count", "judged", "needed"), self.power)),
                 "fallback": [dict(f) for f in self.fallback],
                 "before": _round(self.before) if self.before else None, "notes": list(self.notes),
-                "advice": self.advice() or None, "calibration": self.calibration}
+                "advice": self.advice() or None, "calibration": self.calibration, "ranges": self.ranges}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Int8Check":
@@ -377,7 +379,8 @@ class Int8Check:
         tol = {k: (Fraction(exact_tol[k]) if k in exact_tol and isinstance(v, float) and exact(v) != Fraction(exact_tol[k])
                    else v) for k, v in d["tolerance"].items()}
         return cls(d["task"], d["status"], d["source"], d["samples"], d["measures"], tol,
-                   tuple(d.get("fallback", ())), d.get("before"), tuple(d.get("notes", ())), d.get("calibration", "max"))
+                   tuple(d.get("fallback", ())), d.get("before"), tuple(d.get("notes", ())), d.get("calibration", "max"),
+                   d.get("ranges"))
 
     def _bound(self, k: str) -> str:
         b = (self.measures.get("bounds") or {}).get(k)

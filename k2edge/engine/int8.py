@@ -13,7 +13,9 @@ daemon builds shares it: the same layers fall back at every batch size.
    task (:mod:`.check`), exactly and with the check's power;
 5. fallback, when the check misses its tolerance and the precision chain continues after int8: learned layers
    ranked by their measured effect on the model's output (:mod:`.fallback`), and the fewest of the most
-   sensitive moved, each with its quantisers, to the chain's next precision on the same device.
+   sensitive moved, each with its quantisers, to the chain's next precision on the same device; when that keeps
+   less than half of the INT8 (on a check with the power for a verdict), ranked again by each one's INT8-alone
+   cost per FLOP, the ranking that keeps more INT8 kept.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 from .calibration import TensorStatistics, session
-from .check import COUNTED, Int8Check, compare_outputs, meets, relaxed, resolvable, tolerance_for, verdict
-from .fallback import SENSITIVITY_SAMPLES, OutputProbe, rank, search_budget, sensitivity, smallest_prefix
-from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, QuantArtefacts, QuantSettings, calibration_split,
-                       base_qdq, calibration_statistics, candidate_settings, dla_ties, fallback_units, finish_qdq,
-                       float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers, quant_settings, quant_variant,
-                       stage_batches, statistics_key)
+from .check import COUNTED, Int8Check, compare_outputs, meets, min_check, relaxed, resolvable, tolerance_for, verdict
+from .fallback import (SENSITIVITY_SAMPLES, OutputProbe, int8_alone_costs, rank, rank_by_cost_per_flop, search_budget,
+                       sensitivity, smallest_prefix)
+from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, SEARCH, QuantArtefacts, QuantSettings,
+                       calibration_split, base_qdq, calibration_statistics, candidate_settings, dla_ties,
+                       fallback_units, finish_qdq, float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers,
+                       quant_settings, quant_variant, stage_batches, statistics_key)
+from .range_search import SEARCH_SAMPLES, START, candidate_ranges, search_ranges
 from .shares import with_shares
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,8 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 _LOWER_IS_BETTER = ("mean_abs_dp", "max_rel_error", "keypoint_error")
 SENSITIVITY_REASON = "INT8 check below tolerance: among the learned layers whose INT8 costs the model's output most"
+COST_REASON = "INT8 check below tolerance: among the layers whose INT8 alone costs the model's output most per FLOP"
+SECOND_RANKING_BELOW = 0.5  # the sensitivity ranking's fallback kept less than this share of the INT8 FLOPs
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,8 @@ def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, pre
 
     def build(tmp: Path) -> dict:
         runner = CheckRunner(model, inputs.check_data, inputs.check_idx, preprocess, card.task, decoder, progress)
-        check = _check_and_fall_back(model, plan, stats, inputs, runner, _probe(model, calib, preprocess), tmp, progress)
+        check = _check_and_fall_back(model, plan, stats, inputs, runner, _probe(model, calib, preprocess), tmp, progress,
+                                     _probe(model, calib, preprocess, SEARCH_SAMPLES, spread=True))
         (tmp / "decision.json").write_text(json.dumps(check.to_dict(), indent=1, sort_keys=True))
         return {"status": check.status, "fallback": len(check.fallback)}
 
@@ -249,10 +256,13 @@ def measured_int8_layers(quant: QuantArtefacts, model: NormalisedModel) -> dict[
     return {"gpu": gpu, "dla": dla}
 
 
-def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess) -> Callable[[], OutputProbe]:
-    """The FP32 outputs the sensitivity compares with (made only when a fallback needs them)."""
+def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess, samples: int = SENSITIVITY_SAMPLES,
+           spread: bool = False) -> Callable[[], OutputProbe]:
+    """The FP32 outputs the sensitivity (the first ``samples`` calibration samples) or the range search
+    (``spread``: ``samples`` spread over the calibration samples) compares with, made only when needed."""
     def make() -> OutputProbe:
-        idx = calibration_split(len(calib))[0][:SENSITIVITY_SAMPLES]
+        idx = calibration_split(len(calib))[0]
+        idx = idx[::max(1, len(idx) // samples)][:samples] if spread else idx[:samples]
         shape = model.graph.shape(model.graph.inputs[0])
         return OutputProbe(model.model, model.graph.inputs[0], list(stage_batches(calib, preprocess, shape, idx)))
 
@@ -260,54 +270,93 @@ def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess) -> Ca
 
 
 def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: CheckRunner, probe, tmp: Path,
-                         progress) -> Int8Check:
+                         progress, search_probe=None) -> Int8Check:
     """Steps 3 to 5: the check of all-INT8 (under each calibration method the settings allow, the closest to FP32
     kept) and, if it misses and the chain allows, the smallest fallback."""
-    settings, bases, first, tol, notes = _first_check(model, stats, plan, inputs, runner, tmp)
+    settings, bases, first, tol, notes = _first_check(model, stats, plan, inputs, runner, tmp, search_probe, progress)
     task, n_check, method = runner.task, len(inputs.check_idx), _method_text(settings)
+    searched = dict(settings.searched) or None
     if meets(first, tol):
         return Int8Check(task, verdict(task, first, True, False), inputs.source, n_check, first, tol, notes=tuple(notes),
-                         calibration=method)
+                         calibration=method, ranges=searched)
     if not inputs.allow:
         notes.append("the precision chain ends at int8: no layer falls back")
-        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method)
+        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method,
+                         ranges=searched)
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes
                                          if n.name in inputs.devices and n.name not in inputs.keep_float])
     floats = set(inputs.exclude) | set(inputs.keep_float)
+    measured: dict[frozenset, dict] = {frozenset(): first}  # by the nodes moved, shared by both rankings
+
+    def search(names: list[str]) -> tuple[int | None, dict[int, dict]]:
+        """The smallest prefix of ``names`` whose move meets the tolerance, and every prefix measured."""
+        tried: dict[int, dict] = {0: first}
+
+        def holds(k: int) -> bool:
+            key = frozenset(n for u in names[:k] for n in units[u])
+            if key not in measured:
+                measured[key] = runner.measure([finish_qdq(b, model, tuple(sorted(key)), floats) for b in bases])
+                if progress:
+                    progress("int8 fallback", len(measured) - 1, max(len(measured) - 1, search_budget(len(names))))
+            tried[k] = measured[key]
+            return meets(tried[k], tol)
+
+        return smallest_prefix(holds, len(names)), tried
+
     scores = sensitivity(probe(), finish_qdq(bases[-1], model, (), floats), model.model, units, progress)
     names = rank(scores, list(units))
-
-    def moved(k: int) -> tuple[str, ...]:
-        return tuple(n for u in names[:k] for n in units[u])
-
-    tried = {0: first}
-
-    def holds(k: int) -> bool:
-        if k not in tried:
-            tried[k] = runner.measure([finish_qdq(b, model, moved(k), floats) for b in bases])
-            if progress:
-                progress("int8 fallback", len(tried) - 1, max(len(tried) - 1, search_budget(len(names))))
-        return meets(tried[k], tol)
-
-    best = smallest_prefix(holds, len(names))
+    (best, tried), reason = search(names), SENSITIVITY_REASON
+    flops = _unit_flops(model, units)
+    count, need = min_check(task)
+    powered = int(first.get(count, n_check if count == "samples" else 0)) >= need
+    if powered and (best is None or _kept(flops, names[:best]) < SECOND_RANKING_BELOW):
+        # the sensitivity ranking lost most of the INT8: rank by what each layer costs alone, per FLOP (not on a check
+        # too small for a verdict: it could not vouch for the INT8 the second ranking keeps)
+        costs = int8_alone_costs(probe(), lambda u: finish_qdq(
+            bases[-1], model, tuple(n for v in units if v != u for n in units[v]), floats), units, progress)
+        other = rank_by_cost_per_flop(costs, flops, list(units))
+        k, tried_other = search(other)
+        if k is not None and (best is None or _kept(flops, other[:k]) > _kept(flops, names[:best])):
+            before = "none that met the tolerance" if best is None else f"{100 * _kept(flops, names[:best]):.1f} %"
+            notes.append(f"ranked by INT8-alone cost per FLOP: {100 * _kept(flops, other[:k]):.1f} % of the candidate "
+                         f"layers' FLOPs kept INT8 (by sensitivity: {before})")
+            names, best, tried, scores, reason = other, k, tried_other, costs, COST_REASON
     if best is None:
         best = max(tried, key=lambda k: _score(tried[k], tol))
         notes.append(f"moving all {len(names)} ranked layer(s) out of INT8 did not reach the tolerance; keeping the "
                      f"best found ({best} layer(s))")
     fallback = tuple({"node": n, "device": inputs.devices[n], "precision": next_precision(plan.precision_chain, inputs.devices[n]),
-                      "reason": SENSITIVITY_REASON, "sensitivity": round(scores[u], 6), "unit": u}
+                      "reason": reason, "sensitivity": round(scores[u], 6), "unit": u}
                      for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
     return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
-                     first, tuple(notes), calibration=method)
+                     first, tuple(notes), calibration=method, ranges=searched)
 
 
-def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path):
+def _unit_flops(model: NormalisedModel, units: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """Per fallback unit, the learned-layer FLOPs in it."""
+    from ..model.cost import node_flops
+
+    learned = set(learned_layers(model.graph))
+    nodes = {n.name: n for n in model.graph.nodes}
+    return {u: sum(node_flops(model.graph, nodes[n]) for n in members if n in learned) for u, members in units.items()}
+
+
+def _kept(flops: dict[str, int], moved: list[str]) -> float:
+    """The share of the units' learned FLOPs that stays INT8 when ``moved`` leave it."""
+    total = sum(flops.values())
+    return 1.0 - sum(flops[u] for u in moved) / total if total else 1.0
+
+
+def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path, search_probe=None,
+                 progress=None):
     """Steps 3 and 4 per calibration method (:func:`~.quantize.candidate_settings`: ``auto`` tries percentile only
-    when max misses): the all-INT8 artefacts and their check. Returns the closest to FP32 (a tie keeps the first)
-    as (settings, bases, measures, tolerance, notes)."""
+    when max misses; ``search`` searches its ranges first, :func:`_searched`): the all-INT8 artefacts and their
+    check. Returns the closest to FP32 (a tie keeps the first) as (settings, bases, measures, tolerance, notes)."""
     tried = []
     for settings in candidate_settings(inputs.settings):
+        if settings.method == SEARCH and not settings.searched:
+            settings = _searched(model, stats, plan, inputs, tmp, settings, search_probe, progress)
         bases = _bases(model, stats, plan, inputs, tmp, settings)
         first = runner.measure([finish_qdq(b, model, (), set(inputs.exclude) | set(inputs.keep_float)) for b in bases])
         tol, notes = _tolerance(first, inputs, len(inputs.check_idx))
@@ -319,6 +368,24 @@ def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner
         scored = ", ".join(f"{_method_text(t[0])} {_score(t[2], t[3]):+.4f}" for t in tried)
         best[4].append(f"calibration method {_method_text(best[0])} kept: all-INT8 margin to the tolerance {scored}")
     return best
+
+
+def _searched(model, stats, plan, inputs: DecisionInputs, tmp: Path, settings: QuantSettings, probe, progress
+              ) -> QuantSettings:
+    """``settings`` with the range search's ranges (:mod:`.range_search`), searched on the all-INT8 model of the
+    variant the fallback must hold on, from every tensor at its ``mse`` range; the DLA's tied groups and fused
+    gates keep their ranges."""
+    scope = _variant_scopes(plan)[-1]
+    ties = dla_ties(model.graph, scope)
+    start = replace(settings, method=START)
+    base = finish_qdq(base_qdq(model, stats, start, inputs.exclude, inputs.keep_float, ties, tmp / "search.onnx"),
+                      model, (), set(inputs.exclude) | set(inputs.keep_float))
+    (tmp / "search.onnx").unlink()
+    fixed = frozenset(t for g in ties.groups for t in g) | ties.gates
+    ranges, before, after = search_ranges(base, start.ranges(stats), candidate_ranges(stats), probe(), fixed, progress)
+    log.info("INT8 range search: output error %.4f (%s) -> %.4f", before, START, after)
+    base_ranges = stats.ranges("max")
+    return replace(settings, searched=tuple(sorted((t, a) for t, a in ranges.items() if a != base_ranges.get(t))))
 
 
 def _method_text(settings: QuantSettings) -> str:
@@ -395,6 +462,9 @@ def _score(measures: dict, tol: dict) -> float:
 def settings_of(check: Int8Check, settings: QuantSettings) -> QuantSettings:
     """The calibration settings a decision kept (its check's method; ``auto`` resolved)."""
     method = check.calibration.split()[0]
+    searched = tuple(sorted((check.ranges or {}).items()))
+    if method == SEARCH:
+        return replace(settings, method=method, searched=searched)
     return replace(settings, method=method) if settings.method == AUTO else settings
 
 

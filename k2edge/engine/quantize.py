@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 # 6: only the decoding in float; fallback by sensitivity, learned layers with their quantisers; exact tolerance
 # 7: the calibration method picked per model by the check (``auto``); 8: the emulation keeps Q/DQ unfused (a
 # decision cached before measured ONNX Runtime's saturating integer kernels, not INT8); 9: a moved layer's output is
-# quantised only where an INT8 node reads it, no model output is
-QUANT_VERSION = "9"
+# quantised only where an INT8 node reads it, no model output is; 10: the ``mse`` and ``search`` methods (ranges
+# searched against the model's output, kept in the decision), artefacts keyed by the settings' own key
+QUANT_VERSION = "10"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
@@ -58,21 +59,38 @@ GATE_RANGE = 1.0  # a sigmoid's output range, as qdq-translator gives a Sigmoid 
 
 
 AUTO = "auto"  # the INT8 check picks the method per model (:func:`candidate_settings`)
+SEARCH = "search"  # per-tensor ranges searched against the model's output (:mod:`.range_search`)
 
 
 @dataclass(frozen=True)
 class QuantSettings:
-    """How ranges come from the statistics: ``max`` or ``percentile`` (of magnitudes, default 99.99), or ``auto``:
-    the INT8 check picks one of them per model."""
+    """How ranges come from the statistics: ``max``, ``percentile`` (of magnitudes, default 99.99) or ``mse``;
+    ``search``: per tensor, the candidate that costs the model's output least (:mod:`.range_search`; ``searched``
+    holds the result once the search ran); or ``auto``: the INT8 check picks max or percentile per model."""
 
     method: str = "max"
     percentile: float = DEFAULT_PERCENTILE
+    searched: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
-        if self.method not in METHODS + (AUTO,):
-            raise BuildError(f"calibration method must be one of {', '.join(METHODS + (AUTO,))}, got {self.method!r}")
+        if self.method not in METHODS + (SEARCH, AUTO):
+            raise BuildError(f"calibration method must be one of {', '.join(METHODS + (SEARCH, AUTO))}, "
+                             f"got {self.method!r}")
         if not 50.0 < self.percentile <= 100.0:
             raise BuildError(f"calibration percentile must be within (50, 100], got {self.percentile}")
+
+    def ranges(self, stats: TensorStatistics) -> dict[str, float]:
+        """amax per tensor: the statistics' under the method; a search's own ranges over ``max``'s."""
+        if self.method == SEARCH:
+            if not self.searched:
+                raise BuildError("the search method's ranges come from the INT8 check's search, which has not run")
+            return {**stats.ranges("max"), **dict(self.searched)}
+        return stats.ranges(self.method, self.percentile)
+
+    @property
+    def key(self) -> str:
+        """What of the settings the artefacts depend on (the cache keys)."""
+        return digest(self.method, repr(self.percentile), json.dumps(self.searched))
 
 
 @dataclass(frozen=True)
@@ -694,7 +712,7 @@ def base_qdq(model: NormalisedModel, stats: TensorStatistics, settings: QuantSet
              ties: "DlaTies", dest: Path) -> onnx.ModelProto:
     """The all-INT8 Q/DQ model of one variant (no fallback yet): tied ranges, each fused gate pair left in float
     (the DLA does not round inside it), the planned non-INT8 and the card's float nodes excluded."""
-    emulated = {t: a for t, a in tie_ranges(stats.ranges(settings.method, settings.percentile), ties).items()
+    emulated = {t: a for t, a in tie_ranges(settings.ranges(stats), ties).items()
                 if t not in ties.gates}
     quantize_qdq(model, emulated, set(exclude_nodes) | set(keep_float) | set(ties.fused), dest)
     return onnx.load(str(dest))
@@ -791,7 +809,7 @@ def variant_files(model: NormalisedModel, stats: TensorStatistics, dest: Path, s
     float_tensors = {o for node in graph.nodes if node.name in set(keep_float) for o in node.outputs}
     float_tensors |= {o for node in graph.nodes if node.name in set(fallback_nodes) for o in node.outputs
                       if all(graph.nodes[i].name in moved for i in graph.consumers.get(o, []))}
-    trt = {k: v for k, v in tie_ranges(stats.ranges(settings.method, settings.percentile), ties).items()
+    trt = {k: v for k, v in tie_ranges(settings.ranges(stats), ties).items()
            if k not in float_tensors}
     (dest / "dynamic_ranges.json").write_text(json.dumps(trt, indent=1, sort_keys=True))
     write_trt_calibration_cache(dest / "calib.cache", trt)
@@ -807,7 +825,7 @@ def quant_variant(model: NormalisedModel, stats: TensorStatistics, stats_key: st
 
     excluded = sorted(set(exclude_nodes) | set(keep_float))
     scope = set(dla_nodes)
-    key = digest("int8", QUANT_VERSION, model.sha256, stats_key, settings.method, repr(settings.percentile),
+    key = digest("int8", QUANT_VERSION, model.sha256, stats_key, settings.key,
                  ",".join(excluded), ",".join(sorted(keep_float)), digest(*sorted(scope)), ",".join(sorted(fallback_nodes)),
                  onnxruntime.__version__)
 
@@ -922,7 +940,9 @@ def fold_batch_norm_params(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def candidate_settings(settings: QuantSettings) -> tuple[QuantSettings, ...]:
     """The methods a check tries, in order: ``auto`` tries ``max`` first and ``percentile`` when max misses the
-    tolerance (a tie keeps max); a named method is the only one."""
+    tolerance (a tie keeps max); a named method is the only one. The range search is not part of ``auto``: on
+    NudeNet's YOLOv8n with its Detect module in float it added about 400 s to the build and ``auto`` still kept
+    percentile (docs/int8.md, "Range search")."""
     if settings.method != AUTO:
         return (settings,)
     return replace(settings, method="max"), replace(settings, method="percentile")

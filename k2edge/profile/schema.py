@@ -53,8 +53,10 @@ class DLAMemoryPools(_Strict):
 class Calibration(_Strict):
     """INT8 calibration: how a tensor's range comes from the calibration set's statistics."""
 
-    method: Literal["auto", "max", "percentile"] = Field(
+    method: Literal["auto", "max", "percentile", "mse", "search"] = Field(
         "auto", description="max: the largest magnitude seen; percentile: the magnitude under which `percentile` % lie; "
+        "mse: the range with the least squared INT8 error of the tensor's own values; search: per tensor, the "
+        "candidate range that costs the model's output least on calibration samples (slow: one model run per candidate); "
         "auto: the INT8 check tries max, then percentile when max misses its tolerance, and keeps the closer to FP32")
     percentile: float = Field(99.99, description="for method percentile, within (50, 100]")
 
