@@ -84,7 +84,7 @@ class Frame:
 def _rgb_options() -> dict:
     """PyAV 17 spreads a conversion over a thread per core by default: for a 640 x 480 frame on cores the engine keeps
     busy, the hand-offs cost more than they save (0.26 against 0.19 CPU ms, and up to 1.6 against 0.8 ms on the
-    converting thread's clock), so the conversion runs on the thread that asks for it. Earlier versions use one."""
+    converting thread's wall clock), so the conversion runs on the thread that asks for it. Earlier versions use one."""
     import av  # a picture to convert means PyAV is loaded
 
     return {"threads": 1} if int(av.__version__.split(".")[0]) >= 17 else {}
