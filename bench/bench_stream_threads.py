@@ -101,6 +101,15 @@ def group(name: str | None) -> str:
     return "other"
 
 
+def daemon_segment(cache: Path, model: Path, card: Path) -> Path:
+    """The segment model the daemon runs (the engine cache's, as ``k2edge serve`` builds it under cpu-dev)."""
+    from k2edge.engine.engine import Engine
+
+    engine = Engine.build(str(model), "cpu-dev", cache_dir=str(cache / "engines"), spinning=False, threads_per_lane=0,
+                          max_batch=8, card=str(card))
+    return engine.backend.build.segments[0].path
+
+
 def bare_inference(segment: Path, card: Path, video: Path, seconds: float) -> tuple[float, float]:
     """Two single-threaded workers on one session of ``segment`` with the daemon's options: thread CPU ms a run, runs/s."""
     import av
@@ -171,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                                  bs.READY_TIMEOUT_S, "k2edge did not publish every stream")
                 time.sleep(args.warmup)
                 names = thread_names(pid)
-                segment = max((args.cache_dir / "engines" / "onnxruntime").glob("*/segment0.onnx"), key=lambda p: p.stat().st_mtime)
+                segment = daemon_segment(args.cache_dir, Path(rig.onnx), Path(rig.card))
                 for rnd in range(args.rounds):
                     timed = lambda: json.loads(runs_file.read_text())  # noqa: E731
                     a0, c0, t0, m0 = timed(), thread_cpu(pid), time.time(), rig.sub.mark()
