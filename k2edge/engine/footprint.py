@@ -4,8 +4,7 @@ A plan's weights are stored once per engine that holds them, at the precision ea
 value, FP16 2, INT8 1; integer constants as they are). What differs between backends is how many engines hold
 them when a daemon runs every batch size up to ``max_batch``:
 
-* ONNX Runtime: one session per segment with a dynamic batch axis, so every segment's weights once (once per lane
-  worker in the daemon, whose workers each hold sessions of their own: concurrent runs on one session cost more CPU);
+* ONNX Runtime: one session per segment with a dynamic batch axis, so every segment's weights once;
 * TensorRT: a GPU segment is one engine with an optimization profile per batch size (the profiles share its
   weights); a DLA segment is one static engine per batch size (the DLA takes no dynamic shapes and each loadable
   holds its own weights), so a DLA segment's weights are held once per batch size.

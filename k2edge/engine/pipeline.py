@@ -169,7 +169,7 @@ class LaneSet:
 
 @dataclass(frozen=True)
 class LaneLayout:
-    """How a plan's lanes use the CPU: workers per device (concurrent runs of one engine) and each
+    """How a plan's lanes use the CPU: workers per device (concurrent runs of one set of sessions) and each
     session's intra-op threads; ``why`` says how it was chosen, for reports."""
 
     workers: int

@@ -56,9 +56,8 @@ class ModelRuntime:
     """The engines of one model, built through the engine cache: ``engines`` maps every batch size the batcher
     may form to the engine that runs it.
 
-    On ONNX Runtime that is one engine with a dynamic batch axis for every size from 1 to ``max_batch`` (one build,
-    a session per segment for each lane worker: the weights once per worker, not per batch size) and a batch runs at
-    its own size. Where one
+    On ONNX Runtime that is one engine with a dynamic batch axis for every size from 1 to ``max_batch`` (one
+    session per segment: the weights and the arena are held once) and a batch runs at its own size. Where one
     engine cannot take every size (TensorRT here; a graph whose computation depends on the batch) there is one
     static engine per size of :func:`batch_sizes` and the batcher pads a batch up to the next. ``memory`` is
     what the engines hold, measured at activation (:meth:`activate`). ``version`` is the bundle version these engines were built
