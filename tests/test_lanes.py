@@ -1,5 +1,5 @@
 """Lanes sized to the cores: the layout ``threads_per_lane = 0`` / ``"auto"`` chooses, workers of one device running
-batches at once, each on sessions of its own of the one build, and the memory a model's engines hold reported per kind."""
+batches at once on one set of sessions, and the memory a model's engines hold reported per kind."""
 
 import os
 import threading
@@ -58,48 +58,6 @@ def test_workers_of_a_device_run_batches_at_once():
         lanes.stop()
     assert [o.tolist() for o in outs] == [[1, 1], [2, 2]]
     assert sorted(lanes.runs()["gpu"]) == [1, 1]
-
-
-def test_each_worker_runs_its_own_callable():
-    """Given a run callable per worker, worker k of the device runs the k-th; a count that does not fit is refused."""
-    both_in = threading.Barrier(2, timeout=20)
-    ran = [[], []]
-
-    def run_for(k):
-        def run(index, tensors):
-            ran[k].append(int(tensors["x"][0]))
-            both_in.wait()  # both workers busy at once: each job is on a different worker
-            return {"y": tensors["x"] + 1}
-        return run
-
-    lanes = LaneSet(Routing(((0,),), None, (0,), ("gpu",)), [run_for(0), run_for(1)], ("y",), workers=2)
-    lanes.start()
-    try:
-        outs = [f.result(timeout=30)["y"] for f in [lanes.submit({"x": np.full(2, i)}, None, None) for i in range(2)]]
-    finally:
-        lanes.stop()
-    assert [o.tolist() for o in outs] == [[1, 1], [2, 2]] and sorted(ran[0] + ran[1]) == [0, 1] and ran[0] and ran[1]
-    with pytest.raises(ValueError, match="3 run callables for 2 worker"):
-        LaneSet(Routing(((0,),), None, (0,), ("gpu",)), [run_for(0)] * 3, ("y",), workers=2)
-
-
-def test_workers_of_an_engine_have_sessions_of_their_own(demo_model):
-    """An auto layout's workers each run sessions of their own (one per segment) of the one build, and answer as the
-    caller's inline run does."""
-    from k2edge.engine.engine import Engine
-
-    engine = Engine.build(demo_model, "cpu-dev", threads_per_lane=0, spinning=False, max_batch=4)
-    with engine:
-        backend = engine.backend
-        sessions = [id(s) for worker in backend._worker_sessions for s in worker]
-        assert len(backend._worker_sessions) == backend.layout.workers == len(os.sched_getaffinity(0))
-        assert len(set(sessions)) == len(sessions) == backend.layout.workers * len(backend.build.segments)
-        x = np.random.default_rng(3).random((4, *engine.input_shape[1:]), dtype=np.float32)
-        inline = engine.infer({engine.input_name: x})
-        lanes = [engine.submit({engine.input_name: x}) for _ in range(2 * backend.layout.workers)]
-        for f in lanes:
-            out = f.result(timeout=60)
-            assert all(np.array_equal(out[k], inline[k]) for k in inline)
 
 
 def test_memory_metric_per_model_and_kind():

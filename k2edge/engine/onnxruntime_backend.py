@@ -1,7 +1,7 @@
 """The ONNX Runtime backend: a plan's segments as sub-models, one CPU lane per device.
 
 Each segment is an extracted sub-model with its own InferenceSession; each device of the plan
-(``gpu``, ``dla0``, ``dla1``) maps to a lane — worker threads, each with a session set of its own — and every
+(``gpu``, ``dla0``, ``dla1``) maps to a lane — a session set plus a worker thread — and every
 report names it as such (``dla0 (cpu lane)``): nothing measured here is a DLA number.
 
 Precision is carried out as far as ONNX Runtime can on a CPU: INT8 layers come from the Q/DQ
@@ -12,7 +12,6 @@ session); the build notes say so.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -161,7 +160,7 @@ class OnnxRuntimeBackend(Backend):
             still spin within a run (fast hand-offs between an operator's parts) but stop at its end.
         threads_per_lane: intra-op threads of each session; 0 chooses from the process's CPU affinity
             (:func:`~k2edge.engine.pipeline.lane_layout`: a one-device plan runs one single-threaded worker per
-            core, each on sessions of its own of the one build); None gives each device's one worker its share of the cores. A prefetch
+            core on one set of sessions); None gives each device's one worker its share of the cores. A prefetch
             staging thread keeps a core for itself.
     """
 
@@ -197,15 +196,10 @@ class OnnxRuntimeBackend(Backend):
             # only within a run keeps most of its speed: digits model here, batch 1 / 8: 0.32 / 2.0 ms
             # and 0.63 / 4.0 ms CPU a run, against 0.51 / 2.2 ms and 0.81 / 4.4 ms with no spinning at all
             opts.add_session_config_entry("session.force_spinning_stop", "1")
-        # Each worker runs sessions of its own: two workers' concurrent runs on one session cost more CPU a run
-        # (YOLOv8n at 640, two single-threaded workers: a session each 0.92x to 0.96x the CPU a run of one shared;
-        # bench/bench_inference_candidates.py sessions, docs/performance.md); the price is the weights once per worker
-        self._worker_sessions = [[self._session(a, opts) for a in self.build.segments] for _ in range(self.layout.workers)]
-        self._sessions = self._worker_sessions[0]  # infer() in the caller's thread
+        self._sessions = [self._session(a, opts) for a in self.build.segments]
         self._segment_outputs = [list(s.outputs) for s in self.plan.segments]
         self._segment_inputs = [list(s.inputs) for s in self.plan.segments]
-        runs = [functools.partial(self._run_on, sessions) for sessions in self._worker_sessions]
-        self._lanes = LaneSet(self.plan.routing, runs, self.outputs, self.layout.workers)
+        self._lanes = LaneSet(self.plan.routing, self._run_segment, self.outputs, self.layout.workers)
         self._lanes.start()
 
     @staticmethod
@@ -221,16 +215,12 @@ class OnnxRuntimeBackend(Backend):
             self._lanes.stop()
         self._lanes = None
         self._sessions = []
-        self._worker_sessions = []
 
     def _run_segment(self, index: int, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._run_on(self._sessions, index, tensors)
-
-    def _run_on(self, sessions: list, index: int, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = self._segment_outputs[index]
         feeds = {k: tensors[k] for k in self._segment_inputs[index]}
         try:
-            return dict(zip(names, sessions[index].run(names, feeds)))
+            return dict(zip(names, self._sessions[index].run(names, feeds)))
         except Exception as exc:
             raise InferenceError(f"segment {index} on {self.plan.segments[index].device} (cpu lane) failed: "
                                  f"{first_line(exc)}") from None

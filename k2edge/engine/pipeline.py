@@ -4,9 +4,8 @@ Consecutive requests overlap across lanes: while the ``dla0`` lane runs segment 
 the ``gpu`` lane can run segment 0 of request n+1. Model-wise plans instead send each request to
 one whole-model lane, chosen by smooth weighted round-robin over the plan's request shares.
 
-A device may have several workers (``workers``): threads taking jobs from one inbox and running batches
-concurrently, each through its own ``run`` where one is given per worker (the ONNX Runtime backend gives each
-worker sessions of its own: two concurrent runs on one session cost more CPU a run than on two).
+A device may have several workers (``workers``): threads taking jobs from one inbox and running the
+same sessions concurrently, so one engine's weights serve several batches at once.
 """
 
 from __future__ import annotations
@@ -112,18 +111,12 @@ class WeightedChooser:
 
 
 class LaneSet:
-    """The lanes of one plan and the routing of requests through them (the plan's :class:`Routing`).
+    """The lanes of one plan and the routing of requests through them (the plan's :class:`Routing`)."""
 
-    ``run`` runs a segment: one callable for every worker, or a sequence of ``workers`` callables, worker ``k`` of
-    each device running ``run[k]``."""
-
-    def __init__(self, routing: Routing, run: RunSegment | Sequence[RunSegment], outputs: tuple[str, ...], workers: int = 1):
-        runs = list(run) if isinstance(run, Sequence) else [run] * workers
-        if len(runs) != workers:
-            raise ValueError(f"{len(runs)} run callables for {workers} worker(s)")
-        self._lanes = {d: Lane(d, runs[0], self._lane_for_segment) for d in dict.fromkeys(routing.segment_devices)}
+    def __init__(self, routing: Routing, run: RunSegment, outputs: tuple[str, ...], workers: int = 1):
+        self._lanes = {d: Lane(d, run, self._lane_for_segment) for d in dict.fromkeys(routing.segment_devices)}
         # further workers of each device share its first lane's inbox: jobs go to whichever is free
-        self._workers = {d: [lane] + [Lane(d, runs[k], self._lane_for_segment, lane.inbox, k) for k in range(1, workers)]
+        self._workers = {d: [lane] + [Lane(d, run, self._lane_for_segment, lane.inbox, k) for k in range(1, workers)]
                          for d, lane in self._lanes.items()}
         self._routing = routing
         self._chooser = WeightedChooser(routing.shares) if routing.shares else None
