@@ -7,8 +7,8 @@ machine is shared, so read the variants of one command against each other.
 
 * ``options``: one thread; the daemon's session against the peer's (the raw export, ONNX Runtime's defaults, one
   intra-op thread) and the daemon's with denormals flushed to zero; each on a real frame, uniform noise and zeros.
-* ``sessions``: two workers on one session (the daemon until 0f810fa) against a session each, and the engine's own
-  ``submit`` path (its lanes, since 0f810fa a session per worker; the batch array built as ``ModelRuntime`` did).
+* ``sessions``: two workers on one session (the daemon) against a session each, and the engine's own ``submit`` path
+  (its lanes; the batch array built as ``ModelRuntime`` did before a lone sample became its own batch).
 * ``outputs``: ``run()`` against IOBinding into preallocated outputs (whether the output copy costs).
 * ``readers``: two workers alone, with four PyAV readers decoding the bench's videos in the same process (15 fps,
   non-reference frames skipped, as the daemon's readers do while it is overloaded), and those with each worker
