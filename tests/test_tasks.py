@@ -58,6 +58,25 @@ def test_bgr_reverses_channels_and_normalisation_applies_per_channel():
     assert nhwc.stage(img).shape == (64, 96, 3) and tuple(nhwc.stage(img)[0, 0]) == (200, 100, 50)
 
 
+@pytest.mark.parametrize("resize", ["letterbox", "pad-right", "stretch"])
+@pytest.mark.parametrize("color,layout,mean,std", [("RGB", "NCHW", (0.0,), (1.0,)), ("BGR", "NHWC", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+                                                   ("L", "NCHW", (0.5,), (0.25,)), ("L", "NHWC", (0.0,), (1.0,))])
+def test_a_frame_at_its_landing_size_stages_as_through_pillow(resize, color, layout, mean, std):
+    """A uint8 frame that needs no resize (a camera at the model's aspect) is written straight into the sample,
+    padding included: the same float32 bytes as the same pixels staged as a Pillow image; one that needs a resize
+    goes through Pillow."""
+    pre = Preprocess(InputSpec(color=color, size=(64, 96), resize=resize, pad_value=114, mean=mean, std=std, scale=1 / 255))
+    rng = np.random.default_rng(7)
+    direct = 0
+    for w, h in ((96, 48), (96, 64), (48, 64), (95, 64), (96, 41), (192, 96)):
+        frame = rng.integers(0, 256, (h, w) if color == "L" else (h, w, 3), dtype=np.uint8)
+        got, g = pre.stage_mapped(frame)
+        want, g_want = pre.stage_mapped(Image.fromarray(frame))
+        assert got.tobytes() == want.tobytes() and g == g_want, (w, h)
+        direct += pre._placed(frame) is not None
+    assert direct == (1 if resize == "stretch" else 5)  # (192, 96) is resized; stretch fits (96, 64) only
+
+
 def test_tensor_source_keeps_input_pixels():
     """A float tensor is taken as staged; its geometry leaves boxes in input pixels."""
     pre = _pre()

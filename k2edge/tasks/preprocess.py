@@ -183,17 +183,57 @@ class Preprocess:
             raise InputError("this model takes tensors, not images")
         if out is None:
             out = np.empty(self.sample_shape, dtype=np.float32)
-        pixels, geometry = self._pixels(source)
+        placed = self._placed(source)
+        if placed is None:
+            pixels, geometry = self._pixels(source)
+            self._normalise(pixels, out)
+            return out, geometry
+        # a decoded frame of the size it lands at (a camera at the model's aspect): straight into ``out``, the
+        # padding written as the normalised pad value; the same float32 operations as through the canvas
+        pixels, geometry = placed
+        x, y = int(geometry.pad_x), int(geometry.pad_y)
+        h, w = pixels.shape[:2]
         if self.layout == "NCHW":
-            chw = pixels.reshape(pixels.shape[0], pixels.shape[1], -1).transpose(2, 0, 1)
-            np.multiply(chw, self._scale, out=out, casting="unsafe")
-            out -= self._mean.reshape(-1, 1, 1)
-            out /= self._std.reshape(-1, 1, 1)
+            self._normalise(pixels, out[:, y:y + h, x:x + w])
+            pads = (out[:, :y], out[:, y + h:], out[:, y:y + h, :x], out[:, y:y + h, x + w:])
+        else:
+            self._normalise(pixels, out[y:y + h, x:x + w])
+            pads = (out[:y], out[y + h:], out[y:y + h, :x], out[y:y + h, x + w:])
+        if any(p.size for p in pads):
+            fill = np.empty(self.sample_shape[:1] + (1, 1) if self.layout == "NCHW" else (1, 1) + self.sample_shape[2:],
+                            dtype=np.float32)
+            self._normalise(np.full((1, 1, self.channels), self.spec.pad_value, dtype=np.uint8), fill)
+            for p in pads:
+                p[...] = fill
+        return out, geometry
+
+    def _normalise(self, pixels: np.ndarray, out: np.ndarray) -> None:
+        """uint8 pixels (H, W[, C]) into ``out`` (float32, the layout's order): ``pixels * scale``, then ``- mean``
+        and ``/ std`` where they are not 0 and 1 (those leave every float32 value as it is: the operations are skipped)."""
+        if self.layout == "NCHW":
+            np.multiply(pixels.reshape(pixels.shape[0], pixels.shape[1], -1).transpose(2, 0, 1), self._scale, out=out,
+                        casting="unsafe")
+            shape = (-1, 1, 1)
         else:
             np.multiply(pixels.reshape(out.shape), self._scale, out=out, casting="unsafe")
-            out -= self._mean
-            out /= self._std
-        return out, geometry
+            shape = (-1,)
+        if self._mean.any():
+            out -= self._mean.reshape(shape)
+        if (self._std != 1).any():
+            out /= self._std.reshape(shape)
+
+    def _placed(self, source) -> tuple[np.ndarray, Geometry] | None:
+        """A uint8 array already in the card's colours and at the size it lands at (no resize, no conversion, no
+        crop), in the card's channel order, and its geometry; None for anything else (staged through Pillow)."""
+        if not isinstance(source, np.ndarray) or source.dtype != np.uint8 or self.resize == "center-crop":
+            return None
+        if not (source.ndim == 2 if self.color == "L" else source.ndim == 3 and source.shape[2] == 3):
+            return None
+        height, width = source.shape[:2]
+        geometry = self.geometry(width, height)
+        if (round(geometry.width * geometry.scale_x), round(geometry.height * geometry.scale_y)) != (width, height):
+            return None
+        return (source[..., ::-1] if self.color == "BGR" else source), geometry
 
     def _pixels(self, source) -> tuple[np.ndarray, Geometry]:
         """The image as uint8 (H, W[, C]) of the input size, resized and padded, and its geometry."""
