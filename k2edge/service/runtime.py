@@ -263,11 +263,6 @@ class ModelRuntime:
         view.batch1_s = self.batch1_s  # a view is not re-measured; the batcher judges quickness by it
         return view
 
-    @property
-    def single_lane(self) -> bool:
-        """True when the engine runs on one lane: a batch is then run inline by the thread that formed it."""
-        return len(self.engines[1].lanes()) == 1
-
     def lanes(self) -> list[str]:
         return [f"{lane.label} [{lane.precision}]" for lane in self.engines[1].lanes()]
 
