@@ -255,8 +255,10 @@ def test_a_thermal_switch_while_requests_flow_keeps_the_version_and_loses_nothin
         "thermal": {"source": "sysfs", "sysfs_root": str(tmp_path / "sysfs"), "sample_interval_ms": 50}})
     _daemon(cfg, tmp_path, broker)
     before = _status(broker.port)["models"][0]
-    cores = len(os.sched_getaffinity(0))  # cpu-dev: a single-threaded worker per core (threads_per_lane 0)
-    assert (before["profile"], before["slots"]) == ("cpu-dev", 1 if cores == 1 else cores + 1)
+    # cpu-dev: a single-threaded worker per core (threads_per_lane 0); digits answers a lone request in well under
+    # 5 ms, so its batches run inline (one slot) unless the machine was too busy at activation to measure it so
+    cores = len(os.sched_getaffinity(0))
+    assert before["profile"] == "cpu-dev" and before["slots"] in (1, cores + 1), before
     client = Client(broker.port).connect()
     stop, sent = threading.Event(), []
 
