@@ -104,16 +104,24 @@ def test_silu_detector_map_holds_with_the_fallback(silu, tmp_path):
 
 # --- public pretrained models (from packages, not trained here) ---------------------------------------------------
 
-def test_public_yolov8n_float_head_is_its_detect_module():
-    """The automatic float head of NudeNet's YOLOv8n (decoding, DFL and the cv2/cv3 box and class branches, found by
-    the fork each pair shares) is exactly Ultralytics' Detect module, /model.22/ -- what the fixture's plain
-    onnxruntime reference keeps in float; the demo detector's coupled head (one branch per scale) gains nothing."""
-    from k2edge.engine.quantize import detect_branches, detection_head
+def test_public_yolov8n_float_head_is_its_decoding_and_branches_add_the_detect_module():
+    """NudeNet's YOLOv8n: the automatic float head is its decoding (DFL, box arithmetic, the final concat, the class
+    sigmoid: no learned layer but the DFL's fixed integral); ``float_head = "branches"`` adds the cv2/cv3 box and
+    class branches, found by the fork each pair shares: exactly Ultralytics' Detect module, /model.22/, what the
+    fixture's plain onnxruntime reference keeps in float. The demo detector's coupled head (one branch per scale)
+    gains nothing from the branches."""
+    from k2edge.engine.quantize import detect_branches, detection_head, learned_layers
 
     nm = normalise(str(packaged_model("nudenet-320n")), input_shapes={"images": (1, 3, 320, 320)})
-    keep = float_nodes(nm.graph, load_card(INT8 / "nudenet-320n" / "card.toml"))
-    assert keep == {n.name for n in nm.graph.nodes if n.name.startswith("/model.22/")}
-    assert len(keep) == 66
+    card = load_card(INT8 / "nudenet-320n" / "card.toml")
+    detect = {n.name for n in nm.graph.nodes if n.name.startswith("/model.22/")}
+    decoding = float_nodes(nm.graph, card)
+    assert decoding < detect
+    assert set(learned_layers(nm.graph)) & decoding == {"/model.22/dfl/conv/Conv"}
+    assert decoding == detection_head(nm.graph, nm.graph.outputs[0])
+    branches = card.model_copy(update={"quantization": card.quantization.model_copy(update={"float_head": "branches"})})
+    keep = float_nodes(nm.graph, branches)
+    assert keep == detect and len(keep) == 66
     demo = normalise(str(DETECTOR / "model.onnx"))
     head = detection_head(demo.graph, demo.graph.outputs[0])
     assert detect_branches(demo.graph, head) == set()

@@ -21,14 +21,22 @@ from test_int8_fixtures import INT8, packaged_model
 @pytest.mark.slow
 def test_a_held_out_part_with_too_few_boxes_is_inconclusive(tmp_path):
     """The fixture's 48 scene crops hold out 9 images with about one face: whatever the fallback moved on so few
-    items, the check is inconclusive, never passed, and says what data to give. (The session's cache: the decision
-    is test_int8_models' YOLOv8n GPU build's, when that ran first; the cached check is the one built.)"""
+    items, the check is inconclusive, never passed, and says what data to give; and since it cannot vouch for the
+    Detect module's box and class branches in INT8 (the default float head is the decoding alone), they fall back
+    first, with that reason. (The session's cache: the decision is test_int8_models' YOLOv8n GPU build's, when that
+    ran first; the cached check is the one built.)"""
+    from k2edge.engine.int8 import HEAD_REASON
+    from k2edge.engine.quantize import head_branches
+
     engine = Engine.build(packaged_model("nudenet-320n"), GPU_CHAIN, calib=INT8 / "calib",
                           card=INT8 / "nudenet-320n" / "card.toml")
     check = engine.info.int8_check
     assert check.status == "inconclusive" and check.power[1] < 50, check.line()
     assert "at least 50 FP32 boxes" in check.line() and not check.passed
-    shares = engine.plan.precision_flops  # the automatic float head is the Detect module: at most about 63 % INT8
+    held = {f["node"] for f in check.fallback if f["reason"] == HEAD_REASON}
+    assert held == head_branches(engine.model.graph, engine.card) and len(held) > 40, sorted(held)[:5]
+    assert any("too few to vouch" in n for n in check.notes), check.notes
+    shares = engine.plan.precision_flops  # the decoding and the branches (the Detect module) float: at most about 63 % INT8
     assert shares["measured"] and shares["model"]["int8"] < 0.70 and shares["model"]["fp32"] == 0, shares
 
 

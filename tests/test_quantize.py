@@ -474,3 +474,34 @@ def test_no_qdq_only_float_nodes_read_nor_on_a_model_output(tmp_path):
     every = finish_qdq(base, nm, ("conv1", "add", "gate", "conv2", "sigmoid"), ["hsig"])
     assert not quantised(every), quantised(every)
     np.testing.assert_allclose(run(every), run(nm.model), atol=2e-3)
+
+
+def test_runs_answers_in_order_as_one_single_threaded_session_does_taking_only_a_core_count_ahead(demo_model, monkeypatch):
+    """The INT8 build's ONNX Runtime passes (statistics, checks, sensitivities) run one sample per core at a time:
+    the results come in the feeds' order, equal to one session's run after run, and the feeds are taken no further
+    ahead than there are cores (so the statistics hold a few samples' activations, not the set's)."""
+    from k2edge.engine import calibration
+    from k2edge.engine.calibration import runs, session
+
+    monkeypatch.setattr(calibration, "cores", lambda: 3)
+    nm = normalise(str(demo_model))
+    name = nm.graph.inputs[0]
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(nm.graph.shape(name)).astype(np.float32) for _ in range(17)]
+    one = session(nm.model)
+    want = [one.run(None, {name: x})[0] for x in inputs]
+    taken, ahead = [], []
+
+    def feeds():
+        for x in inputs:
+            taken.append(x)
+            yield {name: x}
+
+    got = []
+    for out in runs(session(nm.model), None, feeds()):
+        ahead.append(len(taken) - len(got))
+        got.append(out[0])
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert max(ahead) == 3, ahead

@@ -28,6 +28,7 @@ The contract (every key optional; a card names only what differs from what the m
     sigmas = [0.026, ...]              # OKS sigmas (COCO's for the 17)
     [quantization]
     keep_float = ["/model.22/dfl/conv/Conv"]   # nodes kept out of INT8 besides a detector's head
+    float_head = "decoding"            # decoding (DFL, box arithmetic, final concat, sigmoid) | branches (+ the Detect module)
     method = "max"                     # auto | max | percentile | mse | search (overrides the profile's edge_runtime.calibration)
     percentile = 99.99                 # for method = "percentile"
     tolerance = { recall = 0.97 }      # the INT8 check's minimum per measure (overrides edge_runtime.int8_tolerance)
@@ -243,11 +244,13 @@ class PoseSpec(_Strict):
 
 
 class QuantizationSpec(_Strict):
-    """INT8 settings: ``keep_float`` names nodes kept in FP16/FP32 (a detector's head is kept automatically);
-    ``method``/``percentile`` and ``tolerance`` override the profile's ``edge_runtime.calibration`` and
-    ``edge_runtime.int8_tolerance``."""
+    """INT8 settings: ``keep_float`` names nodes kept in FP16/FP32 besides a detector's float head, which is its
+    decoding (``float_head = "decoding"``) or that and the decoupled branches behind it (``"branches"``: the whole
+    Detect module of an Ultralytics export); ``method``/``percentile`` and ``tolerance`` override the profile's
+    ``edge_runtime.calibration`` and ``edge_runtime.int8_tolerance``."""
 
     keep_float: tuple[str, ...] = ()
+    float_head: Literal["decoding", "branches"] = "decoding"
     method: Literal["auto", "max", "percentile", "mse", "search"] | None = None
     percentile: float | None = None
     tolerance: dict[str, float] | None = None

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from .calibration import session
+from .calibration import runs, session
 from .quantize import unquantise_layers
 
 SENSITIVITY_SAMPLES = 6  # calibration samples each candidate runs on (one ORT session per unit)
@@ -59,9 +59,8 @@ class OutputProbe:
         self.reference = self._run(model)
 
     def _run(self, model: onnx.ModelProto) -> list[np.ndarray]:
-        s = session(model, optimise=True)
-        runs = [s.run(None, {self.input_name: b}) for b, _ in self.batches]
-        return [np.concatenate([r[k][:n] for r, (_, n) in zip(runs, self.batches)]) for k in range(len(runs[0]))]
+        got = list(runs(session(model, optimise=True), None, ({self.input_name: b} for b, _ in self.batches)))
+        return [np.concatenate([r[k][:n] for r, (_, n) in zip(got, self.batches)]) for k in range(len(got[0]))]
 
     def error(self, model: onnx.ModelProto) -> float:
         return output_error(self.reference, self._run(model))

@@ -37,13 +37,13 @@ from ..model.datasets import Dataset
 from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
-from .calibration import TensorStatistics, session
+from .calibration import TensorStatistics, runs, session
 from .check import COUNTED, Int8Check, compare_outputs, meets, min_check, relaxed, resolvable, tolerance_for, verdict
 from .fallback import (SENSITIVITY_SAMPLES, OutputProbe, int8_alone_costs, rank, rank_by_cost_per_flop, search_budget,
                        sensitivity, smallest_prefix)
 from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, SEARCH, QuantArtefacts, QuantSettings,
                        calibration_split, base_qdq, calibration_statistics, candidate_settings, dla_ties,
-                       fallback_units, finish_qdq, float_nodes, learned_layers, plan_dla_nodes, qdq_int8_layers,
+                       fallback_units, finish_qdq, float_nodes, head_branches, learned_layers, plan_dla_nodes, qdq_int8_layers,
                        quant_settings, quant_variant, stage_batches, statistics_key)
 from .range_search import SEARCH_SAMPLES, START, candidate_ranges, search_ranges
 from .shares import with_shares
@@ -128,11 +128,13 @@ class CheckRunner:
             low = decoder.card.model_copy(update={"detection": spec.model_copy(update={"score_threshold": spec.score_threshold / 2})})
             self.relaxed = TaskDecoder(low, decoder.labels, {o: model.graph.shape(o) for o in model.graph.outputs})
         self.staged = list(stage_batches(dataset, preprocess, self.shape, indices))  # staged once, run per candidate
-        ref = session(model.model, optimise=True)
-        self.reference = [self._named(ref.run(self.outputs, {self.model.graph.inputs[0]: b}), n) for b, n in self.staged]
+        self.reference = self._run(model.model)
 
-    def _named(self, values, n) -> dict[str, np.ndarray]:
-        return {k: v[:n] for k, v in zip(self.outputs, values)}
+    def _run(self, model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
+        """``model``'s outputs on every check batch, named, real rows only."""
+        feeds = ({self.model.graph.inputs[0]: b} for b, _ in self.staged)
+        return [{k: v[:n] for k, v in zip(self.outputs, values)}
+                for values, (_, n) in zip(runs(session(model, optimise=True), self.outputs, feeds), self.staged)]
 
     def _masks(self, outputs, row: int, dets) -> list:
         """A segmentation's masks of one sample's detections, at the input's size."""
@@ -145,8 +147,7 @@ class CheckRunner:
         d, low = self.decoder, self.relaxed
         per_model = []
         for m in qdq_models:
-            s = session(m, optimise=True)
-            got = [self._named(s.run(self.outputs, {self.model.graph.inputs[0]: b}), n) for b, n in self.staged]
+            got = self._run(m)
             per_model.append(compare_outputs(
                 self.task, self.reference, got,
                 probabilities=(lambda o: d.probabilities(o)) if d is not None else None,
@@ -187,6 +188,7 @@ class DecisionInputs:
     devices: dict[str, str]
     allow: bool
     key: str
+    branches: tuple[str, ...] = ()
 
 
 def decision_inputs(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, preprocess: Preprocess,
@@ -195,6 +197,7 @@ def decision_inputs(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
     graph = model.graph
     int8_nodes = {n for s in plan.segments for n, p in s.layer_precision.items() if p == "int8"}
     keep_float = tuple(sorted(float_nodes(graph, card) & int8_nodes))
+    branches = tuple(sorted(head_branches(graph, card) & int8_nodes - set(keep_float)))
     exclude = tuple(sorted(n.name for n in graph.nodes if n.name not in int8_nodes))
     settings = quant_settings(edge_runtime, card)
     _, held_out, in_sample = calibration_split(len(calib))
@@ -209,9 +212,9 @@ def decision_inputs(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
     allow = any(next_precision(plan.precision_chain, d) for d in set(devices.values()))
     key = digest("int8-decision", QUANT_VERSION, model.identity, statistics_key(model, calib, preprocess), settings.method,
                  repr(settings.percentile), json.dumps(tolerance, sort_keys=True), check_fp, repr(check_idx),
-                 plan_identity(plan), ",".join(keep_float), ",".join(exclude))
+                 plan_identity(plan), ",".join(keep_float), ",".join(exclude), ",".join(branches))
     return DecisionInputs(keep_float, exclude, settings, check_data, check_idx, source, tolerance, explicit, devices,
-                          allow, key)
+                          allow, key, branches)
 
 
 def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, preprocess: Preprocess, card: ModelCard,
@@ -276,24 +279,35 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     settings, bases, first, tol, notes = _first_check(model, stats, plan, inputs, runner, tmp, search_probe, progress)
     task, n_check, method = runner.task, len(inputs.check_idx), _method_text(settings)
     searched = dict(settings.searched) or None
+    floats = set(inputs.exclude) | set(inputs.keep_float)
+    count, need = min_check(task)
+    powered = int(first.get(count, n_check if count == "samples" else 0)) >= need
+    # a check without the power for a verdict cannot vouch for a detection head's branches in INT8: they fall back first
+    held = inputs.branches if inputs.allow and not powered else ()
+    all_int8, before = first, None
+    if held:
+        first, before = runner.measure([finish_qdq(b, model, held, floats) for b in bases]), all_int8
+        notes.append(f"the detection head's branches ({len(held)} node(s)) kept out of INT8: {int(first.get(count, 0))} "
+                     f"FP32 box(es) on the check are too few to vouch for them ({need} needed)")
+    pre = _entries(plan, inputs, held, HEAD_REASON)
     if meets(first, tol):
-        return Int8Check(task, verdict(task, first, True, False), inputs.source, n_check, first, tol, notes=tuple(notes),
-                         calibration=method, ranges=searched)
+        return Int8Check(task, verdict(task, first, True, bool(held)), inputs.source, n_check, first, tol, pre, before,
+                         notes=tuple(notes), calibration=method, ranges=searched)
     if not inputs.allow:
         notes.append("the precision chain ends at int8: no layer falls back")
         return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method,
                          ranges=searched)
-    units = fallback_units(model.graph, [n.name for n in model.graph.nodes
-                                         if n.name in inputs.devices and n.name not in inputs.keep_float])
-    floats = set(inputs.exclude) | set(inputs.keep_float)
-    measured: dict[frozenset, dict] = {frozenset(): first}  # by the nodes moved, shared by both rankings
+    units = fallback_units(model.graph, [n.name for n in model.graph.nodes if n.name in inputs.devices
+                                         and n.name not in inputs.keep_float and n.name not in held])
+    measured: dict[frozenset, dict] = {frozenset(held): first}  # by the nodes moved, shared by both rankings
 
-    def search(names: list[str]) -> tuple[int | None, dict[int, dict]]:
-        """The smallest prefix of ``names`` whose move meets the tolerance, and every prefix measured."""
+    def search(names: list[str], upto: int | None = None) -> tuple[int | None, dict[int, dict]]:
+        """The smallest prefix of ``names`` (of at most ``upto`` units) whose move meets the tolerance, and every
+        prefix measured."""
         tried: dict[int, dict] = {0: first}
 
         def holds(k: int) -> bool:
-            key = frozenset(n for u in names[:k] for n in units[u])
+            key = frozenset(n for u in names[:k] for n in units[u]) | frozenset(held)
             if key not in measured:
                 measured[key] = runner.measure([finish_qdq(b, model, tuple(sorted(key)), floats) for b in bases])
                 if progress:
@@ -301,23 +315,28 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
             tried[k] = measured[key]
             return meets(tried[k], tol)
 
-        return smallest_prefix(holds, len(names)), tried
+        return smallest_prefix(holds, len(names) if upto is None else upto), tried
 
-    scores = sensitivity(probe(), finish_qdq(bases[-1], model, (), floats), model.model, units, progress)
+    scores = sensitivity(probe(), finish_qdq(bases[-1], model, held, floats), model.model, units, progress)
     names = rank(scores, list(units))
-    (best, tried), reason = search(names), SENSITIVITY_REASON
     flops = _unit_flops(model, units)
-    count, need = min_check(task)
-    powered = int(first.get(count, n_check if count == "samples" else 0)) >= need
-    if powered and (best is None or _kept(flops, names[:best]) < SECOND_RANKING_BELOW):
+    # where the second ranking may run, the first is searched only as far as it keeps SECOND_RANKING_BELOW: past that
+    # the second runs anyway, and one of its fallbacks that keeps as much beats every longer prefix of the first
+    half = sum(1 for k in range(1, len(names) + 1) if _kept(flops, names[:k]) >= SECOND_RANKING_BELOW)
+    (best, tried), reason = search(names, half if powered else None), SENSITIVITY_REASON
+    if powered and best is None:
         # the sensitivity ranking lost most of the INT8: rank by what each layer costs alone, per FLOP (not on a check
         # too small for a verdict: it could not vouch for the INT8 the second ranking keeps)
         costs = int8_alone_costs(probe(), lambda u: finish_qdq(
-            bases[-1], model, tuple(n for v in units if v != u for n in units[v]), floats), units, progress)
+            bases[-1], model, tuple(n for v in units if v != u for n in units[v]) + held, floats), units, progress)
         other = rank_by_cost_per_flop(costs, flops, list(units))
         k, tried_other = search(other)
+        searched_all = k is None or _kept(flops, other[:k]) < SECOND_RANKING_BELOW
+        if searched_all:
+            best, tried = search(names)  # the rest of the first ranking (what was measured is not measured again)
         if k is not None and (best is None or _kept(flops, other[:k]) > _kept(flops, names[:best])):
-            before = "none that met the tolerance" if best is None else f"{100 * _kept(flops, names[:best]):.1f} %"
+            before = (f"{100 * _kept(flops, names[:best]):.1f} %" if best is not None else "none that met the tolerance"
+                      if searched_all else f"none that met the tolerance keeping {100 * SECOND_RANKING_BELOW:.0f} %")
             notes.append(f"ranked by INT8-alone cost per FLOP: {100 * _kept(flops, other[:k]):.1f} % of the candidate "
                          f"layers' FLOPs kept INT8 (by sensitivity: {before})")
             names, best, tried, scores, reason = other, k, tried_other, costs, COST_REASON
@@ -325,12 +344,21 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
         best = max(tried, key=lambda k: _score(tried[k], tol))
         notes.append(f"moving all {len(names)} ranked layer(s) out of INT8 did not reach the tolerance; keeping the "
                      f"best found ({best} layer(s))")
-    fallback = tuple({"node": n, "device": inputs.devices[n], "precision": next_precision(plan.precision_chain, inputs.devices[n]),
-                      "reason": reason, "sensitivity": round(scores[u], 6), "unit": u}
-                     for u in names[:best] for n in units[u])
+    fallback = pre + tuple({"node": n, "device": inputs.devices[n], "precision": next_precision(plan.precision_chain, inputs.devices[n]),
+                            "reason": reason, "sensitivity": round(scores[u], 6), "unit": u}
+                           for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
     return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
-                     first, tuple(notes), calibration=method, ranges=searched)
+                     all_int8, tuple(notes), calibration=method, ranges=searched)
+
+
+HEAD_REASON = "a detection head's branch: the check has too few FP32 boxes to vouch for it in INT8"
+
+
+def _entries(plan: PartitionPlan, inputs: DecisionInputs, nodes, reason: str) -> tuple[dict, ...]:
+    """Fallback entries of ``nodes`` moved for ``reason`` (each to the chain's next precision on its device)."""
+    return tuple({"node": n, "device": inputs.devices[n], "precision": next_precision(plan.precision_chain, inputs.devices[n]),
+                  "reason": reason} for n in nodes)
 
 
 def _unit_flops(model: NormalisedModel, units: dict[str, tuple[str, ...]]) -> dict[str, int]:

@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 # 7: the calibration method picked per model by the check (``auto``); 8: the emulation keeps Q/DQ unfused (a
 # decision cached before measured ONNX Runtime's saturating integer kernels, not INT8); 9: a moved layer's output is
 # quantised only where an INT8 node reads it, no model output is; 10: the ``mse`` and ``search`` methods (ranges
-# searched against the model's output, kept in the decision), artefacts keyed by the settings' own key
-QUANT_VERSION = "10"
+# searched against the model's output, kept in the decision), artefacts keyed by the settings' own key; 11: a detector's
+# float head is its decoding (its branches INT8 unless the check moves them, first when it cannot vouch for them), the
+# first fallback ranking searched only as far as it keeps half the INT8 where the second may run, runs one per core
+QUANT_VERSION = "11"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
 MAX_SPLIT_SAMPLES = 1280  # of a calibration set, the first 1280 are split: 256 held out, 512 of the rest calibrate
@@ -235,14 +237,14 @@ def detect_branches(graph: Graph, head: set[str]) -> set[str]:
 
 
 def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
-    """Nodes the card keeps out of INT8: a detector's head (automatically) and ``[quantization] keep_float``.
+    """Nodes the card keeps out of INT8: a detector's float head (automatically) and ``[quantization] keep_float``.
 
-    The decoding (:func:`detection_head`: DFL, box arithmetic, the final concat, the class sigmoid; of a
-    segmentation, pose or obb model, that of every output) and the decoupled branches behind it
-    (:func:`detect_branches`: the whole Detect module of an Ultralytics export) are float by default. With only the
-    decoding float, NudeNet's YOLOv8n loses boxes at its score threshold that no fallback the check's ranking finds
-    recovers short of 14 % INT8 (docs/int8.md, "Public models"); with the Detect module float it holds them at
-    55 % INT8.
+    The head is the decoding (:func:`detection_head`: DFL, box arithmetic, the final concat, the class sigmoid; of a
+    segmentation, pose or obb model, that of every output); with ``float_head = "branches"`` also the decoupled
+    branches behind it (:func:`detect_branches`: the whole Detect module of an Ultralytics export, 37 % of
+    YOLOv8n's FLOPs). The decoding alone is the default: the branches run INT8 unless the check moves them, and a
+    check without the power for a verdict moves them first (:func:`head_branches`; docs/int8.md, "A float head
+    only where it pays").
 
     Raises:
         BuildError: ``keep_float`` names a node the model does not have.
@@ -252,16 +254,33 @@ def float_nodes(graph: Graph, card: ModelCard) -> set[str]:
     if unknown:
         raise BuildError(f"{card.source or 'card'}: quantization.keep_float: the model has no node(s) "
                          f"{', '.join(map(repr, unknown[:5]))} (k2edge inspect MODEL lists the node names)")
-    keep = set(card.quantization.keep_float)
+    head = _decoding(graph, card)
+    if card.quantization.float_head == "branches":
+        head |= detect_branches(graph, head)
+    return set(card.quantization.keep_float) | head
+
+
+def head_branches(graph: Graph, card: ModelCard) -> set[str]:
+    """The decoupled branches of a detection head that the default ``float_head = "decoding"`` plans in INT8, and that
+    the build keeps out of INT8 when its check has too few FP32 boxes to vouch for them (empty otherwise)."""
+    if card.quantization.float_head != "decoding":
+        return set()
+    return detect_branches(graph, _decoding(graph, card))
+
+
+def _decoding(graph: Graph, card: ModelCard) -> set[str]:
+    """A box task's decoding: :func:`detection_head` of the card's output (of every output for segmentation, pose and
+    obb: mask coefficients, keypoints, angles); empty for other tasks."""
     if card.task == "detection":
-        head = detection_head(graph, card.detection.output_name or graph.outputs[0])
-        keep |= head | detect_branches(graph, head)
-    elif card.task in ("segmentation", "pose", "obb"):  # every output: mask coefficients, keypoints, angles
-        head = set()
-        for output in graph.outputs:
-            head |= detection_head(graph, output)
-        keep |= head | detect_branches(graph, head)
-    return keep
+        outputs = [card.detection.output_name or graph.outputs[0]]
+    elif card.task in ("segmentation", "pose", "obb"):
+        outputs = list(graph.outputs)
+    else:
+        return set()
+    head: set[str] = set()
+    for output in outputs:
+        head |= detection_head(graph, output)
+    return head
 
 
 def calibration_split(n_available: int) -> tuple[list[int], list[int], bool]:

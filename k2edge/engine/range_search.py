@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from .calibration import TensorStatistics, session
+from .calibration import TensorStatistics, runs, session
 from .fallback import OutputProbe, output_error
 
 SEARCH_SAMPLES = 8  # calibration samples each trial runs on (spread over the calibration set)
@@ -86,7 +86,7 @@ def search_ranges(qdq: onnx.ModelProto, start: dict[str, float], candidates: dic
 
     def error(ranges: dict[str, float]) -> float:
         feeds = {scales[t]: np.array(max(a, 1e-12) / 127.0, dtype=np.float32) for t, a in ranges.items()}
-        outs = [run.run(None, {name: b, **feeds}) for b, _ in probe.batches]
+        outs = list(runs(run, None, ({name: b, **feeds} for b, _ in probe.batches)))
         got = [np.concatenate([o[k][:n] for o, (_, n) in zip(outs, probe.batches)]) for k in range(len(outs[0]))]
         return output_error(probe.reference, got)
 
