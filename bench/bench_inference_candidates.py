@@ -78,8 +78,9 @@ def session(path: Path, daemon: bool = True, denormals_zero: bool = False):
     return ort.InferenceSession(str(path), o, providers=["CPUExecutionProvider"])
 
 
-def workers(sessions: list, frames: list, seconds: float, pin: bool = False) -> float:
-    """One thread per session in ``sessions`` (the same one twice: two workers on it) for ``seconds``: CPU ms a run."""
+def workers(sessions: list, frames: list, seconds: float, pin: bool = False) -> tuple[float, float]:
+    """One thread per session in ``sessions`` (the same one twice: two workers on it) for ``seconds``: (thread CPU ms
+    a run, runs a second)."""
     stop, cpu, runs = threading.Event(), [0.0] * len(sessions), [0] * len(sessions)
 
     def loop(i: int) -> None:
@@ -101,7 +102,7 @@ def workers(sessions: list, frames: list, seconds: float, pin: bool = False) -> 
     stop.set()
     for t in threads:
         t.join()
-    return sum(cpu) * 1e3 / max(sum(runs), 1)
+    return sum(cpu) * 1e3 / max(sum(runs), 1), sum(runs) / seconds
 
 
 def report(results: dict[str, list[float]], base: str | None = None) -> None:
@@ -160,8 +161,8 @@ def cmd_sessions(a, engine, segment, model, pre, frames, videos) -> None:
         return (lane_cpu() - c0) * 1e3 / done
 
     results: dict[str, list[float]] = {}
-    variants = [("one session, two workers", lambda: workers([one, one], frames, a.seconds)),
-                ("a session each", lambda: workers(two, frames, a.seconds)), ("Engine.submit on its lanes", engine_path)]
+    variants = [("one session, two workers", lambda: workers([one, one], frames, a.seconds)[0]),
+                ("a session each", lambda: workers(two, frames, a.seconds)[0]), ("Engine.submit on its lanes", engine_path)]
     for r in range(a.rounds):
         for label, run in variants if r % 2 == 0 else variants[::-1]:  # ABC CBA: no variant always runs first
             results.setdefault(label, []).append(run())
@@ -219,7 +220,7 @@ def cmd_readers(a, engine, segment, model, pre, frames, videos) -> None:
         for label, dec, pin in (("alone", False, False), ("with four readers", True, False), ("with four readers, pinned", True, True)):
             (decoding.set if dec else decoding.clear)()
             time.sleep(0.5)
-            results.setdefault(label, []).append(workers([s, s], frames, a.seconds, pin))
+            results.setdefault(label, []).append(workers([s, s], frames, a.seconds, pin)[0])
     report(results, "alone")
 
 

@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -113,8 +112,8 @@ def daemon_segment(cache: Path, model: Path, card: Path) -> Path:
 def bare_inference(segment: Path, card: Path, video: Path, seconds: float) -> tuple[float, float]:
     """Two single-threaded workers on one session of ``segment`` with the daemon's options: thread CPU ms a run, runs/s."""
     import av
-    import onnxruntime as ort
 
+    from bench_inference_candidates import session, workers
     from k2edge.config.card import load_card
     from k2edge.tasks import Preprocess
 
@@ -126,29 +125,7 @@ def bare_inference(segment: Path, card: Path, video: Path, seconds: float) -> tu
                 frames.append(pre.stage(f.to_ndarray(format="rgb24"))[None].copy())
             if len(frames) == 4:
                 break
-    o = ort.SessionOptions()
-    o.intra_op_num_threads, o.inter_op_num_threads, o.enable_mem_pattern, o.log_severity_level = 1, 1, False, 4
-    o.add_session_config_entry("session.disable_quant_qdq", "1")
-    o.add_session_config_entry("session.force_spinning_stop", "1")
-    s = ort.InferenceSession(str(segment), o, providers=["CPUExecutionProvider"])
-    name, stop, cpu, runs = s.get_inputs()[0].name, threading.Event(), [0.0, 0.0], [0, 0]
-
-    def loop(i: int) -> None:
-        s.run(None, {name: frames[0]})
-        t0, k = time.thread_time(), 0
-        while not stop.is_set():
-            s.run(None, {name: frames[k % len(frames)]})
-            k += 1
-        cpu[i], runs[i] = time.thread_time() - t0, k
-
-    workers = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
-    for w in workers:
-        w.start()
-    time.sleep(seconds)
-    stop.set()
-    for w in workers:
-        w.join()
-    return sum(cpu) * 1e3 / max(sum(runs), 1), sum(runs) / seconds
+    return workers([session(segment)] * 2, frames, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
