@@ -231,22 +231,26 @@ def test_infer_names_an_image_that_does_not_decode(tmp_path, image):
 
 def test_int8_keeps_the_segmentation_pose_and_obb_heads_in_float():
     """The head kept out of INT8 covers each task's extra values (mask coefficients and prototypes, keypoint
-    decoding, the angle) and is, found from the graph alone, exactly the export's last module: the
-    Detect/Segment/Pose/OBB module with its box, class, mask, keypoint and angle branches (QUANT_VERSION 5)."""
-    from k2edge.config.card import ModelCard
-    from k2edge.engine.quantize import float_nodes
+    decoding, the angle): by default their decoding, with ``float_head = "branches"`` exactly the export's last module
+    found from the graph alone (the Detect/Segment/Pose/OBB module with its box, class, mask, keypoint and angle
+    branches); the branches are what a check too small for a verdict moves out of INT8 first (QUANT_VERSION 11)."""
+    from k2edge.config.card import ModelCard, QuantizationSpec
+    from k2edge.engine.quantize import float_nodes, head_branches
     from k2edge.model import normalise
 
     for name, task, module in (("yolov8n-seg", "segmentation", 22), ("yolov8n-pose", "pose", 22),
                                ("yolov8n-obb", "obb", 22), ("yolo11n", "detection", 23),
                                ("yolov10n", "detection", 23)):
         g = normalise(zoo.load(name)).graph
-        keep = float_nodes(g, ModelCard(task=task))
+        decoding, branches = float_nodes(g, ModelCard(task=task)), head_branches(g, ModelCard(task=task))
+        keep = float_nodes(g, ModelCard(task=task, quantization=QuantizationSpec(float_head="branches")))
         for out in g.outputs:  # whatever produces each output is float
-            assert g.nodes[g.producer[out]].name in keep, (name, out)
+            assert g.nodes[g.producer[out]].name in decoding, (name, out)
         assert keep == {n.name for n in g.nodes if n.name.startswith(f"/model.{module}/")}, name
+        assert decoding | branches == keep and not decoding & branches, name
+        assert not {n.name for n in g.nodes if n.op_type == "Conv" and "dfl" not in n.name} & decoding, name
         if task == "pose":  # class scores and keypoint visibility
-            assert sum(1 for n in g.nodes if n.name in keep and n.op_type == "Sigmoid") >= 2
+            assert sum(1 for n in g.nodes if n.name in decoding and n.op_type == "Sigmoid") >= 2
 
 
 def test_without_metadata_the_stride_comes_from_the_graph(tmp_path):
