@@ -505,3 +505,35 @@ def test_runs_answers_in_order_as_one_single_threaded_session_does_taking_only_a
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert max(ahead) == 3, ahead
+
+
+def test_an_fp16_segment_reads_what_the_int8_segment_before_it_gives_out_rounded_to_int8():
+    """An FP16 segment between INT8 ones (c4: PP-OCR's HardSwish ``Div`` on the GPU between DLA segments) is cut from
+    the FP32 model; its entry is quantised as the Q/DQ model quantises that tensor on its way to the segment (the
+    INT8 segment before gives it out as INT8), so the engine computes what the INT8 check measured."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from k2edge.engine.quantize import quantised_at_entry, to_fp16
+
+    scale = np.float32(0.05)
+    six = numpy_helper.from_array(np.array(6.0, dtype=np.float32), "six")
+    io = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 8])  # noqa: E731
+    div = helper.make_node("Div", ["y", "six"], ["z"], name="div")
+    segment = helper.make_model(helper.make_graph([div], "seg", [io("y")], [io("z")], [six]),
+                                opset_imports=[helper.make_opsetid("", 17)])
+    qdq = helper.make_model(helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["y", "s", "zp"], ["yq"], name="q"),
+         helper.make_node("DequantizeLinear", ["yq", "s", "zp"], ["ydq"], name="dq"),
+         helper.make_node("Div", ["ydq", "six"], ["z"], name="div")], "qdq", [io("y")], [io("z")],
+        [six, numpy_helper.from_array(np.array(scale), "s"), numpy_helper.from_array(np.array(0, dtype=np.int8), "zp")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    y = np.array([[0.01, 0.026, 0.124, 1.0, -2.33, 3.07, 5.0, 7.3]], dtype=np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"y": y})[0]  # noqa: E731
+    fp16 = to_fp16(segment)
+    entered = quantised_at_entry(fp16, qdq)
+    want = np.clip(np.round(y / scale), -128, 127) * scale / 6.0
+    np.testing.assert_allclose(run(entered), want, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(run(qdq), want, rtol=1e-6, atol=1e-7)
+    assert np.abs(run(fp16) - want).max() > 1e-3  # without it: the unrounded value
+    assert quantised_at_entry(fp16, segment) is fp16  # nothing quantised before the segment: unchanged

@@ -30,13 +30,14 @@ from ..model.ingest import NormalisedModel
 from .base import Backend, LaneInfo, TensorSpec
 from .cache import EngineCache, digest
 from .pipeline import LaneSet, available_cores, lane_layout
-from .quantize import QuantArtefacts, to_fp16
+from .quantize import QuantArtefacts, quantised_at_entry, to_fp16
 from ..tracing.tracer import segments as traced_segments
 
 log = logging.getLogger(__name__)
 ort = LazyModule("onnxruntime", "pip install onnxruntime")
 
-BACKEND_VERSION = "3"  # 2: segment models may carry a dynamic batch axis; 3: FP16 folds BatchNorm parameters first
+BACKEND_VERSION = "4"  # 2: segment models may carry a dynamic batch axis; 3: FP16 folds BatchNorm parameters first;
+# 4: an FP16 segment quantises on entry what the Q/DQ model quantises before it (an INT8 segment's INT8 output)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ def _segment_models(model: NormalisedModel, plan: PartitionPlan, quant: QuantArt
             sub = extract_submodel(model.model, seg.inputs, seg.outputs, name)
             if precision == "fp16":
                 sub = to_fp16(sub, [n for n, p in seg.layer_precision.items() if p == "fp32"])
+                if quant is not None:
+                    sub = quantised_at_entry(sub, qdq_for(seg.device))
         yield seg, precision, sub, notes
 
 
