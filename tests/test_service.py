@@ -153,6 +153,7 @@ def test_a_wedged_line_fails_the_health_check(demo_model, tmp_path, monkeypatch)
         def done(self, token): ...
         def wake(self): ...
         def input_pending(self): return True
+        def read_allowance(self): return 1
 
     book = AnswerBook(tmp_path, Broker(), 60)
     thermal = thermal_sampler(cfg.thermal)

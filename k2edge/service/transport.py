@@ -402,6 +402,12 @@ class MqttTransport:
             return False
         return publish_ahead(head, len(head) == _PEEK_BYTES)
 
+    def read_allowance(self) -> int:
+        """How many requests one read may bring in past the read pause: paho's ``loop_read`` reads up to as many
+        packets as there are publishes awaiting the broker's acknowledgement, plus one."""
+        with self._delivery_lock:
+            return len(self._on_delivered) + 1
+
     def _room(self) -> bool:
         return self.handler is None or not self.handler.saturated()
 
