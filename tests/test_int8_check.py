@@ -196,11 +196,15 @@ def test_one_calibration_and_decision_shared_by_every_batch_size(silu, tmp_path)
 
 # --- fallback -----------------------------------------------------------------------------------------------
 
-def test_fallback_moves_the_most_sensitive_layers_to_fp16_until_the_tolerance_holds(silu, tmp_path):
+def test_fallback_moves_the_most_sensitive_layers_to_fp16_until_the_tolerance_holds(silu, tmp_path, monkeypatch):
     """The fallback moves learned layers (each with its SiLU epilogue) ranked by their measured effect on the output,
     most sensitive first; every learned layer not moved stays INT8 in the Q/DQ model (none de-quantised by
-    accident), and the plan's FLOP shares are those of the Q/DQ model."""
+    accident), and the plan's FLOP shares are those of the Q/DQ model. (This ranking keeps under 90 % of this small
+    model's INT8, where the second ranking runs and, here, keeps more: it is held off to test the first.)"""
+    from k2edge.engine import int8 as decision
     from k2edge.engine.quantize import learned_layers, qdq_int8_layers
+
+    monkeypatch.setattr(decision, "SECOND_RANKING_BELOW", 0.0)
 
     card = tmp_path / "silu.card.toml"  # a tolerance a few layers in FP16 meet (all-INT8: cosine 0.99952)
     card.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 0.9996 }\n')
@@ -395,6 +399,27 @@ def test_the_fallback_search_finds_the_smallest_prefix_in_few_checks():
     assert smallest_prefix(lambda k: False, 10) is None and smallest_prefix(lambda k: True, 0) is None
     odd = {1: False, 2: True, 3: False, 4: True}
     assert smallest_prefix(lambda k: odd.get(k, True), 8) == 2
+
+
+def test_where_the_sensitivity_ranking_keeps_under_90_percent_the_ranking_keeping_more_int8_wins(silu, tmp_path,
+                                                                                                monkeypatch):
+    """The same model and tolerance as above: the sensitivity ranking's fallback keeps under 90 % of the INT8 FLOPs, so
+    the cost-per-FLOP ranking runs too, and its fallback, which meets the tolerance keeping more INT8, is the one
+    built (the check's note says so, and each moved layer gives that reason)."""
+    from k2edge.engine import int8 as decision
+
+    card = tmp_path / "silu.card.toml"
+    card.write_text('task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\ntolerance = { cosine = 0.9996 }\n')
+    monkeypatch.setattr(decision, "SECOND_RANKING_BELOW", 0.0)
+    first = Engine.build(silu / "silu.onnx", GPU_CHAIN, card=card, cache_dir=tmp_path / "first")
+    monkeypatch.undo()
+    both = Engine.build(silu / "silu.onnx", GPU_CHAIN, card=card, cache_dir=tmp_path / "both")
+    kept = lambda e: e.plan.precision_flops["model"]["int8"]  # noqa: E731
+    assert kept(first) < 0.9 and kept(both) > kept(first), (kept(first), kept(both))
+    check = both.info.int8_check
+    assert check.status == "fallback" and check.measures["cosine"] >= 0.9996, check.line()
+    assert any(n.startswith("ranked by INT8-alone cost per FLOP") for n in check.notes), check.notes
+    assert {f["reason"] for f in both.plan.int8_fallback} == {decision.COST_REASON}
 
 
 def test_cost_per_flop_ranking_moves_flopless_units_first_then_the_costliest_per_flop():

@@ -54,7 +54,8 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 _LOWER_IS_BETTER = ("mean_abs_dp", "max_rel_error", "keypoint_error")
 SENSITIVITY_REASON = "INT8 check below tolerance: among the learned layers whose INT8 costs the model's output most"
 COST_REASON = "INT8 check below tolerance: among the layers whose INT8 alone costs the model's output most per FLOP"
-SECOND_RANKING_BELOW = 0.5  # the sensitivity ranking's fallback kept less than this share of the INT8 FLOPs
+SECOND_RANKING_BELOW = 0.9  # the sensitivity ranking's fallback kept less than this share of the INT8 FLOPs
+FIRST_SEARCH_KEEPS = 0.5  # where the second ranking may run, the first is searched first only as far as this share
 
 
 @dataclass(frozen=True)
@@ -320,23 +321,24 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     scores = sensitivity(probe(), finish_qdq(bases[-1], model, held, floats), model.model, units, progress)
     names = rank(scores, list(units))
     flops = _unit_flops(model, units)
-    # where the second ranking may run, the first is searched only as far as it keeps SECOND_RANKING_BELOW: past that
-    # the second runs anyway, and one of its fallbacks that keeps as much beats every longer prefix of the first
-    half = sum(1 for k in range(1, len(names) + 1) if _kept(flops, names[:k]) >= SECOND_RANKING_BELOW)
+    # where the second ranking may run, the first is searched only as far as it keeps FIRST_SEARCH_KEEPS: past that the
+    # second runs anyway, and one of its fallbacks that keeps as much beats every longer prefix of the first
+    half = sum(1 for k in range(1, len(names) + 1) if _kept(flops, names[:k]) >= FIRST_SEARCH_KEEPS)
     (best, tried), reason = search(names, half if powered else None), SENSITIVITY_REASON
-    if powered and best is None:
-        # the sensitivity ranking lost most of the INT8: rank by what each layer costs alone, per FLOP (not on a check
-        # too small for a verdict: it could not vouch for the INT8 the second ranking keeps)
+    if powered and (best is None or _kept(flops, names[:best]) < SECOND_RANKING_BELOW):
+        # the sensitivity ranking lost more than a tenth of the INT8: rank by what each layer costs alone, per FLOP, and
+        # keep the ranking that keeps more (not on a check too small for a verdict: it could not vouch for the INT8 the
+        # second ranking keeps)
         costs = int8_alone_costs(probe(), lambda u: finish_qdq(
             bases[-1], model, tuple(n for v in units if v != u for n in units[v]) + held, floats), units, progress)
         other = rank_by_cost_per_flop(costs, flops, list(units))
         k, tried_other = search(other)
-        searched_all = k is None or _kept(flops, other[:k]) < SECOND_RANKING_BELOW
-        if searched_all:
+        searched_all = best is not None or k is None or _kept(flops, other[:k]) < FIRST_SEARCH_KEEPS
+        if best is None and searched_all:
             best, tried = search(names)  # the rest of the first ranking (what was measured is not measured again)
         if k is not None and (best is None or _kept(flops, other[:k]) > _kept(flops, names[:best])):
             before = (f"{100 * _kept(flops, names[:best]):.1f} %" if best is not None else "none that met the tolerance"
-                      if searched_all else f"none that met the tolerance keeping {100 * SECOND_RANKING_BELOW:.0f} %")
+                      if searched_all else f"none that met the tolerance keeping {100 * FIRST_SEARCH_KEEPS:.0f} %")
             notes.append(f"ranked by INT8-alone cost per FLOP: {100 * _kept(flops, other[:k]):.1f} % of the candidate "
                          f"layers' FLOPs kept INT8 (by sensitivity: {before})")
             names, best, tried, scores, reason = other, k, tried_other, costs, COST_REASON

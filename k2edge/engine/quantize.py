@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 # quantised only where an INT8 node reads it, no model output is; 10: the ``mse`` and ``search`` methods (ranges
 # searched against the model's output, kept in the decision), artefacts keyed by the settings' own key; 11: a detector's
 # float head is its decoding (its branches INT8 unless the check moves them, first when it cannot vouch for them), the
-# first fallback ranking searched only as far as it keeps half the INT8 where the second may run, runs one per core
+# first fallback ranking searched only as far as it keeps half the INT8 where the second may run, the second run
+# where the first keeps under 90 % (was 50 %), runs one per core
 QUANT_VERSION = "11"
 TRT_CACHE_VERSION = "100300"  # TensorRT 10.3 (JetPack 6.1/6.2) writes this in the cache header
 MAX_CALIBRATION_SAMPLES = 512
