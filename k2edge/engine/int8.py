@@ -14,8 +14,9 @@ daemon builds shares it: the same layers fall back at every batch size.
 5. fallback, when the check misses its tolerance and the precision chain continues after int8: learned layers
    ranked by their measured effect on the model's output (:mod:`.fallback`), and the fewest of the most
    sensitive moved, each with its quantisers, to the chain's next precision on the same device; when that keeps
-   less than half of the INT8 (on a check with the power for a verdict), ranked again by each one's INT8-alone
-   cost per FLOP, the ranking that keeps more INT8 kept.
+   less than 90 % of the INT8 (on a check with the power for a verdict), ranked again by each one's INT8-alone
+   cost per FLOP, the ranking that keeps more INT8 kept. A check without that power first moves a detection
+   head's branches (:func:`~.quantize.head_branches`): it cannot vouch for them in INT8.
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
         first, before = runner.measure([finish_qdq(b, model, held, floats) for b in bases]), all_int8
         notes.append(f"the detection head's branches ({len(held)} node(s)) kept out of INT8: {int(first.get(count, 0))} "
                      f"FP32 box(es) on the check are too few to vouch for them ({need} needed)")
-    pre = _entries(plan, inputs, held, HEAD_REASON)
+    pre = tuple(_moved(plan, inputs, n, HEAD_REASON) for n in held)
     if meets(first, tol):
         return Int8Check(task, verdict(task, first, True, bool(held)), inputs.source, n_check, first, tol, pre, before,
                          notes=tuple(notes), calibration=method, ranges=searched)
@@ -346,8 +347,7 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
         best = max(tried, key=lambda k: _score(tried[k], tol))
         notes.append(f"moving all {len(names)} ranked layer(s) out of INT8 did not reach the tolerance; keeping the "
                      f"best found ({best} layer(s))")
-    fallback = pre + tuple({"node": n, "device": inputs.devices[n], "precision": next_precision(plan.precision_chain, inputs.devices[n]),
-                            "reason": reason, "sensitivity": round(scores[u], 6), "unit": u}
+    fallback = pre + tuple(_moved(plan, inputs, n, reason, sensitivity=round(scores[u], 6), unit=u)
                            for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
     return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
@@ -357,10 +357,11 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
 HEAD_REASON = "a detection head's branch: the check has too few FP32 boxes to vouch for it in INT8"
 
 
-def _entries(plan: PartitionPlan, inputs: DecisionInputs, nodes, reason: str) -> tuple[dict, ...]:
-    """Fallback entries of ``nodes`` moved for ``reason`` (each to the chain's next precision on its device)."""
-    return tuple({"node": n, "device": inputs.devices[n], "precision": next_precision(plan.precision_chain, inputs.devices[n]),
-                  "reason": reason} for n in nodes)
+def _moved(plan: PartitionPlan, inputs: DecisionInputs, node: str, reason: str, **more) -> dict:
+    """The fallback entry of ``node`` moved for ``reason`` to the chain's next precision on its device."""
+    device = inputs.devices[node]
+    return {"node": node, "device": device, "precision": next_precision(plan.precision_chain, device), "reason": reason,
+            **more}
 
 
 def _unit_flops(model: NormalisedModel, units: dict[str, tuple[str, ...]]) -> dict[str, int]:
