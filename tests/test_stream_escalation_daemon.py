@@ -56,13 +56,14 @@ def test_follow_ups_equal_the_selected_events_once_across_an_outage_a_broker_res
         rules = [{"on": "line_cross", "verify": True, "prompt": "Is this a {label} crossing {line} ({direction})?"}]
         client = Client(broker.port, client_id=f"watcher-{tmp_path.name[-8:]}", persistent=True).connect()
         client.subscribe(STREAMS)
-        d = run_daemon(models=[BOXES], streams=[_stream(crossing, escalation=rules)], tables={"cloud": cloud},
-                       verbose=True)
+        d = run_daemon(models=[BOXES], streams=[_stream(crossing, pace="every", escalation=rules)],
+                       tables={"cloud": cloud}, verbose=True)
         _wait_event(client, "stream_ended")
         n = len(crossing.crossings)
         _wait_until(lambda: len(_events(client, "line_cross")) >= n, 30, "the crossings")
+        _wait_until(lambda: len(k2.chat_requests) >= 1, 30, "a first try at the cloud")
         assert _follow_ups(client) == []  # the cloud is down: every job waits
-        assert len(k2.chat_requests) >= 1 and all(o is None for _, o in _jobs(state))
+        assert all(o is None for _, o in _jobs(state))
         broker.stop()
         k2.fallback = verdict("confirmed", None, "a digit crossing the line", delay_s=0.3)
         _wait_until(lambda: any(e["event_id"].endswith(".k2") for e in _stored_events(state, "event_described")), 60,
@@ -70,7 +71,8 @@ def test_follow_ups_equal_the_selected_events_once_across_an_outage_a_broker_res
         d.kill()  # SIGKILL: jobs undone, follow-ups stored and not delivered
         undone = sum(o is None for _, o in _jobs(state))
         broker.start()
-        run_daemon(models=[BOXES], streams=[_stream(crossing, escalation=rules)], tables={"cloud": cloud}, verbose=True)
+        run_daemon(models=[BOXES], streams=[_stream(crossing, pace="every", escalation=rules)], tables={"cloud": cloud},
+                   verbose=True)
         _wait_until(lambda: len({e["event_id"] for e in _events(client, "line_cross")}) >= 2 * n, 120,
                     "the second run's crossings")
         crossings = {e["event_id"] for e in _events(client, "line_cross")}

@@ -115,6 +115,9 @@ def test_streams_config_errors_name_the_field(tmp_path):
     msg = load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
                '[[streams.zones]]\nname = "bow"\npoints = [[0, 0], [10, 10], [10, 0], [0, 10]]\n')
     assert "streams.0.zones.0" in msg and "intersects itself" in msg
+    msg = load('[[streams]]\nname = "a"\nsource = "rtsp://10.0.0.5/cam"\nmodel = "boxes"\npace = "every"\n')
+    assert "streams.0" in msg and 'pace = "every" is for file:// sources' in msg
+    assert "streams.0.pace" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\npace = "fast"\n')
     assert "streams.0.max_lost_s" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
                                           'max_lost_s = -1\n')
 
@@ -212,7 +215,39 @@ def test_loop_starts_again_and_keeps_counting(tmp_path):
     assert r.stop(5.0)
     assert [f.index for f in got] == list(range(25))
     assert [round(f.pts * 15) for f in got[:25]] == [i % 10 for i in range(25)]
+    assert [round(f.time * 15) for f in got] == list(range(25))  # the tracker's clock goes on across the loops
     assert r.state == "up" and r.reconnects == 0
+
+
+def test_pace_every_under_a_thermal_limit_slows_instead_of_shedding_and_a_pause_is_no_stall(tmp_path):
+    """pace "every" with a thermal limit: every frame is still handed over, at most at the limit's rate on the
+    wall clock (nothing shed); a pause holds the hand-over without a stall, however long, and ends with the limit."""
+    path = _video(tmp_path / "a.mp4", frames=12, fps=15)
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="every", read_timeout_s=0.3)
+    r.limit(10.0)
+    r.start()
+    t0 = time.monotonic()
+    got = [f for f in _drain(r, rec)]
+    took = time.monotonic() - t0
+    assert [f.index for f in got] == list(range(12)) and r.shed == 0 and r.dropped == 0
+    assert took >= 11 / 10 * 0.75, took  # 12 frames at most 10 a second: 11 periods (a quarter early allowed)
+    assert [round(f.time * 15) for f in got] == list(range(12))  # the file's time, not the wall clock's
+
+    rec, r = Recorder(), StreamReader("b", parse_source(path.as_uri()), Recorder(), pace="every", read_timeout_s=0.3)
+    r.listener = rec
+    r.limit(0)  # paused before the first frame
+    r.start()
+    rec.wait(lambda: r.state == "up")
+    end = time.monotonic() + 1.0  # more than three read timeouts
+    while time.monotonic() < end:
+        assert r.take() is None
+        r.check()  # the watchdog: held by the pause is not a stall
+        time.sleep(0.05)
+    assert r.state == "up" and r.reconnects == 0 and r.shed == 0
+    r.limit(None)
+    got = _drain(r, rec)
+    assert [f.index for f in got] == list(range(12)) and r.state == "ended"
 
 
 def test_files_that_cannot_be_read_are_down_at_once(tmp_path):
@@ -342,7 +377,7 @@ def _frame(stream, index: int, captured: float, label: str = "7"):
     from k2edge.streams.reader import Frame
     from k2edge.streams.stream import StreamFrame
 
-    frame = Frame(index, index / 15, time.time(), captured, np.zeros((240, 320, 3), np.uint8))
+    frame = Frame(index, index / 15, time.time(), captured, captured, np.zeros((240, 320, 3), np.uint8))
     detections = [{"index": 7, "label": label, "score": 0.9, "box": [70.0, 80.0, 90.0, 100.0]}]
     return stream.track(StreamFrame(stream, frame, time.monotonic()), detections)
 

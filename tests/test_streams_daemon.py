@@ -137,21 +137,27 @@ def _check_snapshot(client: Client, event: dict) -> bool:
 
 
 def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_ground_truth(run_daemon, broker, crossing):
-    """Every processed frame is published with tracked detections; the line crossings are the video's,
+    """A file played with pace "every": each of its frames is published with tracked detections, whatever the
+    machine's speed; the line crossings are the video's,
     with the right directions; status counts them; /metrics counts the frames; requests for the same
     model are answered meanwhile."""
     port = free_port()
     client = Client(broker.port).connect()
     client.subscribe(STREAMS)
-    run_daemon(models=[BOXES], streams=[_stream(crossing)], tables={"metrics": {"port": port}})
+    run_daemon(models=[BOXES], streams=[_stream(crossing, pace="every")], tables={"metrics": {"port": port}})
     _wait_event(client, "stream_up")
     rids = [client.publish("k2edge/t1/infer/boxes", image_request(p, rid=f"r{i}")) for i, p in enumerate(SCENES * 2)]
     _wait_event(client, "stream_ended")
     answers = client.wait_answers(len(rids), timeout=60)
     assert all(a["status"] == "ok" and a["detections"] for a in answers)
 
+    def final(c):  # the status republished once the last frame was out (it may finish after stream_ended)
+        st = c.statuses[-1].get("streams", {}).get("cam", {}) if c.statuses else {}
+        return st.get("state") == "ended" and st["processed"] + st["dropped"] == st["decoded"]
+
+    client.wait_for(final, 30)
     frames = _messages(client, "detections")
-    assert len(frames) >= 0.5 * len(crossing.truth.frames)  # the model is far quicker than 15 fps; most are processed
+    assert len(frames) == len(crossing.truth.frames)  # pace "every": each frame, whatever the machine's speed
     assert [f["frame"] for f in frames] == sorted({f["frame"] for f in frames})
     first = frames[0]
     assert set(first) == {"stream", "frame", "pts", "captured_at", "model", "model_version", "detections", "latency_ms"}
@@ -173,16 +179,6 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
             assert e["line"] == "door" and isinstance(e["track_id"], int) and isinstance(e["frame"], int)
     assert {e["label"] for e in events if e["event"] == "zone_enter"} >= {"7", "8", "4", "3", "5"}
 
-    def final(c):  # the status republished once the last frame was out
-        st = c.statuses[-1].get("streams", {}).get("cam", {}) if c.statuses else {}
-        return st.get("state") == "ended" and st["processed"] + st["dropped"] == st["decoded"]
-
-    client.wait_for(final, 30)
-    live = [c["streams"]["cam"] for c in client.statuses if c.get("streams", {}).get("cam", {}).get("state") == "up"]
-    # republished with the telemetry while up, with live figures: not only when a state changes
-    assert len({(x["processed"], x["frame_age_ms"]["samples"]) for x in live}) >= 2, live
-    assert any(x["frame_age_ms"]["samples"] > 0 and x["frame_age_ms"]["p99"] >= x["frame_age_ms"]["p50"] > 0
-               and x["fps_processed"] > 0 for x in live), live
     st = client.statuses[-1]["streams"]["cam"]
     assert st["frame_size"] == [320, 240] and st["warnings"] == []
     assert st["snapshots"] == {"made": len(tracked_events), "failed": 0}
@@ -214,7 +210,7 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     client = Client(broker.port).connect()
     client.subscribe(STREAMS)
     d = run_daemon(models=[BOXES], streams=[
-        _stream(crossing),
+        _stream(crossing, pace="every"),
         {"name": "dead", "source": f"rtsp://admin:hunter2@127.0.0.1:{dead}/cam", "model": "boxes", "reconnect_max_s": 0.5},
     ])
     rids = [client.publish("k2edge/t1/infer/boxes", image_request(p, rid=f"r{i}")) for i, p in enumerate(SCENES)]
@@ -331,6 +327,11 @@ def test_under_overload_frames_are_dropped_requests_answered_and_frame_age_stays
     processed = sum(_metric(port, f'k2edge_stream_frames_total{{outcome="processed",stream="s{i}"}}') for i in range(4))
     assert dropped > 0.3 * processed  # overloaded: offered about twice what was processed
     assert all(_metric(port, f'k2edge_stream_up{{stream="s{i}"}}') == 1 for i in range(4))
+    live = [c["streams"]["s0"] for c in client.statuses if c.get("streams", {}).get("s0", {}).get("state") == "up"]
+    # republished with the telemetry while up, with live figures: not only when a state changes
+    assert len({(x["processed"], x["frame_age_ms"]["samples"]) for x in live}) >= 2, live
+    assert any(x["frame_age_ms"]["samples"] > 0 and x["frame_age_ms"]["p99"] >= x["frame_age_ms"]["p50"] > 0
+               and x["fps_processed"] > 0 for x in live), live
 
 
 def _timed(fn) -> float:

@@ -76,6 +76,10 @@ class StreamConfig(_Strict):
                                   "quarter of the stream's rate, at least 1 (never more than in warm)")
     enabled: bool = True
     loop: bool = Field(False, description="file:// sources: start again at the end instead of ending")
+    pace: str = Field("realtime", pattern="^(realtime|every)$",
+                      description="file:// sources: realtime plays the file at its own rate, dropping the frames the "
+                      "model has no room for (a camera stand-in); every analyses every frame at the model's speed "
+                      "(a recorded video in full; the thermal limit slows it instead of shedding frames)")
     backend: str = Field("auto", pattern="^(auto|pyav|gstreamer)$",
                          description="auto: gstreamer for csi:// and gst:, pyav (FFmpeg) for the rest")
     reconnect_max_s: float = Field(2.0, gt=0, le=3600, description="the cap of the jittered exponential reconnect backoff")
@@ -111,6 +115,14 @@ class StreamConfig(_Strict):
 
         parse_source(v)  # raises ValueError naming what is wrong (without the password)
         return v
+
+    @model_validator(mode="after")
+    def _pace(self):
+        from ..streams.source import parse_source
+
+        if self.pace == "every" and parse_source(self.source).live:
+            raise ValueError('pace = "every" is for file:// sources: a live source cannot wait for the model')
+        return self
 
     @model_validator(mode="after")
     def _clips(self):

@@ -89,7 +89,7 @@ class StreamPath:
             password = read_secret(c.password_file, what=f"streams {c.name!r}: password_file") if c.password_file else None
             spec = parse_source(c.source, password)
             ring = PacketRing(self.spool, c.pre_s, c.post_s) if c.clips and media is not None else None
-            reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace="realtime", fps=c.fps,
+            reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace=c.pace, fps=c.fps,
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,
                                   open_timeout_s=c.open_timeout_s, packets=ring)
             self.streams[c.name] = Stream(c.name, c.model, reader, [(z.name, z.points) for z in c.zones],

@@ -18,13 +18,17 @@ returns) and reconnects with a fresh one. Reconnections back off exponentially w
 at ``reconnect_max_s``.
 
 Pacing (``pace``): ``live`` keeps the newest frame; ``realtime`` plays a file at its own frame
-rate (a camera stand-in: what the daemon does with ``file://``); ``every`` hands over every frame,
-waiting for it to be taken (``k2edge watch`` on a file).
+rate (a camera stand-in: what the daemon does with ``file://`` by default); ``every`` hands over every frame,
+waiting for it to be taken (``k2edge watch`` on a file, a stream's ``pace = "every"``): a recorded video analysed
+in full at the model's speed, whatever the machine's. Under ``every`` a frame's :attr:`Frame.time` is the file's
+own timeline (continued across loops), so the tracker sees the video's time, not the machine's.
 
 Two :class:`~k2edge.streams.throttle.FrameGate` s pick the frames kept, on the frame's time (a file's
 pts, a camera's arrival): ``fps`` (the rest are dropped, as configured) and then the thermal limit
 (:meth:`StreamReader.limit`; the rest are *shed*, counted apart). A limit of 0 pauses the stream: every
-frame is read and discarded, so the connection stays open and no stall is declared.
+frame is read and discarded, so the connection stays open and no stall is declared. Under ``every`` the
+thermal limit sheds nothing: it slows the hand-over to at most its rate on the wall clock (0: it waits
+until the pause ends), so every frame is still analysed, only later.
 
 While the processing side uses under a third of the frames decoded (a model slower than the camera, ``fps``, the
 thermal limit), a PyAV capture skips decoding non-reference frames (:class:`~k2edge.streams.throttle.NonrefSkip`),
@@ -62,6 +66,8 @@ class Frame:
         pts: seconds on the source's own timeline (may restart after a reconnect).
         captured_at: Unix time at which it was decoded.
         captured: the same instant on the monotonic clock (frame age).
+        time: the frame's time for tracking, in seconds: :attr:`captured`, or under pace ``every`` the
+            file's timeline continued across loops (a file read faster or slower than its rate).
         picture: the decoder's frame (converted to RGB only when :attr:`image` is first read: a
             frame replaced before it is processed is never converted), or an (H, W, 3) array.
     """
@@ -70,6 +76,7 @@ class Frame:
     pts: float
     captured_at: float
     captured: float
+    time: float
     picture: object
 
     @property
@@ -153,6 +160,8 @@ class StreamReader:
         self.source_fps: float | None = None
         self._next_index = 0
         self._last_frame = time.monotonic()
+        self._media_end = None  # pace every: the file time after the last frame handed over (loops continue it)
+        self._held = False  # pace every: waiting for the thermal limit's next slot (not a stall)
         self._fps_gate = FrameGate(fps or None)  # fps throttling (dropped)
         self._limit_gate = FrameGate()  # the thermal limit (shed)
 
@@ -195,12 +204,14 @@ class StreamReader:
 
     def limit(self, max_fps: float | None) -> None:
         """Keep at most ``max_fps`` of the frames ``fps`` keeps, from the next frame on (None: all; 0: none,
-        the stream paused); the rest are counted as shed."""
+        the stream paused); the rest are counted as shed. Under pace ``every`` nothing is shed: the hand-over slows
+        to that rate (0: it waits)."""
         with self._cond:
             if max_fps != self._limit_gate.max_fps and self._skip is not None:
                 self._skip.reset()
             self._limit_gate.set(max_fps)
-            if max_fps == 0 and self._frame is not None:  # paused: the frame waiting is not processed either
+            self._cond.notify_all()  # pace every: a reader waiting for its slot looks again
+            if max_fps == 0 and self._frame is not None and self.pace != "every":  # paused: the frame waiting is not processed either
                 self._frame = None
                 self.shed += 1
                 self._cond.notify_all()
@@ -226,8 +237,8 @@ class StreamReader:
         with self._cond:
             if self.state != "up" or self._stopping or now - self._last_frame < self.read_timeout_s:
                 return
-            if self.pace == "every" and self._frame is not None:
-                return  # waiting for the frame to be taken is not a stall
+            if self.pace == "every" and (self._frame is not None or self._held):
+                return  # waiting for the frame to be taken, or for the thermal limit's slot, is not a stall
             self._generation += 1  # the stuck thread's frames are ignored; it exits when its read returns
             self._cond.notify_all()
             self._spawn()  # under the lock: the new thread's first state change waits for this one's
@@ -286,6 +297,7 @@ class StreamReader:
 
     def _read(self, gen: int, cap: Capture) -> None:
         start_wall = first_pts = last_pts = None
+        origin = None  # pace every: this capture's pts 0 on the stream's file timeline
         skip = self._skip if hasattr(cap, "skip_nonref") else None
         if skip is not None and skip.on:
             cap.skip_nonref(True)
@@ -303,7 +315,13 @@ class StreamReader:
                         if self._cond.wait_for(lambda: not self._current(gen), wait):
                             return
                     now = time.monotonic()
-            frame = Frame(self._next_index, pts, time.time(), now, picture)
+            t_track = now
+            if self.pace == "every":
+                if origin is None:
+                    origin = (self._media_end or 0.0) - pts
+                t_track = origin + pts
+                self._media_end = t_track + 1.0 / (self.source_fps or 30.0)
+            frame = Frame(self._next_index, pts, time.time(), now, t_track, picture)
             with self._cond:
                 if not self._current(gen):
                     return
@@ -320,14 +338,10 @@ class StreamReader:
                 if not self._fps_gate.keep(t):
                     self.dropped += 1  # throttled to fps
                     frame = None
-                elif not self._limit_gate.keep(t):
+                elif self.pace != "every" and not self._limit_gate.keep(t):
                     self.shed += 1  # the thermal limit
                     frame = None
-                if frame is not None:
-                    if self.pace == "every":
-                        self._cond.wait_for(lambda: self._frame is None or not self._current(gen))
-                        if not self._current(gen):
-                            return
+                if frame is not None and self.pace != "every":
                     if self._frame is not None:
                         self.dropped += 1  # never processed: replaced by a newer one
                     self._frame = frame
@@ -338,8 +352,32 @@ class StreamReader:
                 if self.state == "reconnecting":
                     self.reconnects += 1
                 self._set_state("up", None)
+            if frame is not None and self.pace == "every":  # up first: a stream paused from its start is up
+                with self._cond:
+                    self._cond.wait_for(lambda: self._frame is None or not self._current(gen))
+                    if not self._slot(gen):
+                        return
+                    self._frame = frame
             if frame is not None:
                 self._tell(self.listener.on_frame, self)
+
+    def _slot(self, gen: int) -> bool:
+        """Pace ``every`` under a thermal limit (the lock held): wait for the limit's next slot on the wall clock
+        (a pause: until it ends); False when the reader is stopping or superseded meanwhile."""
+        self._held = True
+        try:
+            while self._current(gen):
+                gate = self._limit_gate
+                if gate.max_fps is None:
+                    return True
+                now = time.monotonic()
+                if gate.max_fps > 0 and gate.keep(now):
+                    return True
+                self._cond.wait(0.5 if gate.max_fps == 0 else max(gate.due - now, 0.001))
+            return False
+        finally:
+            self._held = False
+            self._last_frame = time.monotonic()
 
     def _set_state(self, new: str, reason: str | None) -> None:
         with self._cond:

@@ -249,7 +249,7 @@ class Stream:
             events = self._after_outage(captured)
             boxes = np.asarray([d["box"] for d in detections], dtype=np.float64).reshape(-1, 4)
             scores = np.asarray([d["score"] for d in detections], dtype=np.float64)
-            update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=captured)
+            update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=item.frame.time)
             out = [{**d, "track_id": int(t)} for d, t in zip(detections, update.ids)]
             self._boxes.update({a.id: [round(v, 2) for v in a.box] for a in update.active})
             image = item.frame.image if self.rules and item.frame.picture is not None else None

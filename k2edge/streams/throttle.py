@@ -129,6 +129,11 @@ class FrameGate:
         if max_fps != self.max_fps:
             self.max_fps, self._due = max_fps, None
 
+    @property
+    def due(self) -> float:
+        """When the next frame is due on the gate's clock (-inf before the first or without a rate)."""
+        return float("-inf") if self._due is None or not self.max_fps else self._due - 1.0 / self.max_fps / 4
+
     def keep(self, t: float) -> bool:
         """Whether the frame at time ``t`` (seconds, any origin; non-decreasing except for jumps) passes."""
         if self.max_fps is None:
