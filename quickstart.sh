@@ -2,7 +2,8 @@
 # k2edge quickstart: set up a virtual environment and run the demo or the whole test suite.
 #
 #   ./quickstart.sh demo          the whole path on the demo model: broker, daemon, requests, answers
-#   ./quickstart.sh test [ARGS]   run the whole test suite (ARGS go to pytest, e.g. -m "not slow")
+#   ./quickstart.sh test [ARGS]   run the whole test suite (ARGS go to pytest, e.g. -m "not slow"), in one pytest-xdist
+#                                 worker per core up to 4 (K2EDGE_TEST_WORKERS=N sets it; 0: in this process)
 #
 # Works on a fresh Debian/Ubuntu machine with Python 3.10+. The environment lives in .venv
 # (override with K2EDGE_VENV); a second run reuses it.
@@ -118,8 +119,14 @@ demo() {
     tail -n 3 "$tmp/daemon.log"
 }
 
+test_workers() {  # a worker per core, at most 4: the daemon tests each start processes of their own
+    local n; n=$(nproc 2>/dev/null || echo 1)
+    echo "${K2EDGE_TEST_WORKERS:-$(( n < 4 ? n : 4 ))}"
+}
+
 case "${1:-}" in
     demo) setup; demo ;;
-    test) shift; need_mosquitto; need_rtsp_server; need_chromium; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+    test) shift; need_mosquitto; need_rtsp_server; need_chromium; setup
+          exec "$VENV/bin/python" -m pytest -n "$(test_workers)" "$@" ;;
     *) echo "usage: $0 demo | test [pytest args]" >&2; exit 2 ;;
 esac

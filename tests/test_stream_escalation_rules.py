@@ -336,7 +336,7 @@ def test_a_stream_raises_track_end_with_its_scores_and_selects_events_with_their
             img = np.full((240, 320, 3), i, np.uint8)
             x = 130 + 4 * i
             dets = [{"index": 1, "label": "7", "score": scores[i], "box": [x, 80.0, x + 20, 100.0]}] if i < len(scores) else []
-            out.append(s.track(StreamFrame(s, Frame(i, i / 15, time.time(), t0 + i / 15, img), time.monotonic()), dets))
+            out.append(s.track(StreamFrame(s, Frame(i, i / 15, time.time(), t0 + i / 15, t0 + i / 15, img), time.monotonic()), dets))
         return out
 
     tracked = run(rules)

@@ -218,13 +218,15 @@ def test_warm_and_hot_fps_are_validated_with_field_paths(tmp_path):
 
 # a real reader -----------------------------------------------------------------------------------------
 def test_a_reader_sheds_frames_above_its_limit_apart_from_its_fps_drops(tmp_path):
-    """On a real 15 fps video, read as fast as it is taken: fps = 7.5 drops every other frame, a limit of
-    2.5 fps sheds two of each three left; a limit of 0 sheds every frame and the reader still reads to the end."""
+    """On a real 60 fps video played at its rate (a camera stand-in; pace "every" is slowed, not shed: see
+    test_stream_sources): fps = 7.5 drops seven of each eight frames, a limit of 2.5 fps sheds two of each three
+    left; a limit of 0 sheds every frame and the reader still reads to the end."""
     av = pytest.importorskip("av")
     path = tmp_path / "a.mp4"
     with av.open(str(path), "w") as c:
-        s = c.add_stream("libx264", rate=15)
+        s = c.add_stream("libx264", rate=60)
         s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        s.options = {"bf": "0"}  # no B-frames: nothing for the decoder to skip, every frame decoded
         for i in range(60):
             for p in s.encode(av.VideoFrame.from_ndarray(np.full((48, 64, 3), 4 * i, np.uint8), format="rgb24")):
                 c.mux(p)
@@ -239,7 +241,7 @@ def test_a_reader_sheds_frames_above_its_limit_apart_from_its_fps_drops(tmp_path
             pass
 
     def run(fps, limit):
-        r = StreamReader("a", parse_source(path.as_uri()), Listener(), pace="every", fps=fps)
+        r = StreamReader("a", parse_source(path.as_uri()), Listener(), pace="realtime", fps=fps)
         r.limit(limit)
         r.start()
         got = []
@@ -252,6 +254,10 @@ def test_a_reader_sheds_frames_above_its_limit_apart_from_its_fps_drops(tmp_path
         return r, got
 
     r, got = run(7.5, 2.5)
-    assert got == list(range(0, 60, 6)) and (r.decoded, r.dropped, r.shed) == (60, 30, 20)
+    fps_gate, limit_gate = FrameGate(7.5), FrameGate(2.5)  # the gates' verdicts on the file's own timeline
+    by_fps = [i for i in range(60) if fps_gate.keep(i / 60)]
+    kept = [i for i in by_fps if limit_gate.keep(i / 60)]
+    assert len(by_fps) == 8 and len(kept) == 3  # 7.5 and 2.5 of the 60 frames a second, for one second
+    assert got == kept and (r.decoded, r.dropped, r.shed) == (60, 60 - len(by_fps), len(by_fps) - len(kept))
     r, got = run(None, 0)
     assert got == [] and (r.decoded, r.dropped, r.shed) == (60, 0, 60) and r.state == "ended"

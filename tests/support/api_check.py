@@ -10,8 +10,10 @@ names come from its source distribution (``src/wrapper/wrap_cudadrv.cpp``, ``pyc
 from __future__ import annotations
 
 import ast
+import contextlib
 import ctypes
 import enum
+import fcntl
 import importlib
 import inspect
 import os
@@ -48,6 +50,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("K2EDGE_TEST_CACHE") or Path.home() / ".cache" / "k2edge-tests")
 
 
+@contextlib.contextmanager
+def _exclusive(root: Path):
+    """One process at a time prepares ``root`` (pytest-xdist's workers share the download cache)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _pip_download(spec: str, dest: Path, *extra: str) -> Path:
     found = sorted(dest.glob(spec.split("==")[0].replace("-", "_") + "-*")) + sorted(dest.glob(spec.split("==")[0] + "-*"))
     version = spec.split("==")[1]
@@ -76,22 +90,22 @@ def real_tensorrt():
     if cc is None:
         raise Unavailable("no C compiler (cc/gcc) to build the stub TensorRT libraries")
     root = cache_dir() / "tensorrt-10.3.0"
-    wheel = _pip_download(TRT_BINDINGS, root / "download", "--only-binary", ":all:")
-    site = root / "site"
-    if not (site / "tensorrt_bindings").is_dir():
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(site)
-    libs = root / "stubs"
-    libs.mkdir(parents=True, exist_ok=True)
-    for name, source in STUBS.items():
-        target = libs / name
-        if not target.exists():
-            c = libs / (name.split(".")[0] + ".c")
-            c.write_text(source)
-            proc = subprocess.run([cc, "-shared", "-fPIC", "-o", str(target), str(c), f"-Wl,-soname,{name}"],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise Unavailable(f"{cc} could not build {name}: {proc.stderr.strip()[:200]}")
+    site, libs = root / "site", root / "stubs"
+    with _exclusive(root):
+        wheel = _pip_download(TRT_BINDINGS, root / "download", "--only-binary", ":all:")
+        if not (site / "tensorrt_bindings").is_dir():
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(site)
+        libs.mkdir(parents=True, exist_ok=True)
+        for name, source in STUBS.items():
+            target = libs / name
+            if not target.exists():
+                c = libs / (name.split(".")[0] + ".c")
+                c.write_text(source)
+                proc = subprocess.run([cc, "-shared", "-fPIC", "-o", str(target), str(c), f"-Wl,-soname,{name}"],
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise Unavailable(f"{cc} could not build {name}: {proc.stderr.strip()[:200]}")
     for name in STUBS:  # loaded under their sonames, they satisfy the extension's NEEDED entries
         ctypes.CDLL(str(libs / name), mode=ctypes.RTLD_GLOBAL)
     sys.path.insert(0, str(site))
@@ -109,7 +123,8 @@ def pycuda_sources() -> dict[str, str]:
     """
     root = cache_dir() / "pycuda-2024.1.2"
     # pip prepares an sdist's metadata even to download it: no build isolation, so no build dependencies to fetch
-    sdist = _pip_download(PYCUDA_SDIST, root / "download", "--no-binary", ":all:", "--no-build-isolation")
+    with _exclusive(root):
+        sdist = _pip_download(PYCUDA_SDIST, root / "download", "--no-binary", ":all:", "--no-build-isolation")
     out = {}
     with tarfile.open(sdist) as tar:
         for member in tar.getmembers():
