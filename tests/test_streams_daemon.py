@@ -90,6 +90,12 @@ def _expected(crossing) -> Counter:
     return Counter((c.label, c.direction) for c in crossing.crossings)
 
 
+def _wait_crossings(client: Client, crossing, timeout: float = 30) -> None:
+    """Until as many crossings as the video has are out: the last frames' events (their snapshots are made on the
+    evidence thread) may follow stream_ended."""
+    client.wait_for(lambda c: sum(_crossings(_messages(c, "events")).values()) >= len(crossing.crossings), timeout)
+
+
 def _metric(port: int, line_start: str, want: float | None = None, timeout: float = 10.0) -> float:
     """A series' value from /metrics; with ``want``, polled until it has that value (the gauges follow
     the stream once a second) or ``timeout`` passes."""
@@ -166,6 +172,7 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     assert dets and all(set(d) == {"index", "label", "score", "box", "track_id"} and isinstance(d["track_id"], int)
                         for d in dets)
 
+    _wait_crossings(client, crossing)
     events = _messages(client, "events")
     assert _crossings(events) == _expected(crossing)
     assert len({e["event_id"] for e in events}) == len(events)
@@ -216,6 +223,7 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     rids = [client.publish("k2edge/t1/infer/boxes", image_request(p, rid=f"r{i}")) for i, p in enumerate(SCENES)]
     client.wait_answers(len(rids), timeout=60)
     _wait_event(client, "stream_ended")
+    _wait_crossings(client, crossing)
     assert _crossings(_messages(client, "events")) == _expected(crossing)
     tracked_events = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
     assert tracked_events and all(e["snapshot"] is None and e["snapshot_error"].startswith("no snapshot: ")
@@ -253,7 +261,7 @@ def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(ru
     assert held, "every crossing was delivered before the broker went away: the outage was not exercised"
     broker.start()
     _wait_event(client, "stream_ended", timeout=120)
-    client.wait_for(lambda c: sum(_crossings(_messages(c, "events")).values()) >= len(crossing.crossings), 30)
+    _wait_crossings(client, crossing)
     events = [e for e in _messages(client, "events") if e["event"] == "line_cross"]
     by_id = {}
     for e in events:
