@@ -62,7 +62,8 @@ class Frame:
     """One decoded frame.
 
     Attributes:
-        index: 0-based, counted from the stream's first open (it keeps counting across reconnects).
+        index: 0-based, counted from the stream's first open (it keeps counting across reconnects); the
+            non-reference frames skipped before it count too, so on a file it is the frame's position.
         pts: seconds on the source's own timeline (may restart after a reconnect).
         captured_at: Unix time at which it was decoded.
         captured: the same instant on the monotonic clock (frame age).
@@ -299,8 +300,10 @@ class StreamReader:
         start_wall = first_pts = last_pts = None
         origin = None  # pace every: this capture's pts 0 on the stream's file timeline
         skip = self._skip if hasattr(cap, "skip_nonref") else None
+        skipped_here = False  # whether this capture's decoder has skipped: its frames still in flight skip after it stops
         if skip is not None and skip.on:
             cap.skip_nonref(True)
+            skipped_here = True
         for picture, pts in cap.frames():
             now = time.monotonic()
             if not self._current(gen):
@@ -321,17 +324,21 @@ class StreamReader:
                     origin = (self._media_end or 0.0) - pts
                 t_track = origin + pts
                 self._media_end = t_track + 1.0 / (self.source_fps or 30.0)
-            frame = Frame(self._next_index, pts, time.time(), now, t_track, picture)
             with self._cond:
                 if not self._current(gen):
                     return
+                gap = 0  # frames of the source between the last decoded one and this one, not decoded
+                if skip is not None:
+                    if last_pts is not None and self.source_fps:
+                        gap = min(max(round((pts - last_pts) * self.source_fps) - 1, 0), 16)
+                        if skipped_here:
+                            self.skipped += gap
+                    skipping = skip.decoded(now)
+                self._next_index += gap  # a skipped frame has its number too: on a file, index is its position
+                frame = Frame(self._next_index, pts, time.time(), now, t_track, picture)
                 self._next_index += 1
                 self.decoded += 1
                 self._last_frame = now
-                if skip is not None:
-                    if skip.on and last_pts is not None and self.source_fps:  # the frames between were not decoded
-                        self.skipped += min(max(round((pts - last_pts) * self.source_fps) - 1, 0), 16)
-                    skipping = skip.decoded(now)
                 last_pts = pts
                 first = self.state != "up"
                 t = pts if not self.spec.live else now
@@ -347,6 +354,7 @@ class StreamReader:
                     self._frame = frame
             if skipping is not None:
                 cap.skip_nonref(skipping)
+                skipped_here = skipped_here or skipping
                 log.debug("stream %s: %s non-reference frames", self.name, "skipping" if skipping else "decoding")
             if first:
                 if self.state == "reconnecting":
