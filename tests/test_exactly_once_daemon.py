@@ -88,9 +88,12 @@ def test_burst_with_a_broker_restart_loses_nothing_and_answers_nothing_twice(run
     marker = client.publish(TOPIC, tensor_request(X, rid="marker"))  # answered after anything still in flight
     client.wait_for(lambda c: any(corr == marker for _, corr in c.answers), 60)
     by_id = assert_each_answered_once(client, ids + ["marker"], identical_repeats=True)
-    # repeats are QoS 1 retransmissions of answers in flight when the broker went down (at most the 20 the
-    # broker lets a client have unacknowledged), never a second answer
-    assert sum(len(v) > 1 for v in by_id.values()) <= 20
+    # repeats are QoS 1 retransmissions of answers in flight when the broker went down, never a second answer: at
+    # most the 20 the broker lets this client have unacknowledged plus the daemon's [mqtt] max_inflight (64) it sent
+    # again with DUP after the restart (the broker delivers such a one twice; 106 repeats in a CI run before the cap)
+    repeats = sum(len(v) > 1 for v in by_id.values())
+    print(f"{repeats} answers repeated (byte-identical) of {len(by_id)}")
+    assert repeats <= 20 + 64
     codes = Counter((json.loads(v[0]).get("error") or {}).get("code", "ok") for v in by_id.values())
     assert codes == {"ok": 301}, (codes, [json.loads(v[0])["error"] for v in by_id.values() if b'"error"' in v[0]][:2])
     client.close()

@@ -48,6 +48,9 @@ class MqttConfig(_Strict):
     password_credential: str | None = Field(None, description="name of a systemd credential ($CREDENTIALS_DIRECTORY/NAME)")
     reconnect_min_s: float = Field(0.5, gt=0)
     reconnect_max_s: float = Field(30.0, gt=0)
+    max_inflight: int = Field(64, ge=1, le=65535, description="answers at QoS 1 that may await the broker's "
+                              "acknowledgement at once (fewer when the broker's receive maximum is lower); each may "
+                              "be delivered twice after a broker restart, as QoS 1 allows")
 
     @model_validator(mode="after")
     def _pairs(self):

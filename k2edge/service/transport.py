@@ -189,7 +189,7 @@ class MqttTransport:
         m = cfg.mqtt
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cfg.client_id, protocol=mqtt.MQTTv5, manual_ack=True)
         c.max_queued_messages_set(0)
-        c.max_inflight_messages_set(20)  # mosquitto's default, until a broker's CONNACK says how many it takes
+        c.max_inflight_messages_set(min(20, m.max_inflight))  # mosquitto's default, until a CONNACK says how many it takes
         self._broker_receive_max: int | None = None
         if will is not None:
             c.will_set(will[0], will[1], qos=1, retain=True)
@@ -426,9 +426,11 @@ class MqttTransport:
         if reason_code.is_failure:
             log.error("broker refused the connection: %s", reason_code)
             return
-        # send no more unacknowledged QoS 1 messages than the broker said it takes (MQTT 5, 3.2.2.3.3);
-        # paho applies a new limit only to a new connection
-        self._broker_receive_max = getattr(properties, "ReceiveMaximum", None) or 65535
+        # send no more unacknowledged QoS 1 messages than the broker said it takes (MQTT 5, 3.2.2.3.3; absent: 65535)
+        # nor than [mqtt] max_inflight: each in flight when the broker restarts is sent again (DUP), and a broker that
+        # had taken it delivers it twice, so the window bounds a restart's repeats. paho applies a new limit only to a
+        # new connection
+        self._broker_receive_max = min(getattr(properties, "ReceiveMaximum", None) or 65535, self.cfg.mqtt.max_inflight)
         self.acks.new_connection()
         self.subscribed.clear()
         self._awaiting_suback = {client.subscribe(topic, qos=self.cfg.mqtt.qos)[1] for topic in self.subscriptions}
