@@ -229,14 +229,14 @@ def test_pace_every_under_a_thermal_limit_slows_instead_of_shedding_and_a_pause_
     r.limit(10.0)
     r.start()
     t0 = time.monotonic()
-    got = [f for f in _drain(r, rec)]
+    got = _drain(r, rec)
     took = time.monotonic() - t0
     assert [f.index for f in got] == list(range(12)) and r.shed == 0 and r.dropped == 0
     assert took >= 11 / 10 * 0.75, took  # 12 frames at most 10 a second: 11 periods (a quarter early allowed)
     assert [round(f.time * 15) for f in got] == list(range(12))  # the file's time, not the wall clock's
 
-    rec, r = Recorder(), StreamReader("b", parse_source(path.as_uri()), Recorder(), pace="every", read_timeout_s=0.3)
-    r.listener = rec
+    rec = Recorder()
+    r = StreamReader("b", parse_source(path.as_uri()), rec, pace="every", read_timeout_s=0.3)
     r.limit(0)  # paused before the first frame
     r.start()
     rec.wait(lambda: r.state == "up")

@@ -77,17 +77,17 @@ class BatchClient:
 
 QUICK_S = 0.005  # a model that answers a lone request this fast is "quick"
 # a model this quick at batch 1 runs its batches on the batcher's thread: a hand-off to a worker costs it more than a
-# second worker gains (digits, 0.45 ms here). The demo detector (1.0 ms) gains: bench/bench_peer.py --models detector,
+# second worker gains (digits, 0.41 ms here). The demo detector (0.88 ms) gains: bench/bench_peer.py --models detector,
 # workers against inline: 457 against 365 requests/s at 16 in flight (1.25x), the peer's 363 and 340 in those runs
 INLINE_S = 0.0007
 
 
 def runs_inline(runtime: ModelRuntime) -> bool:
     """Whether the thread that forms a batch runs it: on an engine with one lane, and on a model quicker than
-    :data:`INLINE_S` at batch 1 whose workers all run one device (the auto CPU layout), where a hand-off to a worker costs more than a second
-    worker gains (digits, ``bench/bench_peer.py --tracing --baseline-src`` with one lane against two workers:
-    1.24x the throughput at 16 in flight, 0.96 against 1.20 CPU ms a request). A plan over several devices keeps
-    its lanes: they overlap a batch's segments."""
+    :data:`INLINE_S` at batch 1 whose workers all run one device (the auto CPU layout), where a hand-off to a worker
+    costs more than a second worker gains (digits, ``bench/bench_peer.py --tracing --baseline-src`` with one lane
+    against two workers: 1.24x the throughput at 16 in flight, 0.96 against 1.20 CPU ms a request). A plan over
+    several devices keeps its lanes: they overlap a batch's segments."""
     lanes = runtime.engines[1].lanes()
     return len(lanes) == 1 or (len({lane.device for lane in lanes}) == 1 and runtime.batch1_s < INLINE_S)
 

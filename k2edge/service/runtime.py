@@ -191,15 +191,8 @@ class ModelRuntime:
             smallest = {e.input_name: np.zeros((min(spec.batch_sizes), *spec.shape[1:]) if spec.batch_axis else spec.shape,
                                                dtype=spec.dtype)}
             e.infer(smallest)  # the first run pays the session's set-up
-            took, end = float("inf"), time.perf_counter() + BATCH1_BUDGET_S
-            for _ in range(5):  # the least of a few: one run on a busy machine can be many times a quiet one's
-                t0 = time.perf_counter()
-                e.infer(smallest)
-                took = min(took, time.perf_counter() - t0)
-                if t0 > end:
-                    break
             if e is self.engines[min(self.engines)]:
-                self.batch1_s = took
+                self.batch1_s = self._least_time(e, smallest)
             self._limit_batches(e, smallest)
             device += e.describe().get("device_memory_bytes") or 0
         memory = {"host": max(0, resident_bytes() - rss0)} if rss0 is not None else {}
@@ -208,6 +201,19 @@ class ModelRuntime:
         self._state["memory"] = memory
         self._state["active"] = True
         return self
+
+    @staticmethod
+    def _least_time(engine, feeds: dict) -> float:
+        """The least of up to five runs of ``feeds`` (within :data:`BATCH1_BUDGET_S`): one run on a busy machine can
+        take many times what a quiet one does."""
+        took, end = float("inf"), time.perf_counter() + BATCH1_BUDGET_S
+        for _ in range(5):
+            t0 = time.perf_counter()
+            engine.infer(feeds)
+            took = min(took, time.perf_counter() - t0)
+            if t0 > end:
+                break
+        return took
 
     def _limit_batches(self, engine, one: dict) -> None:
         """On single-threaded CPU workers (the run's CPU is its thread's), measure a sample alone and in a batch of 2, and

@@ -211,11 +211,10 @@ class StreamReader:
             if max_fps != self._limit_gate.max_fps and self._skip is not None:
                 self._skip.reset()
             self._limit_gate.set(max_fps)
-            self._cond.notify_all()  # pace every: a reader waiting for its slot looks again
-            if max_fps == 0 and self._frame is not None and self.pace != "every":  # paused: the frame waiting is not processed either
+            if max_fps == 0 and self._frame is not None and self.pace != "every":  # paused: the waiting frame goes too
                 self._frame = None
                 self.shed += 1
-                self._cond.notify_all()
+            self._cond.notify_all()  # a reader waiting for room in the slot, or (pace every) for its slot, looks again
 
     # the processing side ----------------------------------------------------------------------------
     def ready(self) -> bool:
