@@ -186,6 +186,9 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
             assert e["line"] == "door" and isinstance(e["track_id"], int) and isinstance(e["frame"], int)
     assert {e["label"] for e in events if e["event"] == "zone_enter"} >= {"7", "8", "4", "3", "5"}
 
+    # the last frames' snapshots are made on the evidence thread, after the status with the final frame counts: the
+    # daemon republishes the status as each is made
+    client.wait_for(lambda c: sum(c.statuses[-1]["streams"]["cam"]["snapshots"].values()) >= len(tracked_events), 30)
     st = client.statuses[-1]["streams"]["cam"]
     assert st["frame_size"] == [320, 240] and st["warnings"] == []
     assert st["snapshots"] == {"made": len(tracked_events), "failed": 0}

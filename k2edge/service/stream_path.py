@@ -288,6 +288,8 @@ class StreamPath:
             snapshots[body["event_id"]] = snap.jpeg
             stream.count_snapshot(True)
         self._store_and_publish(stream, bodies, snapshots, escalations)
+        if stream.snapshots and stream.reader.state == "ended" and self.on_change is not None:
+            self.on_change()  # a file's last snapshots come after the status with its final frame counts: count them
         ring = stream.reader.packets
         if ring is not None:
             for body, e in zip(bodies, events):
