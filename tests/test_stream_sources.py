@@ -383,6 +383,26 @@ def _frame(stream, index: int, captured: float, label: str = "7"):
     return stream.track(StreamFrame(stream, frame, time.monotonic()), detections)
 
 
+def test_a_files_stream_ended_waits_for_the_frames_read_before_it():
+    """The reader ends while its last frame waits to be taken (or is in flight): the stream_ended waits for that
+    frame's events to be handed on, and is given once; with nothing left it goes at once; a stop takes it anyway."""
+    from k2edge.streams.reader import Frame
+
+    stream = _stream_with_zone()
+    reader, end = stream.reader, ([{"event": "stream_ended"}], 9)
+    last = Frame(9, 9 / 15, time.time(), time.monotonic(), time.monotonic(), np.zeros((240, 320, 3), np.uint8))
+    reader._frame = last  # the file's last frame, decoded, not taken yet
+    assert stream.defer_end(end)
+    item = stream.take()
+    assert item is not None and item.frame is last and stream.defer_end(end)  # in flight: it still waits
+    stream.release(item)  # the stream may take another frame; its events are not out yet
+    assert stream.defer_end(end)
+    assert stream.conclude(item) is end and stream.conclude(item) is None  # the frame's events are out: the end, once
+    assert not stream.defer_end(end)  # nothing read is left: announce it now
+    reader._frame = last  # the daemon stops with a frame never taken: the stop announces the end
+    assert stream.defer_end(end) and stream.take_end() is end and stream.take_end() is None
+
+
 def test_an_outage_longer_than_max_lost_ends_every_track_dated_when_the_stream_went_down():
     """Down for longer than max_lost_s: the track inside the zone leaves, dated at the stream_down, with a
     reason, before the next frame is tracked; the object seen after it is a new track. A short outage

@@ -19,7 +19,9 @@ detections and events are what a processed frame is handed on to.
    thread, never the batcher's): a frame's zone and line events wait there for their snapshots (drawn,
    encoded, written to the :class:`~k2edge.streams.evidence.MediaStore`); then the events are stored,
    each snapshot is published raw on ``.../snapshots`` and the events on ``.../events``. A snapshot that
-   cannot be made (the queue full, the disk full) leaves its event intact with ``snapshot_error``.
+   cannot be made (the queue full, the disk full) leaves its event intact with ``snapshot_error``. A file's
+   ``stream_ended`` waits for the frames read before the end (:meth:`Stream.defer_end
+   <k2edge.streams.stream.Stream.defer_end>`), then goes out behind their events, on this thread.
 
 7. **escalation** (:mod:`k2edge.service.stream_escalation`): an event a stream's ``[[streams.escalation]]`` rules
    select gets a durable job, written before the event is stored; a worker asks K2 off the frame path and the
@@ -54,6 +56,8 @@ from .event_store import EventStore
 from .stream_escalation import EscalationJobs, StreamEscalations
 
 log = logging.getLogger(__name__)
+
+_ENDED = object()  # an evidence job's marker: a file's stream_ended, behind its last frames' events
 
 
 class StreamPath:
@@ -137,6 +141,10 @@ class StreamPath:
                 s.reader.packets.close_capture()  # the reader is gone: its clips being written end here
         while any(s.in_flight for s in self.streams.values()) and time.monotonic() < end:
             time.sleep(0.01)
+        for s in self.streams.values():  # an ended file whose last frame was left unread: announced now
+            ended = s.take_end()
+            if ended is not None:
+                self._announce_end(s, *ended)
         if self.evidence is not None and not self.evidence.stop(max(0.1, end - time.monotonic())):
             log.warning("streams: %d frame(s) with events still wait for their snapshots; their events are lost",
                         self.evidence.waiting)
@@ -164,10 +172,22 @@ class StreamPath:
         # back while paused: its stream_up is when the pause ends; back as a pause ends: announced once
         events = stream.announced([event] if event is not None else [])
         self._observe(stream)
-        if events:
+        if events and new == "ended":  # after the events of the frames read before the end
+            if not stream.defer_end((events, reader.last_index)):
+                self._announce_end(stream, events, reader.last_index)
+        elif events:
             self._publish_events(stream, events, reader.last_index)
         if self.on_change is not None:
             self.on_change()
+
+    def _announce_end(self, stream: Stream, events: list[dict], index: int | None) -> None:
+        """A file's stream_ended, once its frames are handed on: behind their events on the evidence thread
+        (those wait there for their snapshots and clips), else at once."""
+        if not self._uses_evidence(stream) or not self.evidence.submit((stream, _ENDED, events, index)):
+            self._publish_events(stream, events, index)
+
+    def _uses_evidence(self, stream: Stream) -> bool:
+        return self.evidence is not None and bool(stream.snapshots or stream.reader.packets is not None or stream.rules)
 
     def on_thermal(self, state: str, reason: str | None) -> None:
         """The thermal governor's state changed (the sampler's thread): every stream's limit, now, and the
@@ -191,6 +211,7 @@ class StreamPath:
                     log.warning("stream %s: a frame cannot be staged for model %s: %s", f.stream.name, rt.name,
                                 exc if isinstance(exc, InputError) else repr(exc))
                 f.stream.release(f, failed=True)
+                self._conclude(f)
                 continue
             if not (f.stream.snapshots or f.stream.watched or f.stream.rules):
                 f.frame.picture = None  # the pixels are in the sample now (a snapshot or a viewer needs them later)
@@ -211,6 +232,13 @@ class StreamPath:
         finally:  # a frame never stays in flight: its stream would take no other
             for f in frames:
                 f.stream.release(f, failed=True)  # once: a frame processed is released already
+                self._conclude(f)
+
+    def _conclude(self, f: StreamFrame) -> None:
+        """``f``'s events are handed on: its stream's stream_ended goes out if it waited for this frame."""
+        ended = f.stream.conclude(f)
+        if ended is not None:
+            self._announce_end(f.stream, *ended)
 
     def _finish(self, rt, frames: list[StreamFrame], outputs, started: float) -> None:
         now = clock()
@@ -264,6 +292,9 @@ class StreamPath:
         asked for each (it is cut on the reader thread); or a finished clip written, then its clip_ready."""
         if isinstance(job[1], ClipInfo):
             return self._clip_ready(*job)
+        if job[1] is _ENDED:
+            stream, _, events, index = job
+            return self._publish_events(stream, events, index)
         stream, image, frame, pts, events, escalations = job
         snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
         bodies, snapshots = [], {}
@@ -445,3 +476,4 @@ class StreamFrames(BatchClient):
     def fail(self, frames: list[StreamFrame], exc: Exception) -> None:
         for f in frames:  # once: each frame knows whether it was released
             f.stream.release(f, failed=True)
+            self.path._conclude(f)

@@ -57,7 +57,8 @@ class StreamFrame:
     sample: np.ndarray | None = None
     geometry: object = None
     timings: dict = field(default_factory=dict)
-    finished: bool = False
+    finished: bool = False  # released: the stream may take its next frame
+    concluded: bool = False  # its detections and events are handed on (see Stream.conclude)
 
     @property
     def received(self) -> float:
@@ -132,6 +133,8 @@ class Stream:
         self.frame_size: tuple[int, int] | None = None  # (width, height), from the first processed frame
         self.warnings: list[str] = []
         self._in_flight = False
+        self._open = 0  # frames taken whose detections and events are not handed on yet (conclude)
+        self._end: tuple | None = None  # the reader's stream_ended, waiting for the frames before it (defer_end)
         self._lock = threading.Lock()
         self._up_announced = False  # a stream_up was published and no stream_down / _ended / _paused since
         self._rates: deque = deque()  # (monotonic, decoded, processed)
@@ -171,6 +174,7 @@ class Stream:
             if frame is None:
                 return None
             self._in_flight = True
+            self._open += 1
             return StreamFrame(self, frame, time.monotonic())
 
     def release(self, item: StreamFrame, failed: bool = False) -> None:
@@ -184,6 +188,38 @@ class Stream:
                 self.frame_errors += 1
         if failed:
             self.reader.count_dropped()
+
+    def conclude(self, item: StreamFrame) -> tuple | None:
+        """``item``'s detections and events are handed on (published, or queued for their snapshots): once, after
+        :meth:`release`. Returns the ended stream's announcement (:meth:`defer_end`) when it was the last frame."""
+        with self._lock:
+            if item.concluded:
+                return None
+            item.concluded = True
+            self._open -= 1
+            return self._end_due()
+
+    def defer_end(self, announcement: tuple) -> bool:
+        """The reader ended (its thread): True when frames it read are still to be handed on, so that
+        ``announcement`` waits for them (the last :meth:`conclude` returns it; :meth:`take_end` at a stop); False:
+        announce it now."""
+        with self._lock:  # the lock take() holds from the reader's slot to the frame in flight
+            if not self._open and not self.reader.ready():
+                return False
+            self._end = announcement
+            return True
+
+    def take_end(self) -> tuple | None:
+        """The announcement still waiting (the daemon stops: a frame left in the reader is never taken), once."""
+        with self._lock:
+            end, self._end = self._end, None
+            return end
+
+    def _end_due(self) -> tuple | None:
+        if self._end is None or self._open or self.reader.ready():
+            return None
+        end, self._end = self._end, None
+        return end
 
     def on_state(self, old: str, new: str, reason: str | None) -> None:
         """The reader's state changed (its thread): remember when it went down, for :meth:`track`; once up,
