@@ -399,6 +399,10 @@ def test_a_files_stream_ended_waits_for_the_frames_read_before_it():
     assert stream.defer_end(end)
     assert stream.conclude(item) is end and stream.conclude(item) is None  # the frame's events are out: the end, once
     assert not stream.defer_end(end)  # nothing read is left: announce it now
+    reader._frame = last
+    assert stream.defer_end(end) and stream.end_due() is None
+    reader._frame = None  # a thermal pause dropped it from the slot: nothing will conclude it, the daemon's tick asks
+    assert stream.end_due() is end and stream.end_due() is None
     reader._frame = last  # the daemon stops with a frame never taken: the stop announces the end
     assert stream.defer_end(end) and stream.take_end() is end and stream.take_end() is None
 

@@ -407,6 +407,9 @@ class StreamPath:
             s.reader.check(now)
             s.sample_rates(now)
             self._observe(s)
+            ended = s.end_due()
+            if ended is not None:
+                self._announce_end(s, *ended)
         if self.media is not None:
             self.media.purge()
             if self.metrics is not None:

@@ -215,6 +215,12 @@ class Stream:
             end, self._end = self._end, None
             return end
 
+    def end_due(self) -> tuple | None:
+        """The waiting announcement, once, if nothing read before it is left (a frame the thermal pause dropped from
+        the reader's slot is never concluded: the daemon asks once a second)."""
+        with self._lock:
+            return self._end_due()
+
     def _end_due(self) -> tuple | None:
         if self._end is None or self._open or self.reader.ready():
             return None
