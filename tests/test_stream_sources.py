@@ -403,6 +403,8 @@ def test_a_files_stream_ended_waits_for_the_frames_read_before_it():
     assert stream.defer_end(end) and stream.end_due() is None
     reader._frame = None  # a thermal pause dropped it from the slot: nothing will conclude it, the daemon's tick asks
     assert stream.end_due() is end and stream.end_due() is None
+    stream.keep_end(end)  # the evidence queue was full: asked again at the next tick
+    assert stream.end_due() is end and stream.unconcluded == 0
     reader._frame = last  # the daemon stops with a frame never taken: the stop announces the end
     assert stream.defer_end(end) and stream.take_end() is end and stream.take_end() is None
 

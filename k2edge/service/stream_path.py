@@ -139,12 +139,13 @@ class StreamPath:
                 log.warning("stream %s: its reader did not stop in time (a backend read still blocks)", s.name)
             elif s.reader.packets is not None:
                 s.reader.packets.close_capture()  # the reader is gone: its clips being written end here
-        while any(s.in_flight for s in self.streams.values()) and time.monotonic() < end:
+        # until every frame taken has handed its events on (a frame is released, and may be replaced, before that)
+        while any(s.in_flight or s.unconcluded for s in self.streams.values()) and time.monotonic() < end:
             time.sleep(0.01)
         for s in self.streams.values():  # an ended file whose last frame was left unread: announced now
             ended = s.take_end()
             if ended is not None:
-                self._announce_end(s, *ended)
+                self._announce_end(s, *ended, stopping=True)
         if self.evidence is not None and not self.evidence.stop(max(0.1, end - time.monotonic())):
             log.warning("streams: %d frame(s) with events still wait for their snapshots; their events are lost",
                         self.evidence.waiting)
@@ -180,11 +181,17 @@ class StreamPath:
         if self.on_change is not None:
             self.on_change()
 
-    def _announce_end(self, stream: Stream, events: list[dict], index: int | None) -> None:
+    def _announce_end(self, stream: Stream, events: list[dict], index: int | None, stopping: bool = False) -> None:
         """A file's stream_ended, once its frames are handed on: behind their events on the evidence thread
-        (those wait there for their snapshots and clips), else at once."""
-        if not self._uses_evidence(stream) or not self.evidence.submit((stream, _ENDED, events, index)):
+        (those wait there for their snapshots and clips), else at once. With the evidence queue full it waits for
+        the next tick (not ahead of the frames in the queue), unless the daemon is stopping."""
+        if not self._uses_evidence(stream):
             self._publish_events(stream, events, index)
+        elif not self.evidence.submit((stream, _ENDED, events, index)):
+            if stopping:
+                self._publish_events(stream, events, index)
+            else:
+                stream.keep_end((events, index))
 
     def _uses_evidence(self, stream: Stream) -> bool:
         return self.evidence is not None and bool(stream.snapshots or stream.reader.packets is not None or stream.rules)

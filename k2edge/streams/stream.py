@@ -165,6 +165,11 @@ class Stream:
     def in_flight(self) -> bool:
         return self._in_flight
 
+    @property
+    def unconcluded(self) -> int:
+        """Frames taken whose events are not handed on yet (a frame is released before that)."""
+        return self._open
+
     def take(self) -> StreamFrame | None:
         """The newest frame, now in flight; None when none waits or one is in flight already."""
         with self._lock:
@@ -208,6 +213,12 @@ class Stream:
                 return False
             self._end = announcement
             return True
+
+    def keep_end(self, announcement: tuple) -> None:
+        """``announcement`` could not be queued behind the frames' events (the evidence queue is full): it waits again
+        (:meth:`end_due`, asked once a second)."""
+        with self._lock:
+            self._end = announcement
 
     def take_end(self) -> tuple | None:
         """The announcement still waiting (the daemon stops: a frame left in the reader is never taken), once."""
