@@ -172,9 +172,10 @@ def test_warm_trace_switches_the_model_to_its_dla_heavier_profile(tmp_path, run_
     model = {**DIGITS, "escalation": {"warm_profile": "c4"}}
     run_daemon(models=[model], tables={"thermal": {"source": "trace", "trace": trace, "sample_interval_ms": 50}})
     client = Client(broker.port).connect()
-    client.wait_for(lambda c: any(s.get("thermal") == "warm" for s in c.statuses), 30)
-    status = next(s for s in reversed(client.statuses) if s.get("thermal") == "warm")
-    assert status["models"][0]["profile"] == "c4"
+    # the serving loop may publish the warm state a moment before the sampler's thread has switched the model: the
+    # switch is republished at once
+    client.wait_for(lambda c: any(s.get("thermal") == "warm" and (s.get("models") or [{}])[0].get("profile") == "c4"
+                              for s in c.statuses), 30)
     client.publish(TOPIC, _img(SAMPLES[8], id="warm-1"))
     a = client.wait_answers(1)[0]
     assert a["profile"] == "c4" and a["thermal_state"] == "warm" and a["top_k"][0]["label"] == "8"
