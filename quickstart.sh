@@ -127,7 +127,6 @@ test_workers() {  # a worker per core, at most 4: the daemon tests each start pr
 case "${1:-}" in
     demo) setup; demo ;;
     test) shift; need_mosquitto; need_rtsp_server; need_chromium; setup
-          # worksteal: a worker that runs out takes tests queued on another (the minutes-long ones run first)
-          exec "$VENV/bin/python" -m pytest -n "$(test_workers)" --dist worksteal "$@" ;;
+          exec "$VENV/bin/python" -m pytest -n "$(test_workers)" "$@" ;;
     *) echo "usage: $0 demo | test [pytest args]" >&2; exit 2 ;;
 esac

@@ -148,9 +148,9 @@ def run_one(name: str, spec: dict, profile_key: str, tmp: Path, eval_paths: list
     return row
 
 
-def misses(r: dict, timed: bool = True) -> list[str]:
+def misses(r: dict) -> list[str]:
     """The bounds of docs/int8.md that row ``r`` misses, each with its figure (none: it meets them all), or the data
-    it lacks for a verdict; ``timed=False`` leaves out YOLOv8n's build time (a test's, on a machine of any speed)."""
+    it lacks for a verdict."""
     out = []
 
     def need(ok: bool, what: str) -> None:
@@ -162,7 +162,7 @@ def misses(r: dict, timed: bool = True) -> list[str]:
         need(r["images"] >= 100, f"not enough data: {r['images']} evaluation images (100 needed)")
         need(r["strict_recall"] >= 0.90, f"recall at the threshold {r['strict_recall']:.3f} < 0.90")
         need(r["strict_precision"] >= 0.90, f"precision at the threshold {r['strict_precision']:.3f} < 0.90")
-        need(not timed or r["cold_build_s"] <= 180, f"cold build {r['cold_build_s']:.0f} s > 180 s")
+        need(r["cold_build_s"] <= 180, f"cold build {r['cold_build_s']:.0f} s > 180 s")
     elif r["model"] == "cls":
         need(r["lines"] >= 400, f"not enough data: {r['lines']} evaluation lines (400 needed)")
         gap = round(abs(r["top1"] - r["fp32_top1"]) * r["lines"])  # in lines: no float rounding at the edge

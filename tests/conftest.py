@@ -17,12 +17,6 @@ DEMO = ROOT / "models" / "digits"
 sys.path.insert(0, str(Path(__file__).parent / "support"))  # the tests' helpers: tests/support/*.py
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests of minutes (``@pytest.mark.minutes``) first: with a worker per core (pytest-xdist) the others share the
-    rest of the suite meanwhile, instead of waiting at its end for the one still building."""
-    items.sort(key=lambda item: item.get_closest_marker("minutes") is None)  # stable: the others keep their order
-
-
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Every test gets the session's cache dir unless it asks for its own; never ~/.cache."""

@@ -1,17 +1,13 @@
 """INT8 on public pretrained models (docs/int8.md, "Public models: INT8 share and accuracy").
 
-A calibration set whose held-out part has too few FP32 boxes gives an inconclusive check; the classifier and YOLOv8n
-meet their bounds GPU-only (YOLOv8n with the bench's own data and verdict: about 5 minutes on 2 cores, so it runs
-first, beside the rest of the suite); DBNet's FP16 engine matches FP32 (its BatchNorm variance beyond FP16's range is
-folded before converting). DBNet's INT8 bound (6 minutes more), the bounds under c4 and the build time are judged by
-``bench/bench_int8_public.py``, which prints each row's verdict and exits 1 when one misses (docs/int8.md): with them
-CI would run past its 20 minutes (with DBNet's GPU-only bound the suite took 976 s on 2 cores).
+A calibration set whose held-out part has too few FP32 boxes gives an inconclusive check; the classifier meets its
+bound GPU-only; DBNet's FP16 engine matches FP32 (its BatchNorm variance beyond FP16's range is folded before
+converting). YOLOv8n's bound (1,000 calibration scenes: 150-180 s a profile), those under c4, DBNet's and the build
+time are judged by ``bench/bench_int8_public.py``, which prints each row's verdict and exits 1 when one misses
+(docs/int8.md): asserted here they would take CI past its 20 minutes (a run with YOLOv8n's GPU-only bound took 19).
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +17,6 @@ from k2edge.model.datasets import open_dataset
 from int8_support import GPU_CHAIN
 from public_sets import textline_set
 from test_int8_fixtures import INT8, packaged_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench_int8_public
 
 
 
@@ -94,21 +88,3 @@ def test_public_text_detector_fp16_engine_matches_fp32(tmp_path):
 
     measures = compare_outputs("tensor", maps(fp32), maps(fp16))
     assert measures["cosine"] >= 0.999, measures
-
-
-@pytest.mark.slow
-@pytest.mark.minutes
-def test_public_yolov8n_meets_its_int8_bound_gpu_only(tmp_path):
-    """The bench's YOLOv8n row under the GPU-only ["int8", "fp16"] chain, on its own 1,000 calibration scenes (200 held
-    out for the check) and 100 evaluation scenes: at least 80 % of its learned-layer FLOPs in INT8, with recall and
-    precision against FP32 at least 0.90 (``bench_int8_public.misses``: its verdict, the build time left to the bench)."""
-    import bench_int8_public as bench
-
-    name = "yolov8n"
-    spec = bench.models(tmp_path)[name]
-    n_calib, n_eval = bench.SIZES[name]
-    spec["calib_dir"] = spec["calib"](tmp_path / "calib", n_calib)
-    paths = sorted(spec["eval"](tmp_path / "eval", n_eval).rglob("*.jpg"))
-    row = bench.run_one(name, spec, "gpu", tmp_path, paths)
-    assert row["check"] in ("passed", "fallback"), row["check_line"]
-    assert not bench.misses(row, timed=False), (bench.misses(row, timed=False), row["check_line"])
