@@ -92,6 +92,9 @@ class Daemon:
         cfg, state = self.cfg, state_dir(self.cfg)
         # the edges, checked before the (possibly long) engine builds: secrets, TLS files, the cloud key
         self.thermal = thermal_sampler(cfg.thermal, on_transition=self.on_thermal)
+        # the state the status tells: set once the models and streams follow it (on_thermal), so that no status says
+        # a new state beside the limits and profiles of the old one
+        self._thermal_told = self.thermal.state.state
         self.transport = MqttTransport(cfg, "requests", self._request_filters(), self._will())
         self.control = MqttTransport(self._control_config(), "control", control_subscriptions(cfg))
         self.metrics = self._start_metrics()
@@ -254,6 +257,7 @@ class Daemon:
             rt = batcher.follow_thermal()
             if self.metrics is not None:
                 self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check, rt.memory)
+        self._thermal_told = st.state
         self.publish_status()
 
     # status and telemetry --------------------------------------------------------------------------
@@ -284,7 +288,7 @@ class Daemon:
                        for name, rt in self._running().items()],
             "topics": {"requests": topics.request_filter(self.cfg.prefix),
                        "pool": topics.shared_filter(self.cfg.fleet.group) if self.cfg.fleet.group else None},
-            "thermal": self.thermal.state.state,
+            "thermal": self._thermal_told,
             "cloud": {"breaker": cloud["breaker"], "budget": cloud["budget"], "outbox": cloud["outbox"]} if cloud else None,
             "trust": {"keys": len(trust.keys), "allow_unsigned": trust.allow_unsigned} if trust is not None else None,
             "deploy": self.lifecycle.status(),
@@ -312,7 +316,7 @@ class Daemon:
         """What the retained status says that can change while serving."""
         bridge = self.escalation.bridge
         cloud = (bridge.breaker.state, bridge.outbox.depth()) if bridge else None
-        return (self.thermal.state.state, tuple((rt.profile_name, slots_for(rt)) for rt in self._running().values()), cloud)
+        return (self._thermal_told, tuple((rt.profile_name, slots_for(rt)) for rt in self._running().values()), cloud)
 
     def _running(self) -> dict[str, ModelRuntime]:
         """Each model's engines, as its next batch runs them."""
