@@ -387,7 +387,8 @@ def test_interrupt_keeps_what_was_measured_and_resume_continues(tmp_path):
 
 
 def test_two_sweeps_of_one_configuration_agree_within_the_reported_spread(tmp_path):
-    """Swept twice, each configuration's headline p50 and throughput differ by no more than the larger per-run range."""
+    """Swept twice, each configuration's headline p50 and throughput differ by no more than the two per-run ranges
+    together (their runs' spans overlap: the sweeps run one after the other, on a machine whose load may change)."""
     settings = MeasureSettings(runs=7, warmup=20, requests=100, limit=60)
     a = sweep(tmp_path / "a", ["c5", "c6"], settings=settings).doc["configs"]
     b = sweep(tmp_path / "b", ["c5", "c6"], settings=settings).doc["configs"]
@@ -395,7 +396,7 @@ def test_two_sweeps_of_one_configuration_agree_within_the_reported_spread(tmp_pa
         assert ra["name"] == rb["name"] and ra["top1"] == rb["top1"]
         for metric, value in (("latency_p50_ms", lambda r: r["latency_ms"]["p50"]),
                               ("throughput_per_s", lambda r: r["throughput_per_s"])):
-            allowed = max(ra["spread"][metric]["range"], rb["spread"][metric]["range"])
+            allowed = ra["spread"][metric]["range"] + rb["spread"][metric]["range"]
             assert abs(value(ra) - value(rb)) <= allowed, (ra["name"], metric, value(ra), value(rb), allowed)
 
 
