@@ -139,8 +139,8 @@ class StreamPath:
                 log.warning("stream %s: its reader did not stop in time (a backend read still blocks)", s.name)
             elif s.reader.packets is not None:
                 s.reader.packets.close_capture()  # the reader is gone: its clips being written end here
-        # until every frame taken has handed its events on (a frame is released, and may be replaced, before that)
-        while any(s.in_flight or s.unconcluded for s in self.streams.values()) and time.monotonic() < end:
+        # until every frame taken has handed its events on (a frame in flight is unconcluded too: it is released first)
+        while any(s.unconcluded for s in self.streams.values()) and time.monotonic() < end:
             time.sleep(0.01)
         for s in self.streams.values():  # an ended file whose last frame was left unread: announced now
             ended = s.take_end()
