@@ -291,7 +291,7 @@ def report(args, model: str, summary: dict, startup: dict) -> str:
     errors = k["errors"] | p["errors"] if k["failures"] or p["failures"] else {}
     lines = [
         f"k2edge serve vs the peer (bench/{SCENARIOS[model]['peer'][0]}): {model}, profile {args.profile}, "
-        f"max_batch {args.max_batch}, queue_size 256",
+        f"max_batch {args.max_batch}, queue_size 256" + "".join(f", {k} {v}" for k, v in args.service.items()),
         f"{args.rounds} round(s) x {args.requests} requests per phase (warm-up {args.warmup} not counted), A/B interleaved; "
         f"one mosquitto (set_tcp_nodelay), one load generator; {os.cpu_count()} cores shared by all",
         f"answering {startup['k2edge']:.1f} s (k2edge) and {startup['peer']:.1f} s (peer) after their start; "
@@ -448,7 +448,7 @@ def run_model(args, model: str) -> dict:
         stack.callback(broker.stop)
         cfg = write_config(tmp / "bench.toml", broker.port, [{"name": model, "onnx": scenario["onnx"], "profile": args.profile}],
                            device="bench", service={"max_batch": args.max_batch, "queue_size": 256,
-                                                    "state_dir": str(tmp / "state")})
+                                                    "state_dir": str(tmp / "state"), **args.service})
         # engines cached in the temporary dir: nothing lands in ~/.cache or ~/.local/state
         t_start = time.monotonic()
         daemon = DaemonProcess(cfg, tmp / "daemon.log", env={"K2EDGE_CACHE_DIR": str(tmp / "cache")}).start()
@@ -479,6 +479,19 @@ def run_model(args, model: str) -> dict:
     return results
 
 
+def _service_setting(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--service``: the value as TOML would read it (a number, true/false, else a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    for parse in (int, float):
+        try:
+            return key.strip(), parse(value)
+        except ValueError:
+            pass
+    return key.strip(), {"true": True, "false": False}.get(value.strip().lower(), value.strip())
+
+
 def _stop_daemon(daemon: DaemonProcess) -> None:
     try:
         daemon.terminate(timeout=30)  # SIGTERM: the daemon drains and says offline
@@ -500,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=200, help="requests before each measured phase, not counted")
     ap.add_argument("--profile", default="cpu-dev", help="k2edge's profile")
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--service", metavar="KEY=VALUE", action="append", default=[], type=_service_setting,
+                    help="a [service] setting for k2edge (repeatable), e.g. staging_threads=2 or threads_per_lane=2")
     ap.add_argument("--json", metavar="FILE", help="write every figure (each round, the summary, the profile) here")
     ap.add_argument("--profile-dir", metavar="DIR", help="after the rounds, sample each server with py-spy into DIR")
     ap.add_argument("--profile-requests", type=int, default=5000, help="requests in each py-spy run")
@@ -507,6 +522,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracing", action="store_true", help="measure tracing off vs on instead of the peer")
     ap.add_argument("--baseline-src", metavar="DIR", help="with --tracing: also k2edge serve from this checkout")
     args = ap.parse_args(argv)
+    args.service = dict(args.service)
+    if args.service:
+        import pydantic
+
+        from k2edge.config.schema import ServiceConfig
+
+        try:
+            ServiceConfig(**args.service)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            print(f"bench_peer: --service {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
+            return 1
     if args.baseline_src and not (Path(args.baseline_src) / "k2edge" / "__main__.py").is_file():
         print(f"bench_peer: --baseline-src {args.baseline_src!r} is not a k2edge checkout", file=sys.stderr)
         return 1

@@ -53,6 +53,14 @@ def test_bench_peer_refuses_bad_arguments_in_one_line(tmp_path):
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"bench_peer: --baseline-src {str(tmp_path)!r} is not a k2edge checkout"
+    # k2edge's [service] settings are checked by the daemon's own schema before anything starts
+    proc = subprocess.run([sys.executable, str(BENCH), "--service", "threads_per_lanes=2"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "bench_peer: --service threads_per_lanes: Extra inputs are not permitted"
+    proc = subprocess.run([sys.executable, str(BENCH), "--service", "staging_threads=0"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.startswith("bench_peer: --service staging_threads: "), proc.stderr
 
 
 @pytest.mark.slow
