@@ -26,7 +26,10 @@ generator), and the count of answers that were not ``ok``. ``--profile DIR`` the
 server with py-spy during one more (unmeasured) 16-in-flight run and prints where its time goes.
 
     python bench/bench_peer.py [--models digits,detector] [--requests 2000] [--rounds 5] [--json out.json]
-                               [--profile-dir DIR]
+                               [--profile-dir DIR] [--service KEY=VALUE ...]
+
+``--service`` sets one of k2edge's ``[service]`` settings (``staging_threads=2``, ``threads_per_lane=2``), to try
+a layout against the same peer.
 
 ``--tracing`` measures tracing's cost instead of the peer: the same phases against k2edge with tracing
 off and k2edge with ``[tracing]`` on (every request sampled, spans exported over OTLP/HTTP to a real
