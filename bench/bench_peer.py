@@ -29,7 +29,7 @@ server with py-spy during one more (unmeasured) 16-in-flight run and prints wher
                                [--profile-dir DIR] [--service KEY=VALUE ...]
 
 ``--service`` sets one of k2edge's ``[service]`` settings (``staging_threads=2``, ``threads_per_lane=2``), to try
-a layout against the same peer.
+a layout against the same peer (or with ``--tracing``, against itself); the report's first line names it.
 
 ``--tracing`` measures tracing's cost instead of the peer: the same phases against k2edge with tracing
 off and k2edge with ``[tracing]`` on (every request sampled, spans exported over OTLP/HTTP to a real
@@ -76,6 +76,9 @@ TOPICS = {"k2edge": "k2edge/bench/infer/{model}", "peer": "bench-peer/infer/{mod
 THROUGHPUT_RATIO_BOUND = 1.3  # k2edge's answers/s at 16 in flight over the peer's: at least
 P50_ADDED_BOUND_MS = 0.3  # k2edge's p50 at one in flight minus the peer's: at most
 PHASES = (("throughput", 16), ("latency", 1))
+QUEUE_SIZE = 256  # k2edge's [service] queue_size
+# [service] settings the bench sets itself: --service may not change them (the report states the bench's values)
+OWN_SERVICE_KEYS = {"max_batch": ": use --max-batch", "queue_size": f" ({QUEUE_SIZE})", "state_dir": " (a temporary one)"}
 READY_TIMEOUT_S = 120.0
 # --nonblocking: sampling does not pause the daemon (pausing it 250 times a second cut its rate by
 # a third); no --native: with it py-spy counts threads blocked in futex waits as busy
@@ -277,6 +280,12 @@ def _spread_text(s: dict, fmt: str, unit: str = "") -> str:
     return f"{fmt.format(s['median'])}{unit} [{fmt.format(s['min'])}..{fmt.format(s['max'])}]"
 
 
+def _serving(args) -> str:
+    """How k2edge serves in this run: its profile and [service] settings."""
+    return (f"profile {args.profile}, max_batch {args.max_batch}, queue_size {QUEUE_SIZE}"
+            + "".join(f", {k} {v}" for k, v in args.service.items()))
+
+
 def _row(*cells: str, widths: tuple[int, ...] = (30, 28, 28, 28)) -> str:
     """Cells padded to their column (at least two spaces apart); the last one as it is."""
     return "".join(c.ljust(w - 2) + "  " for c, w in zip(cells, widths)) + "".join(cells[len(widths):])
@@ -293,8 +302,7 @@ def report(args, model: str, summary: dict, startup: dict) -> str:
 
     errors = k["errors"] | p["errors"] if k["failures"] or p["failures"] else {}
     lines = [
-        f"k2edge serve vs the peer (bench/{SCENARIOS[model]['peer'][0]}): {model}, profile {args.profile}, "
-        f"max_batch {args.max_batch}, queue_size 256" + "".join(f", {k} {v}" for k, v in args.service.items()),
+        f"k2edge serve vs the peer (bench/{SCENARIOS[model]['peer'][0]}): {model}, {_serving(args)}",
         f"{args.rounds} round(s) x {args.requests} requests per phase (warm-up {args.warmup} not counted), A/B interleaved; "
         f"one mosquitto (set_tcp_nodelay), one load generator; {os.cpu_count()} cores shared by all",
         f"answering {startup['k2edge']:.1f} s (k2edge) and {startup['peer']:.1f} s (peer) after their start; "
@@ -390,7 +398,8 @@ def run_tracing(args, model: str) -> dict:
             tables = {"tracing": {"endpoint": otlp.endpoint, "sample_ratio": 1.0}} if target == "on" else {}
             cfg = write_config(tmp / f"{target}.toml", broker.port, [{"name": model, "onnx": scenario["onnx"],
                                "profile": args.profile}], device=target, tables=tables,
-                               service={"max_batch": args.max_batch, "queue_size": 256, "state_dir": str(tmp / f"state-{target}")})
+                               service={"max_batch": args.max_batch, "queue_size": QUEUE_SIZE,
+                                        "state_dir": str(tmp / f"state-{target}"), **args.service})
             env = {"K2EDGE_CACHE_DIR": str(tmp / "cache")}
             d = (CheckoutDaemon(Path(args.baseline_src).resolve(), cfg, tmp / f"{target}.log", env) if target == "baseline"
                  else DaemonProcess(cfg, tmp / f"{target}.log", env=env)).start()
@@ -422,7 +431,7 @@ def run_tracing(args, model: str) -> dict:
 def report_tracing(args, model: str, r: dict) -> str:
     s = r["summary"]
     names = {"off": "tracing off", "on": "tracing on (all sampled)", "baseline": f"baseline ({args.baseline_src})"}
-    lines = [f"k2edge serve, tracing off vs on: {model}, profile {args.profile}, max_batch {args.max_batch}; "
+    lines = [f"k2edge serve, tracing off vs on: {model}, {_serving(args)}; "
              f"{args.rounds} round(s) x {args.requests} requests per phase (warm-up {args.warmup}), A/B interleaved; "
              f"{os.cpu_count()} cores shared by all; figures: median over rounds [min..max]", "",
              _row("target", "throughput, 16 in flight", "p50, 1 in flight", "p90, 1 in flight", "daemon CPU/request",
@@ -450,7 +459,7 @@ def run_model(args, model: str) -> dict:
         broker = Broker(tmp / "broker").start()
         stack.callback(broker.stop)
         cfg = write_config(tmp / "bench.toml", broker.port, [{"name": model, "onnx": scenario["onnx"], "profile": args.profile}],
-                           device="bench", service={"max_batch": args.max_batch, "queue_size": 256,
+                           device="bench", service={"max_batch": args.max_batch, "queue_size": QUEUE_SIZE,
                                                     "state_dir": str(tmp / "state"), **args.service})
         # engines cached in the temporary dir: nothing lands in ~/.cache or ~/.local/state
         t_start = time.monotonic()
@@ -484,15 +493,17 @@ def run_model(args, model: str) -> dict:
 
 def _service_setting(text: str) -> tuple[str, object]:
     """``KEY=VALUE`` of ``--service``: the value as TOML would read it (a number, true/false, else a string)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
+    key, sep, value = (part.strip() for part in text.partition("="))
+    if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if key in OWN_SERVICE_KEYS:
+        raise argparse.ArgumentTypeError(f"{key} is the bench's own{OWN_SERVICE_KEYS[key]}")
     for parse in (int, float):
         try:
-            return key.strip(), parse(value)
+            return key, parse(value)
         except ValueError:
             pass
-    return key.strip(), {"true": True, "false": False}.get(value.strip().lower(), value.strip())
+    return key, {"true": True, "false": False}.get(value.lower(), value)
 
 
 def _stop_daemon(daemon: DaemonProcess) -> None:

@@ -61,6 +61,9 @@ def test_bench_peer_refuses_bad_arguments_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH), "--service", "staging_threads=0"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 1 and proc.stderr.startswith("bench_peer: --service staging_threads: "), proc.stderr
+    proc = subprocess.run([sys.executable, str(BENCH), "--service", "max_batch=4"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)  # the bench's own setting: stated in its report, not changed behind it
+    assert proc.returncode == 2 and "max_batch is the bench's own: use --max-batch" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
