@@ -138,7 +138,12 @@ def test_a_stream_follows_the_thermal_state_in_its_status():
     reader = StreamReader("cam", parse_source("file:///nowhere.mp4"), None, fps=12)  # never started
     stream = Stream("cam", "boxes", reader, hot_fps=2.0)
     assert stream.status()["limit"]["thermal_state"] == "unknown" and stream.status()["limit"]["max_fps"] == 12
+    before = time.time()
     assert stream.set_thermal("warm", "tj 80 °C") == [] and stream.limit.max_fps == 6.0
+    since = stream.status()["limit"]["since"]  # when the reader's gate took the new limit
+    assert before <= since <= time.time()
+    stream.set_thermal("warm", "tj 81 °C")  # the same limit again: it has been in effect since then
+    assert stream.status()["limit"]["since"] == since
     assert stream.set_thermal("hot") == [] and stream.limit.max_fps == 2.0
     events = stream.set_thermal("critical", "tj 99 °C")
     assert [e["event"] for e in events] == ["stream_paused"] and stream.paused  # the reader is starting: not over

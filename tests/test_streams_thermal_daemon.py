@@ -46,10 +46,11 @@ def _get(url: str) -> str:
 
 
 def test_the_processed_rate_follows_the_thermal_state_and_nothing_is_lost(run_daemon, broker, tmp_path):
-    """Each state's processed rate, measured on the frames decoded from one sampler interval after the status
-    that announced it: normal at the stream's rate, warm and hot at most their limits (and no two frames closer
-    than the gate allows), critical none, normal again; stream_paused once with its reason, stream_up when it
-    resumes; the status, the live view and k2edge_stream_max_fps say the limit; every event exactly once."""
+    """Each state's processed rate, measured on the frames decoded from one sampler interval after its limit took
+    effect (the limit's ``since`` in the status that announced it): normal at the stream's rate, warm and hot at
+    most their limits (and no two frames closer than the gate allows), critical none, normal again; stream_paused
+    once with its reason, stream_up when it resumes; the status, the live view and k2edge_stream_max_fps say the
+    limit; every event exactly once."""
     crossing = scenario_crossing(tmp_path / "crossing.mp4", fps=FPS)
     (x0, y0), (x1, y1) = crossing.line
     metrics_port, http_port = free_port(), free_port()
@@ -94,9 +95,12 @@ def test_the_processed_rate_follows_the_thermal_state_and_nothing_is_lost(run_da
         want = None if own else MAX_FPS[state]
         assert cam["limit"]["thermal_state"] == state and cam["limit"]["max_fps"] == want, cam
         assert state != "critical" or (cam["state"] == "paused" and "paused" in cam["limit"]["reason"])
+    assert all(cam["limit"]["since"] <= t for _, t, cam in seen), seen  # in effect before it was announced
     frames = [m for t, m in client.other if t == "k2edge/t1/streams/cam/detections"]
     first = min(f["captured_at"] for f in frames)
-    bounds = [max(t, first) for _, t, _ in seen] + [max(f["captured_at"] for f in frames)]
+    # a state's frames: from when its limit took effect (under the reader's lock, as each frame's captured_at), not
+    # from its status, which goes out after the streams, the models and the stream_up event have followed it
+    bounds = [max(cam["limit"]["since"], first) for _, _, cam in seen] + [max(f["captured_at"] for f in frames)]
     rates = {}
     for i, (state, _, _) in enumerate(seen):
         start, end = bounds[i] + INTERVAL_S, bounds[i + 1]

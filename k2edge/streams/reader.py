@@ -203,10 +203,11 @@ class StreamReader:
         """The index of the newest decoded frame (None before the first)."""
         return self._next_index - 1 if self._next_index else None
 
-    def limit(self, max_fps: float | None) -> None:
+    def limit(self, max_fps: float | None) -> float:
         """Keep at most ``max_fps`` of the frames ``fps`` keeps, from the next frame on (None: all; 0: none,
         the stream paused); the rest are counted as shed. Under pace ``every`` nothing is shed: the hand-over slows
-        to that rate (0: it waits)."""
+        to that rate (0: it waits). Returns when it took effect (Unix time): every frame whose ``captured_at`` is
+        earlier was kept or shed by the old limit, every later one by the new."""
         with self._cond:
             if max_fps != self._limit_gate.max_fps and self._skip is not None:
                 self._skip.reset()
@@ -215,6 +216,7 @@ class StreamReader:
                 self._frame = None
                 self.shed += 1
             self._cond.notify_all()  # a reader waiting for room in the slot, or (pace every) for its slot, looks again
+            return time.time()  # under the lock, as each frame's captured_at is
 
     # the processing side ----------------------------------------------------------------------------
     def ready(self) -> bool:

@@ -151,6 +151,7 @@ class Stream:
         self.warm_fps, self.hot_fps = warm_fps, hot_fps
         self._thermal: tuple[str, str | None] = ("unknown", None)  # the governor's state and its reason
         self.limit: StreamLimit = stream_limit("unknown", self.rate)
+        self._limit_since = time.time()  # when the reader's frames began to follow this limit (Unix time)
         self.rules = tuple(rules)
         self._memory: dict[int, _TrackMemory] = {}  # track id -> its scores (only with rules)
         self._keep_crops = max((r.keeps_crops for r in self.rules), default=0)
@@ -286,8 +287,11 @@ class Stream:
             state, cause = self._thermal
             old = self.limit
             self.limit = new = stream_limit(state, self.rate, self.warm_fps, self.hot_fps, cause=cause)
-            self.reader.limit(new.gate_fps)
-        if new.max_fps != old.max_fps or new.thermal_state != old.thermal_state:
+            since = self.reader.limit(new.gate_fps)
+            changed = new.max_fps != old.max_fps or new.thermal_state != old.thermal_state
+            if changed:
+                self._limit_since = since
+        if changed:
             log.log(logging.WARNING if new.throttled else logging.INFO, "stream %s: %s", self.name, new.reason)
         return limit_events(old, new, self.reader.state)
 
@@ -492,12 +496,13 @@ class Stream:
         fps_in, fps_processed = self.rates()
         with self._lock:
             counts, snapshots = self._counts, dict(self._snapshots)
+            paused, limit = self.limit.paused, {**self.limit.to_dict(), "since": self._limit_since}
         r = self.reader
-        state = "paused" if self.limit.paused and r.state == "up" else r.state
+        state = "paused" if paused and r.state == "up" else r.state
         return {"state": state, "source": r.spec.shown, "model": self.model, "fps_in": round(fps_in, 2),
                 "fps_processed": round(fps_processed, 2), "frame_age_ms": self.frame_age(),
                 "frame_size": list(self.frame_size) if self.frame_size else None, "decoded": r.decoded,
-                "processed": self.processed, "dropped": r.dropped, "shed": r.shed, "skipped": r.skipped, "limit": self.limit.to_dict(),
+                "processed": self.processed, "dropped": r.dropped, "shed": r.shed, "skipped": r.skipped, "limit": limit,
                 "corrupt": r.corrupt, "reconnects": r.reconnects,
                 "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
                 "snapshots": snapshots if self.snapshots else None,
