@@ -161,9 +161,11 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     answers = client.wait_answers(len(rids), timeout=60)
     assert all(a["status"] == "ok" and a["detections"] for a in answers)
 
-    def final(c):  # the status republished once the last frame was out (it may finish after stream_ended)
+    def final(c):  # the status republished once the last frame was out (it may finish after stream_ended), and the
+        # detections of every frame it counts (a frame is counted processed just before its detections go out)
         st = c.statuses[-1].get("streams", {}).get("cam", {}) if c.statuses else {}
-        return st.get("state") == "ended" and st["processed"] + st["dropped"] == st["decoded"]
+        return (st.get("state") == "ended" and st["processed"] + st["dropped"] == st["decoded"]
+                and len(_messages(c, "detections")) >= st["processed"])
 
     client.wait_for(final, 30)
     frames = _messages(client, "detections")
