@@ -492,18 +492,18 @@ def run_model(args, model: str) -> dict:
 
 
 def _service_setting(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` of ``--service``: the value as TOML would read it (a number, true/false, else a string)."""
+    """``KEY=VALUE`` of ``--service``: the value as the daemon's config reads it (TOML), a bare word as a string."""
+    from k2edge.config import toml
+
     key, sep, value = (part.strip() for part in text.partition("="))
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     if key in OWN_SERVICE_KEYS:
         raise argparse.ArgumentTypeError(f"{key} is the bench's own{OWN_SERVICE_KEYS[key]}")
-    for parse in (int, float):
-        try:
-            return key, parse(value)
-        except ValueError:
-            pass
-    return key, {"true": True, "false": False}.get(value.lower(), value)
+    try:
+        return key, toml.loads(f"v = {value}")["v"]
+    except toml.TOMLDecodeError:
+        return key, value
 
 
 def _stop_daemon(daemon: DaemonProcess) -> None:

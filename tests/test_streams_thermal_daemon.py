@@ -87,7 +87,7 @@ def test_the_processed_rate_follows_the_thermal_state_and_nothing_is_lost(run_da
     client.wait_for(lambda c: any(s["time"] > resumed_at + 2.0 for s in c.statuses), 30)  # two seconds back at normal
     assert daemon.terminate() == 0, daemon.output()
     # the broker acknowledged the offline status before the daemon exited; this client may receive it a moment later
-    client.wait_for(lambda c: c.statuses and c.statuses[-1].get("state") == "offline", 30)
+    client.wait_state("offline", timeout=30)
 
     seen = changes(client)
     assert [s for s, _, _ in seen] == ["normal", "warm", "hot", "critical", "normal"], seen
