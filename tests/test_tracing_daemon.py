@@ -130,39 +130,43 @@ def _metric(port: int, name: str) -> float:
 
 
 def test_a_collector_that_is_down_costs_nothing_visible(run_daemon, broker):
-    """Tracing to a port where nothing listens: every request answered, latency within the untraced daemon's
-    spread (measured here, interleaved), the spans lost counted on /metrics."""
+    """Tracing to a port where nothing listens: every request answered, the spans lost counted on /metrics, and
+    latency within the spread of a daemon that traces to a collector that is up (measured here, interleaved).
+    What tracing itself costs is measured against tracing off by ``bench/bench_peer.py --tracing``; a test
+    cannot bound it without assuming the machine's speed, but a down collector must cost no more than an up one."""
     dead, metrics = free_port(), free_port()
-    run_daemon(device="t1")
-    run_daemon(device="t2", tables={"tracing": _tracing(f"http://127.0.0.1:{dead}"), "metrics": {"port": metrics}})
-    client = Client(broker.port).connect()
-    client.settle(TOPIC, "k2edge/t2/infer/digits")  # both warm
-    times: dict[str, list[float]] = {"t1": [], "t2": []}
-    for i in range(60):
-        device = ("t1", "t2")[i % 2]
-        _, _, tp = _parent()
+    with OtlpReceiver() as otlp:
+        run_daemon(device="t1", tables={"tracing": _tracing(otlp.endpoint)})
+        run_daemon(device="t2", tables={"tracing": _tracing(f"http://127.0.0.1:{dead}"), "metrics": {"port": metrics}})
+        client = Client(broker.port).connect()
+        client.settle(TOPIC, "k2edge/t2/infer/digits")  # both warm
+        times: dict[str, list[float]] = {"t1": [], "t2": []}
+        for i in range(120):
+            device = ("t1", "t2")[i % 2]
+            _, _, tp = _parent()
+            n = len(client.answers)
+            t0 = time.monotonic()
+            client.publish(f"k2edge/{device}/infer/digits", _img(SAMPLES[i % len(SAMPLES)], allow_cloud=False),
+                           user_properties={"traceparent": tp})
+            client.wait_answers(n + 1)
+            times[device].append(time.monotonic() - t0)
+        # a raw JPEG's fields travel as user properties: the trace context beside them is not taken for a field
         n = len(client.answers)
-        t0 = time.monotonic()
-        client.publish(f"k2edge/{device}/infer/digits", _img(SAMPLES[i % len(SAMPLES)], allow_cloud=False),
-                       user_properties={"traceparent": tp})
-        client.wait_answers(n + 1)
-        times[device].append(time.monotonic() - t0)
-    # a raw JPEG's fields travel as user properties: the trace context beside them is not taken for a field
-    n = len(client.answers)
-    client.publish("k2edge/t2/infer/digits", SAMPLES[0].read_bytes(), content_type="image/jpeg",
-                   user_properties={"id": "raw-1", "traceparent": _parent()[2], "tracestate": "v=1"})
-    assert client.wait_answers(n + 1)[-1]["id"] == "raw-1"
-    assert all(a["status"] == "ok" for a, _ in client.answers), [a for a, _ in client.answers if a["status"] != "ok"]
-    traced = [p for p in client.answer_props if "traceparent" in p]
-    assert len(traced) == 31  # the traced daemon answered with its context although no span got out
-    base, dead_collector = sorted(times["t1"]), sorted(times["t2"])
-    spread = base[int(0.9 * len(base))]  # the untraced daemon's own 90th percentile, this run
-    assert statistics.median(dead_collector) <= spread, (statistics.median(base), statistics.median(dead_collector), spread)
-    deadline = time.monotonic() + 10
-    while _metric(metrics, "k2edge_trace_spans_dropped_total") < 30 * len(PHASES) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _metric(metrics, "k2edge_trace_spans_dropped_total") >= 30 * len(PHASES)
-    client.close()
+        client.publish("k2edge/t2/infer/digits", SAMPLES[0].read_bytes(), content_type="image/jpeg",
+                       user_properties={"id": "raw-1", "traceparent": _parent()[2], "tracestate": "v=1"})
+        assert client.wait_answers(n + 1)[-1]["id"] == "raw-1"
+        assert all(a["status"] == "ok" for a, _ in client.answers), [a for a, _ in client.answers if a["status"] != "ok"]
+        # both daemons answered with the request's context, the one whose spans all got lost too
+        assert sum("traceparent" in p for p in client.answer_props) == 121
+        otlp.wait_for(lambda ss: sum(s["name"] == "publish" for s in ss) >= 60)  # the live collector got them
+        up, down = sorted(times["t1"]), sorted(times["t2"])
+        spread = up[int(0.9 * len(up))]  # the up collector's daemon's own 90th percentile, this run
+        assert statistics.median(down) <= spread, (statistics.median(up), statistics.median(down), spread)
+        deadline = time.monotonic() + 10
+        while _metric(metrics, "k2edge_trace_spans_dropped_total") < 60 * len(PHASES) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _metric(metrics, "k2edge_trace_spans_dropped_total") >= 60 * len(PHASES)
+        client.close()
 
 
 def test_stream_frames_and_events_are_traced(run_daemon, broker, crossing):
