@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -75,6 +76,8 @@ def test_the_page_shows_the_stream_updating_and_events_with_their_snapshots(run_
     print(f"frames seen in the browser: {first} then {later}; {len(shown)} event(s) listed")
     assert later > first + 3 and "320x240" in figures and "fps in / processed" in figures
     assert "max fps (thermal)" in figures and "dropped / shed" in figures  # the limit and its reason
+    (limit_row,) = [line for line in figures.splitlines() if line.startswith("max fps (thermal)")]
+    assert re.search(r"\(since \d{1,2}:\d{2}:\d{2}", limit_row), limit_row  # when the reader took it
     assert "warning: zone 'far' lies wholly outside the 320x240 frame" in warnings
     _wait_event(client, "line_cross")
     api = json.loads(_get(base + "/api/events?stream=cam&limit=5")[2])

@@ -53,7 +53,8 @@ function counts(c) {
 }
 function limit(l) {
   if (!l) return "-";
-  return (l.max_fps === null ? "its own rate" : l.max_fps + " fps") + ": " + l.reason;
+  const since = l.since ? " (since " + new Date(l.since * 1000).toLocaleTimeString() + ")" : "";
+  return (l.max_fps === null ? "its own rate" : l.max_fps + " fps") + ": " + l.reason + since;
 }
 async function refreshStatus() {
   const streams = await (await fetch("api/streams")).json();
