@@ -32,8 +32,8 @@ def _sample(samples: dict, name: str, **labels) -> float | None:
 
 # a day in the life: (model, status, source, latency_ms by stage) as the daemon would report each answer
 ANSWERS = [
-    ("digits", "ok", "edge", {"queue": 0.2, "stage": 0.3, "batch_wait": 0.1, "infer": 0.4, "total": 1.1, "batch": 2}),
-    ("digits", "ok", "edge", {"queue": 0.3, "stage": 0.2, "batch_wait": 0.0, "infer": 0.4, "total": 0.9, "batch": 2}),
+    ("digits", "ok", "edge", {"queue": 0.2, "stage": 0.3, "infer": 0.4, "total": 1.1, "batch": 2}),
+    ("digits", "ok", "edge", {"queue": 0.3, "stage": 0.2, "infer": 0.4, "total": 0.9, "batch": 2}),
     ("digits", "ok", "cloud", {"queue": 0.2, "infer": 0.4, "cloud": 850.0, "total": 851.0}),
     ("digits", "busy", None, None),
     ("detector", "deadline_exceeded", None, {"queue": 40.0, "total": 40.0}),

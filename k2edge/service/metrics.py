@@ -38,7 +38,7 @@ from .protocol import ERROR_CODES
 __all__ = ["BREAKER_STATES", "ESCALATION_REASONS", "STAGES", "STATUSES", "THERMAL_STATES", "AnswerStats", "MetricsError",
            "PrometheusMetrics"]
 
-STAGES = ("queue", "stage", "batch_wait", "infer", "cloud", "total")
+STAGES = ("queue", "stage", "infer", "cloud", "total")
 """The stages of an answer's ``latency_ms`` that get a histogram; other keys are ignored."""
 STATUSES = ("ok", *ERROR_CODES)
 SOURCES = ("edge", "cloud", "none")
