@@ -144,6 +144,16 @@ def test_doctor_runs_here():
     (["build", MODEL, "-p", "cpu-dev", "--cache", "/proc/k2edge-cache"], ["is not a writable directory"]),
     (["inspect", MODEL, "--input-shape", "input=1x3x32x32"], ["gives 'input' 3 at axis 1, but the model fixes it at 1"]),
     (["pareto-sweep", MODEL, "--dataset", "models/digits/eval.npz", "--out", "pyproject.toml"], ["is a file; give a directory"]),
+    (["inspect", "\u00e9" * 300 + ".onnx"], ["File name too long: "]),
+    (["inspect", MODEL, "--batch-size", "0"], ["--batch-size: must be within [1, 65536], got 0"]),
+    (["request", "--broker", "127.0.0.1:1", "--model", "digits", "--timeout", "nan", "x.jpg"],
+     ["--timeout: must be a finite number above 0, got nan"]),
+    (["cloud", "check", "--base-url", "http://127.0.0.1:abc/v1"], ["cloud.base_url: not a URL"]),
+    (["cloud", "curve", MODEL, "-p", "cpu-dev", "--dataset", "models/digits/eval.npz", "--limit", "-1"],
+     ["--limit: must be at least 1, got -1"]),
+    (["rollback", "--broker", "127.0.0.1:1", "--device", "d", "--model", "m", "--reply-prefix", "a/#"],
+     ["--reply-prefix 'a/#' must be topic levels", "without the wildcards"]),
+    (["deploy", "pyproject.toml", "--broker", "127.0.0.1:1", "--device", "d"], ["not_a_bundle: not a tar archive"]),
 ])
 def test_bad_input_is_one_line_exit_1(args, fragments):
     assert_one_line_error(k2edge(*args, check=False), *fragments)
@@ -153,6 +163,30 @@ def test_wrong_tensor_shape_is_one_line(tmp_path):
     np.save(tmp_path / "bad.npy", np.zeros((3, 28, 28), np.float32))
     assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "bad.npy"), check=False),
                           "fits neither a sample (1, 32, 32) nor a batch (1, 1, 32, 32)")
+
+
+def test_files_that_are_not_what_they_claim_are_one_line(tmp_path):
+    """A profile or labels file that is not UTF-8 text, a model folder whose .onnx is not a model, and a bundle
+    without a manifest: each refused in one line, before anything is built or sent."""
+    (tmp_path / "p.json").write_bytes(b"\x94\xff{not text")
+    assert_one_line_error(k2edge("plan", MODEL, "-p", str(tmp_path / "p.json"), check=False), "not UTF-8 text")
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "model.onnx").write_bytes(Path(MODEL).read_bytes())
+    (tmp_path / "lab" / "card.toml").write_text((ROOT / "models" / "digits" / "card.toml").read_text())
+    (tmp_path / "lab" / "labels.txt").write_bytes(b"\xff\xfe\x00zero")
+    assert_one_line_error(k2edge("infer", str(tmp_path / "lab" / "model.onnx"), "-p", "cpu-dev",
+                                 "models/digits/samples/digit-0-9.jpg", check=False), "labels.txt' is not UTF-8 text")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.onnx").write_bytes(Path(MODEL).read_bytes()[:100])
+    assert_one_line_error(k2edge("bundle", "create", str(tmp_path / "m"), "--out", str(tmp_path / "m.k2b"), check=False),
+                          "not an ONNX model")
+    assert not (tmp_path / "m.k2b").exists()
+    import tarfile
+
+    with tarfile.open(tmp_path / "x.k2b", "w") as tar:
+        tar.add(MODEL, arcname="model.onnx")
+    assert_one_line_error(k2edge("deploy", str(tmp_path / "x.k2b"), "--broker", "127.0.0.1:1", "--device", "d", check=False),
+                          "is not a k2edge bundle: no manifest.json")
 
 
 def test_bad_profile_file_is_one_line(tmp_path):
@@ -170,3 +204,15 @@ def test_infer_with_a_batched_profile_saves_only_real_rows(tmp_path):
     out = tmp_path / "o.npy"
     k2edge("infer", MODEL, "-p", str(prof), *map(str, samples), str(tmp_path / "one.npy"), "--save-output", str(out))
     assert np.load(out).shape == (3, 10)
+
+
+def test_request_refuses_an_npy_file_of_pickled_objects(tmp_path):
+    """``k2edge request`` sends a .npy as a tensor: one of pickled Python objects is refused, not loaded."""
+    from k2edge.cli.client import build_payload
+    from k2edge.errors import InputError
+
+    np.save(tmp_path / "objects.npy", np.array([{"not": "a tensor"}], dtype=object), allow_pickle=True)
+    with pytest.raises(InputError, match="not a numeric .npy array .it holds pickled objects"):
+        build_payload(str(tmp_path / "objects.npy"))
+    np.save(tmp_path / "ok.npy", np.zeros((1, 32, 32), np.float32))
+    assert json.loads(build_payload(str(tmp_path / "ok.npy"))[0])["tensor"]["shape"] == [1, 32, 32]

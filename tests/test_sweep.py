@@ -386,6 +386,25 @@ def test_interrupt_keeps_what_was_measured_and_resume_continues(tmp_path):
         sweep(tmp_path, ["c5"], settings=MeasureSettings(runs=3, warmup=5, requests=40, limit=120), resume=True)
 
 
+def test_a_damaged_results_file_is_refused_in_one_line_on_resume(tmp_path):
+    """--resume on a results.json that is not UTF-8, or whose parts have the wrong shape: a SweepError naming
+    the damage, never a traceback from the middle of the sweep."""
+    from k2edge.sweep.results import SCHEMA, load_previous
+
+    path = tmp_path / "results.json"
+    path.write_bytes(b"\x94\xff")
+    with pytest.raises(SweepError, match="cannot read"):
+        load_previous(path)
+    for damaged, what in (({"model": None}, "'model' is not an object"), ({"configs": None}, "'configs' is not a list"),
+                          ({"configs": [5]}, r"configs\[0\] has no 'key' and 'name'"),
+                          ({"configs": [{"key": "k"}]}, r"configs\[0\] has no 'key' and 'name'")):
+        path.write_text(json.dumps({"schema": SCHEMA, **damaged}))
+        with pytest.raises(SweepError, match=f"damaged \\({what}"):
+            load_previous(path)
+    path.write_text(json.dumps({"schema": SCHEMA, "model": {}, "configs": [{"key": "k", "name": "c5"}]}))
+    assert load_previous(path)["configs"][0]["name"] == "c5"
+
+
 def test_two_sweeps_of_one_configuration_agree_within_the_reported_spread(tmp_path):
     """Swept twice, each configuration's headline p50 and throughput differ by no more than the two per-run ranges
     together (their runs' spans overlap: the sweeps run one after the other, on a machine whose load may change)."""

@@ -44,7 +44,7 @@ def _find_model(model_dir: Path) -> tuple[Path, Path]:
     if model_dir.is_file():
         if model_dir.suffix != ".onnx":
             raise BundleError(f"{model_dir} is not an .onnx file or a model folder")
-        return model_dir.parent, model_dir
+        return model_dir.parent, _loadable(model_dir)
     if not model_dir.is_dir():
         raise BundleError(f"model folder {str(model_dir)!r} does not exist")
     models = sorted(model_dir.glob("*.onnx"))
@@ -52,7 +52,19 @@ def _find_model(model_dir: Path) -> tuple[Path, Path]:
         found = ", ".join(p.name for p in models) or "none"
         raise BundleError(f"{model_dir} must hold exactly one .onnx model (found: {found}); "
                           "give the .onnx file instead of the folder")
-    return model_dir, models[0]
+    return model_dir, _loadable(models[0])
+
+
+def _loadable(model: Path) -> Path:
+    """``model``, once it loads as an ONNX model: a fleet is never sent a file no device could build."""
+    from ..errors import ModelError
+    from ..model.ingest import load_onnx
+
+    try:
+        load_onnx(model)
+    except ModelError as exc:
+        raise BundleError(str(exc)) from None
+    return model
 
 
 def _inside(folder: Path, path: Path, what: str) -> str:

@@ -41,7 +41,11 @@ def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cl
     if p.suffix.lower() == ".npy":
         import numpy as np
 
-        arr = np.load(p, allow_pickle=False)
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:  # pickled objects, a damaged header, a short file
+            why = "it holds pickled objects, which are not loaded" if "pickle" in str(exc) else str(exc).splitlines()[0][:160]
+            raise InputError(f"input file {path!r} is not a numeric .npy array ({why}); save one with numpy.save") from None
         fields["tensor"] = {"dtype": str(arr.dtype), "shape": list(arr.shape),
                             "data": base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode()}
         return json.dumps(fields).encode(), "application/json", {}

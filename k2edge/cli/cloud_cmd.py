@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..errors import K2EdgeError
-from .common import Progress, add_build, add_json, add_model, build_engine, print_json, table
+from .common import Progress, add_build, add_json, add_model, build_engine, count, positive_float, print_json, table
 
 MEASURES = ("max_softmax", "margin", "entropy", "max_box_score", "uncertain_boxes")
 CHECK_PROMPT = "Reply with the single word OK."
@@ -28,7 +28,7 @@ def register(p) -> None:
     key.add_argument("--api-key-file", metavar="F", help="file holding the API key")
     key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
     key.add_argument("--api-key-credential", metavar="NAME", help="systemd credential name ($CREDENTIALS_DIRECTORY/NAME)")
-    c.add_argument("--timeout", type=float, metavar="S", help="seconds per call (default: the config's timeout_s)")
+    c.add_argument("--timeout", type=positive_float, metavar="S", help="seconds per call (default: the config's timeout_s)")
     c.add_argument("--image", metavar="FILE", help="also send this image (checks the model takes images)")
     add_json(c)
 
@@ -46,7 +46,7 @@ def register(p) -> None:
                    help="uncertain_boxes: escalate images with a box scoring within [LOW, HIGH) (default 0.25,0.6)")
     k.add_argument("--step", type=int, default=5, metavar="PCT", help="share step in percent (default 5)")
     k.add_argument("--shares", type=_percent_list, metavar="P,P,...", help="shares in percent instead of steps, e.g. 0,1,2,5,10,50,100")
-    k.add_argument("--limit", type=int, metavar="N", help="use the first N samples only")
+    k.add_argument("--limit", type=count(1), metavar="N", help="use the first N samples only")
     add_json(k)
 
 

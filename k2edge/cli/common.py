@@ -4,11 +4,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from .._json import json_default
 
 BOARD_CHOICES = ("orin-agx", "orin-nx-16", "orin-nx-8", "orin-nano")
+
+
+def count(minimum: int, maximum: int | None = None):
+    """An argparse type: a whole number within [minimum, maximum]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"at least {minimum}" if maximum is None else f"within [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (a time in seconds, say)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
 
 
 def input_shape(text: str) -> tuple[str, tuple[int, ...]]:

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from ..errors import K2EdgeError
+from .common import positive_float
 
 OK_STATUSES = ("deployed", "rolled_back")
 
@@ -16,7 +17,7 @@ def add_target(p: argparse.ArgumentParser, timeout: float) -> None:
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--device", metavar="ID", help="one device (its device_id)")
     who.add_argument("--group", metavar="G", help="every device of fleet group G (their [fleet] group)")
-    p.add_argument("--timeout", type=float, default=timeout, metavar="S",
+    p.add_argument("--timeout", type=positive_float, default=timeout, metavar="S",
                    help=f"seconds to wait for answers (default {timeout:g}; building engines can take minutes)")
     p.add_argument("--expect", type=int, metavar="N", help="with --group: stop waiting once N devices have answered")
     p.add_argument("--username", metavar="USER", help="broker login")
@@ -67,12 +68,12 @@ def describe(answer: dict) -> str:
     return f"{who}: {status} {what + ': ' if what else ''}{answer.get('check') or 'error'}: {answer.get('reason')}{running}"
 
 
-def send(args, kind: str, payload: bytes, content_type: str, user_properties: dict | None = None) -> int:
-    """Publish one control message and print every answer within the timeout; 0 when all succeeded."""
-    from .client import RequestClient
-
-    if args.timeout <= 0:
-        raise K2EdgeError(f"--timeout must be > 0, got {args.timeout:g}")
+def target(args, kind: str) -> tuple[str, str, int, str | None]:
+    """The message's topic, the broker's host and port, and the broker password, from the target options;
+    each bad one refused in one line before anything is read or sent."""
+    if not args.reply_prefix or any(c in args.reply_prefix for c in "+#\0") or len(args.reply_prefix.encode()) > 1024:
+        raise K2EdgeError(f"--reply-prefix {args.reply_prefix[:80]!r} must be topic levels of at most 1,024 bytes "
+                          "without the wildcards '+' and '#'")
     if args.expect is not None and (args.expect < 1 or args.device is not None):
         raise K2EdgeError("--expect N takes a number >= 1, with --group")
     topic = target_topic(args, kind)
@@ -84,6 +85,14 @@ def send(args, kind: str, payload: bytes, content_type: str, user_properties: di
                 password = f.read().rstrip("\r\n")
         except OSError as exc:
             raise K2EdgeError(f"--password-file {args.password_file!r}: {exc.strerror}") from None
+    return topic, host, port, password
+
+
+def send(args, kind: str, payload: bytes, content_type: str, user_properties: dict | None = None) -> int:
+    """Publish one control message and print every answer within the timeout; 0 when all succeeded."""
+    from .client import RequestClient
+
+    topic, host, port, password = target(args, kind)
 
     def show(answer: dict) -> None:
         print(json.dumps(answer) if args.json else describe(answer), flush=True)
@@ -93,7 +102,7 @@ def send(args, kind: str, payload: bytes, content_type: str, user_properties: di
         corr, _ = client.send(topic, payload, content_type, user_properties)
         answers = client.collect(corr, args.timeout, expect=1 if args.device is not None else args.expect, on_answer=show)
     if not answers:
-        target = f"device {args.device}" if args.device is not None else f"group {args.group}"
-        raise K2EdgeError(f"no answer from {target} within {args.timeout:g} s (is it running, and is {topic} "
+        who = f"device {args.device}" if args.device is not None else f"group {args.group}"
+        raise K2EdgeError(f"no answer from {who} within {args.timeout:g} s (is it running, and is {topic} "
                           "its topic? A device that is down gets the message when it returns)")
     return 0 if all(a.get("status") in OK_STATUSES for a in answers) else 1

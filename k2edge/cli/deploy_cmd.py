@@ -24,8 +24,11 @@ def run(args) -> int:
     from pathlib import Path
 
     from ..errors import K2EdgeError
-    from .control import send
+    from .control import send, target
 
+    target(args, "deploy")
+    if args.url is not None and not args.url.startswith("https://"):
+        raise K2EdgeError(f"--url must be https://, got {args.url!r}")
     path = Path(args.bundle)
     try:
         data = path.read_bytes()
@@ -33,11 +36,23 @@ def run(args) -> int:
         raise K2EdgeError(f"bundle {args.bundle!r} does not exist") from None
     except OSError as exc:
         raise K2EdgeError(f"bundle {args.bundle!r}: cannot read ({exc.strerror})") from None
+    _refuse_what_a_device_would(args.bundle)
     if args.url is not None:
-        if not args.url.startswith("https://"):
-            raise K2EdgeError(f"--url must be https://, got {args.url!r}")
         body = {"url": args.url, "sha256": hashlib.sha256(data).hexdigest(), "allow_downgrade": args.allow_downgrade}
         return send(args, "deploy", json.dumps(body).encode(), "application/json")
     ctype = "application/gzip" if data[:2] == b"\x1f\x8b" else "application/x-tar"
     props = {"file": path.name, **({"allow_downgrade": "true"} if args.allow_downgrade else {})}
     return send(args, "deploy", data, ctype, props)
+
+
+def _refuse_what_a_device_would(bundle: str) -> None:
+    """Fail here, before the fleet is asked, when the file is no bundle at all: not a tar archive, or without a
+    readable manifest. Whether its files match the manifest and its signer is trusted the devices judge, and
+    audit: a tampered bundle is still sent, so that its refusal is on record where it was meant to run."""
+    from ..bundle.inspect import inspect_bundle
+    from ..errors import K2EdgeError
+
+    info = inspect_bundle(bundle)  # BundleError: not a tar archive
+    if info["manifest"] is None:
+        raise K2EdgeError(f"bundle {bundle!r} is not a k2edge bundle: {info['manifest_error']} "
+                          "(make one with k2edge bundle create)")

@@ -14,7 +14,6 @@ import sys
 from ..errors import K2EdgeError
 
 
-
 def _command_modules():
     """Every ``k2edge/cli/*_cmd.py`` module, ordered by its ``ORDER``.
 
@@ -71,6 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # the system refused a path the user gave: too long, not a directory, no permission
+        if args.debug:
+            raise
+        print(f"k2edge {args.command}: error: {_os_error(exc)}", file=sys.stderr)
+        return 1
+
+
+def _os_error(exc: OSError) -> str:
+    """``exc`` as one line: what the system said and about which path (shortened: it may be what was wrong)."""
+    what = exc.strerror or type(exc).__name__
+    name = str(exc.filename) if exc.filename is not None else ""
+    if len(name) > 80:
+        name = name[:60] + "..." + name[-17:]
+    return f"{what}: {name}" if name else what
 
 
 if __name__ == "__main__":  # pragma: no cover

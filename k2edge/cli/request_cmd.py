@@ -6,6 +6,7 @@ import math
 import socket
 
 from ..errors import K2EdgeError
+from .common import positive_float
 
 COMMAND = "request"
 HELP = "send one request to a daemon over MQTT 5 and print its answer"
@@ -26,7 +27,7 @@ def register(p) -> None:
                    help="retry up to N times after busy, deadline_exceeded or cloud_unavailable (each a new attempt)")
     p.add_argument("--no-cloud", action="store_true", help="forbid escalation to the cloud")
     p.add_argument("--raw", action="store_true", help="send the image as a raw payload with its content type")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for the answer (default 10)")
+    p.add_argument("--timeout", type=positive_float, default=10.0, metavar="S", help="seconds to wait for the answer (default 10)")
     p.add_argument("--json", action="store_true", help="print the raw JSON answer")
 
 

@@ -8,32 +8,9 @@ ORDER = 60
 
 import argparse
 
-from .common import BOARD_CHOICES, add_json, add_model, board_of, print_json
+from .common import BOARD_CHOICES, add_json, add_model, board_of, count, positive_float, print_json
 
 GOAL_CHOICES = ("latency", "accuracy", "energy", "balanced")
-
-
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def accuracy_fraction(text: str) -> float:
@@ -61,17 +38,17 @@ def register(p) -> None:
                    help="sweep every combination of values (repeatable); keys: offload_ratio, partition (layer-wise, "
                         "block-wise, model-wise), prefetch (on/off), precision (fp16, int8+fp16, ...), batch_size. "
                         "Applied over each --profiles entry, else over the schema defaults")
-    p.add_argument("--runs", type=_count(1), default=5, metavar="N",
+    p.add_argument("--runs", type=count(1), default=5, metavar="N",
                    help="runs per configuration, interleaved round by round across the configurations, each on a "
                         "freshly activated engine; the spread is taken between them (default 5)")
-    p.add_argument("--warmup", type=_count(0), default=50, metavar="N", help="untimed warm-up requests before each run (default 50)")
-    p.add_argument("--requests", type=_count(1), default=500, metavar="N",
+    p.add_argument("--warmup", type=count(0), default=50, metavar="N", help="untimed warm-up requests before each run (default 50)")
+    p.add_argument("--requests", type=count(1), default=500, metavar="N",
                    help="timed requests per run, for latency and again for throughput (default 500)")
-    p.add_argument("--limit", type=_count(1), metavar="N", help="measure accuracy on the first N samples of EVAL only")
+    p.add_argument("--limit", type=count(1), metavar="N", help="measure accuracy on the first N samples of EVAL only")
     p.add_argument("--goal", choices=GOAL_CHOICES, default="balanced",
                    help="what the recommendation optimises: lowest p50 latency, highest top-1, lowest energy per "
                         "inference, or a balanced score over the front (default)")
-    p.add_argument("--max-latency-ms", type=_positive_float, metavar="X", help="recommend only configurations whose p99 latency is at most X ms")
+    p.add_argument("--max-latency-ms", type=positive_float, metavar="X", help="recommend only configurations whose p99 latency is at most X ms")
     p.add_argument("--min-accuracy", type=accuracy_fraction, metavar="Y", help="recommend only configurations with top-1 at least Y (0.99 or 99%%)")
     p.add_argument("--out", default="pareto-sweep", metavar="DIR",
                    help="output directory: results.json, results.csv, pareto.png, recommended.json (default ./pareto-sweep)")

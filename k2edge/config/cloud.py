@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -87,6 +88,13 @@ class CloudSettings(BaseModel):
     def _url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, got {v!r}")
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 (parsing the port raises on a bad one)
+        except ValueError as exc:
+            raise ValueError(f"not a URL ({exc}): {v[:120]!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"names no host: {v[:120]!r}")
         return v.rstrip("/")
 
     @field_validator("api_key_credential")

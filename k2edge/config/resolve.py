@@ -117,7 +117,13 @@ def load_labels(model_path: Path | None, model: "NormalisedModel", override: str
         candidates.append(model_path.parent / "labels.txt")
     for c in candidates:
         if c.is_file():
-            return tuple(line.strip() for line in c.read_text().splitlines() if line.strip())
+            try:
+                text = c.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise BuildError(f"labels file {str(c)!r} is not UTF-8 text (byte {exc.start}): one label a line") from None
+            except OSError as exc:
+                raise BuildError(f"labels file {str(c)!r} cannot be read ({exc.strerror})") from None
+            return tuple(line.strip() for line in text.splitlines() if line.strip())
     if override:
         raise BuildError(f"labels file {str(override)!r} does not exist")
     if card is not None and card.labels:

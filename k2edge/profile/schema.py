@@ -231,6 +231,8 @@ def load_profile(source: str | os.PathLike | dict) -> Profile:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}); a profile is a JSON file") from None
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read ({exc.strerror})") from None
     profile = Profile.from_dict(data, source=str(path))

@@ -133,11 +133,28 @@ def load_previous(path: Path) -> dict | None:
         return None
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise SweepError(f"--resume: cannot read {path} ({exc}); remove it or choose another --out") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise SweepError(f"--resume: {path} is not a k2edge pareto-sweep result ({SCHEMA})")
+    damaged = _damage(doc)
+    if damaged:
+        raise SweepError(f"--resume: {path} is damaged ({damaged}); remove it or choose another --out")
     return doc
+
+
+def _damage(doc: dict) -> str | None:
+    """What in a stored result a resume cannot use (None: nothing)."""
+    for key in ("model", "dataset", "settings"):
+        if not isinstance(doc.get(key, {}), dict):
+            return f"{key!r} is not an object"
+    configs = doc.get("configs", [])
+    if not isinstance(configs, list):
+        return "'configs' is not a list"
+    for i, r in enumerate(configs):
+        if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not isinstance(r.get("name"), str):
+            return f"configs[{i}] has no 'key' and 'name'"
+    return None
 
 
 def check_resumable(previous: dict, current: dict, path: Path) -> None:
