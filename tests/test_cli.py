@@ -187,6 +187,10 @@ def test_files_that_are_not_what_they_claim_are_one_line(tmp_path):
         tar.add(MODEL, arcname="model.onnx")
     assert_one_line_error(k2edge("deploy", str(tmp_path / "x.k2b"), "--broker", "127.0.0.1:1", "--device", "d", check=False),
                           "is not a k2edge bundle: no manifest.json")
+    with np.load(ROOT / "models" / "digits" / "eval.npz") as data:
+        np.savez(tmp_path / "y.npz", x=data["x"][:4], y=np.array([0, 1, 99, -1]))
+    assert_one_line_error(k2edge("eval", MODEL, "-p", "cpu-dev", "--dataset", str(tmp_path / "y.npz"), check=False),
+                          "'y' holds labels -1..99, but the model has 10 classes (0..9)")
 
 
 def test_bad_profile_file_is_one_line(tmp_path):
@@ -216,3 +220,18 @@ def test_request_refuses_an_npy_file_of_pickled_objects(tmp_path):
         build_payload(str(tmp_path / "objects.npy"))
     np.save(tmp_path / "ok.npy", np.zeros((1, 32, 32), np.float32))
     assert json.loads(build_payload(str(tmp_path / "ok.npy"))[0])["tensor"]["shape"] == [1, 32, 32]
+
+
+def test_watch_refuses_an_annotated_output_that_is_not_a_video(tmp_path):
+    av = pytest.importorskip("av")
+    with av.open(str(tmp_path / "v.mp4"), "w") as c:
+        s = c.add_stream("libx264", rate=5)
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
+        for i in range(3):
+            c.mux(s.encode(av.VideoFrame.from_ndarray(np.full((64, 64, 3), 40 * i, np.uint8), format="rgb24")))
+        c.mux(s.encode())
+    proc = k2edge("watch", str(ROOT / "models" / "detector" / "model.onnx"), str(tmp_path / "v.mp4"), "-p", "cpu-dev",
+                  "--save-annotated", str(tmp_path / "out.txt"), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
+    assert "--save-annotated" in line and "give a video file such as out.mp4" in line, line

@@ -233,8 +233,8 @@ class _Writer:
         self._av = av
         try:
             self.container = av.open(str(path), "w")
-        except (av.error.FFmpegError, OSError) as exc:
-            raise InputError(f"--save-annotated {str(path)!r}: cannot write ({exc})") from None
+        except (av.error.FFmpegError, OSError, ValueError) as exc:  # ValueError: no container for the file's extension
+            raise InputError(f"--save-annotated {str(path)!r}: cannot write ({exc}; give a video file such as out.mp4)") from None
         self.stream = self.container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
         self.h, self.w = shape[0] - shape[0] % 2, shape[1] - shape[1] % 2  # yuv420p needs even sizes
         self.stream.width, self.stream.height, self.stream.pix_fmt = self.w, self.h, "yuv420p"

@@ -93,6 +93,11 @@ def open_labelled(path: str | os.PathLike, labels: Sequence[str] | None = None, 
     if not dataset.labelled:
         raise DatasetError(f"{os.fspath(path)}: has no labels (need class directories or 'y' in the .npz); "
                            "accuracy cannot be measured")
+    if labels and isinstance(dataset.labels, np.ndarray) and len(dataset.labels):
+        low, high = int(dataset.labels.min()), int(dataset.labels.max())
+        if low < 0 or high >= len(labels):
+            raise DatasetError(f"{os.fspath(path)}: 'y' holds labels {low}..{high}, but the model has {len(labels)} "
+                               f"classes (0..{len(labels) - 1})")
     return dataset.take(limit) if limit else dataset
 
 
