@@ -235,3 +235,16 @@ def test_watch_refuses_an_annotated_output_that_is_not_a_video(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
     assert "--save-annotated" in line and "give a video file such as out.mp4" in line, line
+
+
+def test_serve_refuses_a_state_dir_it_cannot_use(tmp_path):
+    """Before any broker or engine: a file where the state folder should be, or a folder that cannot be made."""
+    (tmp_path / "a-file").write_text("")
+    for state, fragment in ((tmp_path / "a-file", "is a file, not a directory"),
+                            (tmp_path / "a-file" / "below", "cannot be created: Not a directory")):
+        cfg = tmp_path / "k2edge.toml"
+        cfg.write_text(f'[mqtt]\nport = 1\n[service]\nstate_dir = "{state}"\n'
+                       f'[[models]]\nname = "digits"\nonnx = "{MODEL}"\nprofile = "cpu-dev"\n')
+        proc = k2edge("serve", "--config", str(cfg), check=False)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == f"k2edge serve: error: service.state_dir '{state}' {fragment}", proc.stderr

@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from .. import __version__, tracing
 from ..config.schema import ConfigError, DaemonConfig, read_secret, state_dir
@@ -89,7 +90,7 @@ class Daemon:
 
     # run: build, start, serve, drain -----------------------------------------------------------------
     def run(self) -> int:
-        cfg, state = self.cfg, state_dir(self.cfg)
+        cfg, state = self.cfg, _usable_state_dir(state_dir(self.cfg))
         # the edges, checked before the (possibly long) engine builds: secrets, TLS files, the cloud key
         self.thermal = thermal_sampler(cfg.thermal, on_transition=self.on_thermal)
         # the state the status tells: set once the models and streams follow it (on_thermal), so that no status says
@@ -493,3 +494,19 @@ def serve(cfg: DaemonConfig) -> int:
     signal.signal(signal.SIGTERM, daemon.request_drain)
     signal.signal(signal.SIGINT, daemon.request_drain)
     return daemon.run()
+
+
+def _usable_state_dir(state: Path) -> Path:
+    """``state``, created if need be; one clear error when it cannot hold the daemon's state.
+
+    Raises:
+        ConfigError: a file is there, or the system refuses the folder (permission, a read-only mount).
+    """
+    if state.exists() and not state.is_dir():
+        raise ConfigError(f"service.state_dir {str(state)!r} is a file, not a directory")
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"service.state_dir {str(state)!r} cannot be created: {exc.strerror}") from None
+    return state
+
