@@ -154,6 +154,7 @@ def test_doctor_runs_here():
     (["rollback", "--broker", "127.0.0.1:1", "--device", "d", "--model", "m", "--reply-prefix", "a/#"],
      ["--reply-prefix 'a/#' must be topic levels", "without the wildcards"]),
     (["deploy", "pyproject.toml", "--broker", "127.0.0.1:1", "--device", "d"], ["not_a_bundle: not a tar archive"]),
+    (["keys", "show", "nope.pub"], ["public key 'nope.pub' does not exist"]),
 ])
 def test_bad_input_is_one_line_exit_1(args, fragments):
     assert_one_line_error(k2edge(*args, check=False), *fragments)

@@ -129,7 +129,7 @@ def test_eval_refuses_mismatched_categories_and_wrong_kind(det_dir, coco_set, tm
     bad.write_text(json.dumps(doc))
     proc = k2edge("eval", str(det_dir / "det.onnx"), "-p", "cpu-dev", "--card", str(det_dir / "stretch.toml"),
                   "--dataset", str(bad), check=False)
-    assert_one_line_error(proc, "do not match the model's labels")
+    assert_one_line_error(proc, "categories do not match the model's", "labels from index 0 (")
     proc = k2edge("eval", str(det_dir / "det.onnx"), "-p", "cpu-dev", "--card", str(det_dir / "stretch.toml"),
                   "--dataset", str(ROOT_MODEL.replace("model.onnx", "eval.npz")), check=False)
     assert_one_line_error(proc, "is evaluated on a COCO annotation file")

@@ -27,6 +27,8 @@ def run(args) -> int:
     try:
         public = load_public_key(args.key)
     except BundleError:
+        if args.key.endswith(".pub"):  # meant as a public key: say what is wrong with it as one
+            raise
         public = load_private_key(args.key).public_key()
     print(key_id(public))
     return 0

@@ -231,8 +231,10 @@ def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limi
         raise DatasetError(f"{p}: no categories or no images")
     names = tuple(n for _, n in categories)
     if labels and tuple(labels) != names:
-        raise DatasetError(f"{p}: categories {list(names)[:8]} do not match the model's labels {list(labels)[:8]} "
-                           "(category ids map to label indices by the order of 'categories'; names must match)")
+        differ = next((i for i, (a, b) in enumerate(zip(names, labels)) if a != b), min(len(names), len(labels)))
+        raise DatasetError(f"{p}: its {len(names)} categories do not match the model's {len(labels)} labels from index "
+                           f"{differ} ({list(names[differ:differ + 3])} against {list(labels[differ:differ + 3])}; category "
+                           "ids map to label indices by the order of 'categories', and names must match)")
     known = {i for i, _ in categories}
     stray = sorted({a["category_id"] for a in anns} - known)
     if stray:
