@@ -509,4 +509,3 @@ def _usable_state_dir(state: Path) -> Path:
     except OSError as exc:
         raise ConfigError(f"service.state_dir {str(state)!r} cannot be created: {exc.strerror}") from None
     return state
-
