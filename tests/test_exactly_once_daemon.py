@@ -272,6 +272,11 @@ def test_a_retry_gets_a_fresh_answer_a_redelivery_does_not(run_daemon, broker, t
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     final = json.loads(out.stdout)
     assert final["error"]["code"] == "busy" and final["attempt"] == 2, out
+    assert out.returncode == 1, out  # an error answer fails the command, --json or not
+    out = subprocess.run([sys.executable, "-m", "k2edge", "request", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1",
+                          "--model", "digits", str(tmp_path / "x.npy")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr.startswith(f"k2edge request: {tmp_path / 'x.npy'}: the daemon answered error busy: "), out
     client.close()
 
 

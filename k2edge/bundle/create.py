@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from ..errors import first_line
+from ..profile.validation import describe_validation_error
 from .archive import ArchiveProblem, Limits, file_streams, is_gzip, open_bundle, write_bundle
 from .keys import load_private_key, sign_manifest
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileEntry, Manifest
@@ -184,8 +187,8 @@ def create_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, version:
         manifest = Manifest(name=name or folder.resolve().name, version=version, created=created, k2edge_version=__version__,
                             model=contents.model, card=contents.card, labels=contents.labels, calib=contents.calib,
                             profiles=tuple(contents.profiles), files=tuple(entries))
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        raise BundleError(f"cannot make a manifest: {first_line(exc)}") from None
+    except ValidationError as exc:
+        raise BundleError(f"cannot make a manifest: {describe_validation_error(exc)}") from None
     data = manifest.to_bytes()
     signature = sign_manifest(data, load_private_key(key)).to_bytes() if key else None
     try:

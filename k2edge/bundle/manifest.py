@@ -25,6 +25,7 @@ MANIFEST_NAME = "manifest.json"
 SIGNATURE_NAME = "manifest.sig"
 _RESERVED = {MANIFEST_NAME, SIGNATURE_NAME}
 # a model name becomes an MQTT topic level and a directory name
+NAME_MAX = 128
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -99,6 +100,8 @@ class Manifest(_Strict):
     def _name(cls, v: str) -> str:
         if not _NAME.match(v):
             raise ValueError(f"must be letters, digits, '_', '.', ':' or '-' (it names a topic level and a folder), got {v!r}")
+        if len(v) > NAME_MAX:
+            raise ValueError(f"must be at most {NAME_MAX} characters (it names a folder), got {len(v)}")
         return v
 
     @field_validator("version")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import socket
+import sys
 
 from ..errors import K2EdgeError
 from .common import positive_float
@@ -65,8 +66,9 @@ def run(args) -> int:
                 break
             time.sleep(min(2.0, 0.1 * 2 ** attempt))
     if args.json:
-        print(json.dumps(answer))
-    elif answer.get("status") == "ok":
+        print(json.dumps(answer))  # an error answer is data here too; the exit status says which it was
+        return 0 if answer.get("status") == "ok" else 1
+    if answer.get("status") == "ok":
         if "detections" in answer:
             best = f"{len(answer['detections'])} detection(s)" + "".join(
                 f"\n  {d['label']} {d['score']:.3f} {_where(d)}" for d in answer["detections"])
@@ -83,7 +85,8 @@ def run(args) -> int:
             print(f"  {flags + ': ' if flags else ''}{answer['escalation_reason']}")
     else:
         err = answer.get("error", {})
-        print(f"{args.input}: error {err.get('code')}: {err.get('message')}")
+        print(f"k2edge request: {args.input}: the daemon answered error {err.get('code')}: {err.get('message')}",
+              file=sys.stderr)
         return 1
     return 0
 
