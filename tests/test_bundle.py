@@ -239,6 +239,8 @@ def test_a_tampered_bundle_is_never_signed(signed, keys, tmp_path):
     (["bundle", "create", "/nonexistent", "--out", "x.k2b"], "does not exist"),
     (["bundle", "create", str(DEMO), "--out", "x.k2b", "--version", "1.0"], "semantic version"),
     (["bundle", "create", str(DEMO), "--out", "x.k2b", "-p", "nope"], "not found"),
+    (["bundle", "create", str(DEMO), "--out", "x.k2b", "--name", "a b/c"], "name: must be letters, digits"),
+    (["bundle", "create", str(DEMO), "--out", "x.k2b", "--name", "x" * 129], "name: must be at most 128 characters"),
     (["bundle", "sign", "X", "--key", str(DEMO / "labels.txt")], "not a PEM private key"),
     (["bundle", "inspect", "/nonexistent.k2b"], "does not exist"),
     (["keys", "show", str(DEMO / "model.onnx")], "not a PEM"),
