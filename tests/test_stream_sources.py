@@ -364,6 +364,25 @@ def test_watch_refuses_bad_sources_in_one_line(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_watch_gives_up_on_a_camera_that_never_answers_and_on_a_file_without_frames(tmp_path):
+    """A camera that refuses every connection: exit 1 after --connect-timeout, the last error in one line (not a
+    retry forever after one warning); a file with no decodable frame: exit 1, not "0 frame(s) processed"."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _watch(f"rtsp://127.0.0.1:{port}/cam", "--connect-timeout", "2", timeout=60)
+    error = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert error.startswith("k2edge watch: error: ") and "no frame in 2 s, given up" in error, out.stderr
+    assert "--connect-timeout 0 keeps trying" in error, out.stderr
+    (tmp_path / "bad.png").write_bytes(b"not a picture")
+    out = _watch(tmp_path / "bad.png", timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("no video frame in it (not a video or image that can be decoded)")
+
+
 # the stream's tracking across outages, its frame size and warnings ----------------------------------
 def _stream_with_zone(max_lost_s: float = 1.0):
     from k2edge.streams.stream import Stream

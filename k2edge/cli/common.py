@@ -38,6 +38,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seconds_or_zero(text: str) -> float:
+    """An argparse type: a finite number of seconds, 0 allowed (it means "none" or "forever": the option says which)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def input_shape(text: str) -> tuple[str, tuple[int, ...]]:
     """Parse ``NAME=1x3x224x224``."""
     name, sep, dims = text.partition("=")

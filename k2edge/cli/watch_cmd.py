@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_build, add_model, build_engine
+from .common import add_build, add_model, build_engine, positive_float, seconds_or_zero
 
 STREAM = "watch"
 _OUTPUT = threading.Lock()  # the main loop and the cloud's follow-ups print whole lines, never into each other
@@ -31,21 +31,24 @@ def register(p) -> None:
                    "v4l2:///dev/video0, csi://0 (Jetson), gst:<pipeline>")
     add_build(p, profile_required=False)
     p.set_defaults(profile="cpu-dev")
-    p.add_argument("--fps", type=float, metavar="N", help="frames to process per second (of video, for a file); "
+    p.add_argument("--fps", type=positive_float, metavar="N", help="frames to process per second (of video, for a file); "
                    "default: every frame")
     p.add_argument("--realtime", action="store_true",
                    help="play a file at its own frame rate, dropping what the model cannot keep up with (as a camera)")
     p.add_argument("--json", action="store_true", help="one JSON line per processed frame (the daemon's detections "
                    "payload) and per event")
     p.add_argument("--save-annotated", metavar="OUT.mp4", help="write the processed frames with their boxes and track ids")
-    p.add_argument("--read-timeout", type=float, default=5.0, metavar="S",
+    p.add_argument("--read-timeout", type=positive_float, default=5.0, metavar="S",
                    help="a live source with no frame for this long is reconnected (default 5)")
+    p.add_argument("--connect-timeout", type=seconds_or_zero, default=30.0, metavar="S",
+                   help="a live source that gives no first frame for this long is given up, exit status 1 (default 30; "
+                        "0: keep trying); once it has given one, a cut is reconnected for as long as it lasts")
     p.add_argument("--config", metavar="FILE", help="a daemon config: with --stream, take that stream's zones, lines and "
                    "max_lost_s (drawn in --save-annotated; their events printed)")
     p.add_argument("--stream", metavar="NAME", help="the [[streams]] entry of --config whose zones and lines to use")
     p.add_argument("--cloud-config", metavar="FILE", help="a TOML file with a [cloud] table and [[escalation]] rules "
                    "(or --stream's): the events they select are sent to K2, its follow-ups printed beside them")
-    p.add_argument("--cloud-wait", type=float, default=60.0, metavar="S",
+    p.add_argument("--cloud-wait", type=seconds_or_zero, default=60.0, metavar="S",
                    help="at the end, how long to wait for follow-ups still to come (default 60)")
 
 
@@ -118,8 +121,6 @@ def run(args) -> int:
     from ..streams.source import backend_for
     from ..streams.stream import Stream
 
-    if args.fps is not None and args.fps <= 0:
-        raise InputError("--fps must be above 0")
     spec = _source(args.source)
     if not spec.live and spec.kind == "file" and not Path(spec.target).is_file():
         raise InputError(f"source {spec.shown!r}: no such file")
@@ -156,6 +157,7 @@ def run(args) -> int:
                                       rules=rules if cloud is not None else ())
     writer = None
     frames = 0
+    gave_up = False
 
     def emit(events: list[dict], frame: int | None, escalations: dict | None = None) -> None:
         for i, e in enumerate(events):
@@ -174,6 +176,7 @@ def run(args) -> int:
 
     with engine:
         reader.start()
+        started = time.monotonic()
         try:
             while True:
                 emit(listener.drain(), reader.last_index)
@@ -181,6 +184,10 @@ def run(args) -> int:
                 item = stream.take()
                 if item is None:
                     if reader.state in ("ended", "down") and not reader.ready():
+                        break
+                    if (spec.live and args.connect_timeout and reader.decoded == 0
+                            and time.monotonic() - started > args.connect_timeout):
+                        gave_up = True  # a camera that never answered: a typo in the URL, not a cut to ride out
                         break
                     listener.wake.wait(0.5)
                     listener.wake.clear()
@@ -217,6 +224,11 @@ def run(args) -> int:
                 cloud.finish(args.cloud_wait)
     if reader.state == "down":
         raise InputError(f"source {spec.shown!r}: {reader.last_error}")
+    if gave_up:
+        raise InputError(f"source {spec.shown!r}: no frame in {args.connect_timeout:g} s, given up "
+                         f"({reader.last_error or 'connected, nothing decoded'}; --connect-timeout 0 keeps trying)")
+    if reader.decoded == 0 and not spec.live:
+        raise InputError(f"source {spec.shown!r}: no video frame in it (not a video or image that can be decoded)")
     r = reader
     print(f"{frames} frame(s) processed, {r.decoded} decoded, {r.dropped} dropped, {r.reconnects} reconnect(s)"
           + (f"; annotated video: {out}" if out is not None and writer is not None else ""), file=sys.stderr)
