@@ -155,6 +155,11 @@ def test_doctor_runs_here():
      ["--reply-prefix 'a/#' must be topic levels", "without the wildcards"]),
     (["deploy", "pyproject.toml", "--broker", "127.0.0.1:1", "--device", "d"], ["not_a_bundle: not a tar archive"]),
     (["keys", "show", "nope.pub"], ["public key 'nope.pub' does not exist"]),
+    (["plan", MODEL, "-p", "models/digits"], ["profile file 'models/digits' is a directory"]),
+    (["request", "--broker", "127.0.0.1:1", "--model", "digits", "missing.jpg"],  # the input before the broker
+     ["input file 'missing.jpg' does not exist"]),
+    (["request", "--broker", "127.0.0.1:1", "--model", "digits", "models"], ["input 'models' is a directory"]),
+    (["watch", MODEL, "models"], ["source 'models' is a directory"]),
 ])
 def test_bad_input_is_one_line_exit_1(args, fragments):
     assert_one_line_error(k2edge(*args, check=False), *fragments)

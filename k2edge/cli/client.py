@@ -24,6 +24,8 @@ def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cl
                   attempt: int = 0):
     """(payload bytes, content type, user properties) for one input file."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"input {path!r} is a directory; give an image or .npy file")
     if not p.is_file():
         raise InputError(f"input file {path!r} does not exist")
     request_id = request_id or uuid.uuid4().hex[:16]

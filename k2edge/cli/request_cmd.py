@@ -53,12 +53,16 @@ def run(args) -> int:
     if args.retries < 0:
         raise K2EdgeError(f"--retries must be >= 0, got {args.retries}")
     request_id = uuid.uuid4().hex[:16]
+
+    def request(attempt: int):
+        # a retry is a new attempt: the same (id, attempt) again would be taken for a redelivery
+        return build_payload(args.input, prompt=args.prompt, top_k=args.top_k, deadline_ms=args.deadline_ms,
+                             allow_cloud=not args.no_cloud, raw=args.raw, request_id=request_id, attempt=attempt)
+
+    first = request(0)  # a bad input is refused before the broker is dialled
     with RequestClient(host or "127.0.0.1", port_n) as client:
         for attempt in range(args.retries + 1):
-            # a retry is a new attempt: the same (id, attempt) again would be taken for a redelivery
-            payload, ctype, props = build_payload(args.input, prompt=args.prompt, top_k=args.top_k,
-                                                  deadline_ms=args.deadline_ms, allow_cloud=not args.no_cloud,
-                                                  raw=args.raw, request_id=request_id, attempt=attempt)
+            payload, ctype, props = first if attempt == 0 else request(attempt)
             answer, elapsed_ms = client.request(f"k2edge/{args.device}/infer/{args.model}", payload, ctype, props,
                                                 args.timeout, deadline_ms=args.deadline_ms)
             code = (answer.get("error") or {}).get("code")

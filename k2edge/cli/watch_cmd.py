@@ -88,6 +88,8 @@ def _source(text: str):
 
     if "://" not in text and not text.startswith("gst:"):
         path = Path(text)
+        if path.is_dir():
+            raise InputError(f"source {text!r} is a directory; give a video file or a URI such as rtsp://host/path")
         if not path.is_file():
             raise InputError(f"source {text!r}: no such file (give a file path or a URI such as rtsp://host/path)")
         text = path.resolve().as_uri()

@@ -215,6 +215,8 @@ def find_profile(name_or_path: str | os.PathLike) -> Path:
                 return candidate
         where = ", ".join(str(p) for p in profile_search_path())
         raise ProfileError(f"profile {str(name_or_path)!r} not found (looked in {where})")
+    if path.is_dir():
+        raise ProfileError(f"profile file {str(path)!r} is a directory; give a profile's .json file or a name such as c3")
     raise ProfileError(f"profile file {str(path)!r} does not exist")
 
 
