@@ -169,6 +169,9 @@ def test_wrong_tensor_shape_is_one_line(tmp_path):
     np.save(tmp_path / "bad.npy", np.zeros((3, 28, 28), np.float32))
     assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "bad.npy"), check=False),
                           "fits neither a sample (1, 32, 32) nor a batch (1, 1, 32, 32)")
+    np.save(tmp_path / "nan.npy", np.full((1, 32, 32), np.nan, np.float32))
+    assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "nan.npy"), check=False),
+                          "the array holds NaN or infinite values")
 
 
 def test_files_that_are_not_what_they_claim_are_one_line(tmp_path):

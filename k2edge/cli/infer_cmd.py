@@ -50,6 +50,8 @@ def _load(engine, path: str):
                              f"nor a batch {tuple(engine.input_shape)} of input {engine.input_name!r}")
         if arr.dtype != np.float32:
             raise InputError(f"{path}: array dtype {arr.dtype}; input {engine.input_name!r} takes float32")
+        if not np.isfinite(arr).all():  # the daemon refuses them too: no answer can be read from them
+            raise InputError(f"{path}: the array holds NaN or infinite values")
         batch, geometries = engine.stage_mapped(list(arr))
         return batch, geometries, len(arr)
     batch, geometries = engine.stage_mapped([p])
