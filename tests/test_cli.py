@@ -135,7 +135,7 @@ def test_doctor_runs_here():
     (["eval", MODEL, "-p", "cpu-dev", "--dataset", "nowhere/"], ["dataset 'nowhere/' does not exist"]),
     (["build", MODEL, "-p", "c2", "--calib", "models/digits/labels.txt"], ["expected a directory of images or an .npz"]),
     (["plan", MODEL, "--offload-ratio", "x", "--partition", "layer-wise"], ["invalid float value"]),
-    (["plan", MODEL, "-p", "c1", "--max-batch", "0"], ["--max-batch must be at least 1, got 0"]),
+    (["plan", MODEL, "-p", "c1", "--max-batch", "0"], ["--max-batch: must be within [1, 65536], got 0"]),
     (["frobnicate"], ["invalid choice"]),
     (["inspect", "models"], ["'models' is a directory; expected an ONNX model file"]),
     (["infer", MODEL, "-p", "cpu-dev", "models"], ["input 'models' is a directory"]),
@@ -159,6 +159,8 @@ def test_doctor_runs_here():
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "missing.jpg"],  # the input before the broker
      ["input file 'missing.jpg' does not exist"]),
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "models"], ["input 'models' is a directory"]),
+    (["request", "--broker", "127.0.0.1:1", "--model", "digits", "--retries", "-1", "x.jpg"],
+     ["--retries: must be at least 0, got -1"]),
     (["watch", MODEL, "models"], ["source 'models' is a directory"]),
 ])
 def test_bad_input_is_one_line_exit_1(args, fragments):

@@ -48,7 +48,7 @@ def _same_boxes(got: list[dict], want: list[dict]) -> None:
 
 def test_detector_and_classifier_side_by_side(run_daemon, broker):
     """Detections equal `k2edge infer`'s; classifier answers are unchanged; both batch; both honour deadlines."""
-    d = run_daemon(models=[DIGITS, BOXES], service={"max_batch": 4})
+    run_daemon(models=[DIGITS, BOXES], service={"max_batch": 4})
     client = Client(broker.port).connect()
     scenes = SCENES
     det = {client.publish(DET_TOPIC, image_request(p, rid=f"det-{i}")): p for i, p in enumerate(scenes * 3)}

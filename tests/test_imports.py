@@ -24,12 +24,14 @@ def _modules():
 
 
 def test_every_module_imports_without_tensorrt_or_pycuda():
+    """Every module imports with the heavy packages blocked, and every name its ``__all__`` exports is there."""
     code = BLOCK + f"""
 import importlib
-for name in {_modules()!r}:
-    importlib.import_module(name)
+modules = [importlib.import_module(name) for name in {_modules()!r}]
 heavy = [m for m in ('tensorrt', 'pycuda', 'onnxruntime') if m in sys.modules]
 assert not heavy, heavy
+missing = [f'{{m.__name__}}.{{a}}' for m in modules for a in getattr(m, '__all__', ()) if not hasattr(m, a)]
+assert not missing, missing
 print('ok')
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -9,7 +9,6 @@ import pytest
 
 from k2edge import BuildError, Engine, load_profile
 from k2edge.engine.check import Int8Check, compare_outputs, match_detections, meets, tolerance_for
-from k2edge.engine.quantize import read_trt_calibration_cache
 from k2edge.tasks.detection import Detections
 from test_cli import MODEL, ROOT, k2edge
 

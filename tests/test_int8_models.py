@@ -3,7 +3,6 @@ public pretrained models shipped inside packages (NudeNet's YOLOv8n, PaddleOCR's
 
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 

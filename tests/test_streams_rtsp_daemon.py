@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from mqtt_support import ROOT, Client, free_port, image_request
+from mqtt_support import Client, free_port, image_request
 from rtsp_support import RtspServer, TcpProxy, rtsp_available
 from stream_videos import scenario_crossing
 from test_streams_daemon import BOXES, SCENES, STREAMS, _events, _messages, _metric, _wait_event

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import onnx
 import pytest
 from PIL import Image
 

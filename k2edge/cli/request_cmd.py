@@ -7,7 +7,7 @@ import socket
 import sys
 
 from ..errors import K2EdgeError
-from .common import positive_float
+from .common import count, positive_float
 
 COMMAND = "request"
 HELP = "send one request to a daemon over MQTT 5 and print its answer"
@@ -24,7 +24,7 @@ def register(p) -> None:
     p.add_argument("--top-k", type=int, metavar="K")
     p.add_argument("--deadline-ms", type=float, metavar="MS",
                    help="answer within MS or not at all; the message also expires at the broker (whole seconds)")
-    p.add_argument("--retries", type=int, default=0, metavar="N",
+    p.add_argument("--retries", type=count(0), default=0, metavar="N",
                    help="retry up to N times after busy, deadline_exceeded or cloud_unavailable (each a new attempt)")
     p.add_argument("--no-cloud", action="store_true", help="forbid escalation to the cloud")
     p.add_argument("--raw", action="store_true", help="send the image as a raw payload with its content type")
@@ -50,8 +50,6 @@ def run(args) -> int:
         port_n = int(port) if port else 1883
     except ValueError:
         raise K2EdgeError(f"--broker {args.broker!r}: port must be a number") from None
-    if args.retries < 0:
-        raise K2EdgeError(f"--retries must be >= 0, got {args.retries}")
     request_id = uuid.uuid4().hex[:16]
 
     def request(attempt: int):

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal, Mapping
 
 from ..config.cloud import EscalationSettings
-from ..tasks.result import DETECTION_MEASURES, MEASURES, LocalResult, confidence
+from ..tasks.result import LocalResult
 
 __all__ = [
     "EscalationPolicy",

@@ -62,7 +62,6 @@ __all__ = [
     "ModelCard",
     "PoseSpec",
     "BOX_TASKS",
-    "ultralytics_layer",
     "card_sources",
     "metadata_size",
     "check_size",

@@ -29,7 +29,6 @@ import socket
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from mqtt_support import free_port
