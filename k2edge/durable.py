@@ -14,7 +14,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["fsync_dir", "replace_file", "write_replacing"]
+__all__ = ["fsync_dir", "make_dir", "replace_file", "write_replacing"]
+
+
+def make_dir(path: Path) -> str | None:
+    """Create the folder ``path`` (and its parents) unless it is there; why it cannot be, or None.
+
+    The reason reads after the path: ``is a file, not a directory``, ``cannot be created: Permission denied``.
+    """
+    if path.exists() and not path.is_dir():
+        return "is a file, not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot be created: {exc.strerror or exc}"
+    return None
 
 
 def fsync_dir(path: Path) -> None:

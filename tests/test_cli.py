@@ -143,7 +143,7 @@ def test_doctor_runs_here():
      ["its directory does not exist"]),
     (["build", MODEL, "-p", "cpu-dev", "--cache", "/proc/k2edge-cache"], ["is not a writable directory"]),
     (["inspect", MODEL, "--input-shape", "input=1x3x32x32"], ["gives 'input' 3 at axis 1, but the model fixes it at 1"]),
-    (["pareto-sweep", MODEL, "--dataset", "models/digits/eval.npz", "--out", "pyproject.toml"], ["is a file; give a directory"]),
+    (["pareto-sweep", MODEL, "--dataset", "models/digits/eval.npz", "--out", "pyproject.toml"], ["is a file, not a directory"]),
     (["inspect", "\u00e9" * 300 + ".onnx"], ["File name too long: "]),
     (["inspect", MODEL, "--batch-size", "0"], ["--batch-size: must be within [1, 65536], got 0"]),
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "--timeout", "nan", "x.jpg"],

@@ -76,6 +76,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from ..sweep import MeasureSettings, NoRecommendation, SweepSpec, run_sweep, sweep_configs
+    from ..durable import make_dir
     from ..sweep.errors import SweepError
     from ..sweep.progress import default_progress
     from ..sweep.report import print_table
@@ -83,12 +84,9 @@ def run(args) -> int:
     configs, notes = sweep_configs(args.profiles, args.grid)
     settings = MeasureSettings(runs=args.runs, warmup=args.warmup, requests=args.requests, limit=args.limit)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise SweepError(f"--out {args.out!r} is a file; give a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SweepError(f"--out {args.out!r}: cannot create it ({exc.strerror or exc})") from None
+    problem = make_dir(out)
+    if problem:
+        raise SweepError(f"--out {args.out!r} {problem}")
     spec = SweepSpec(model=Path(args.model), dataset=Path(args.dataset), out=out, calib=args.calib, check=args.check, board=board_of(args),
                      backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
                      settings=settings, goal=args.goal, max_latency_ms=args.max_latency_ms, min_accuracy=args.min_accuracy,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import __version__, tracing
 from ..config.schema import ConfigError, DaemonConfig, read_secret, state_dir
+from ..durable import make_dir
 from ..engine.check import refusal
 from ..errors import BuildError
 from ..streams.evidence import MediaStore
@@ -502,10 +503,7 @@ def _usable_state_dir(state: Path) -> Path:
     Raises:
         ConfigError: a file is there, or the system refuses the folder (permission, a read-only mount).
     """
-    if state.exists() and not state.is_dir():
-        raise ConfigError(f"service.state_dir {str(state)!r} is a file, not a directory")
-    try:
-        state.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"service.state_dir {str(state)!r} cannot be created: {exc.strerror}") from None
+    problem = make_dir(state)
+    if problem:
+        raise ConfigError(f"service.state_dir {str(state)!r} {problem}")
     return state
