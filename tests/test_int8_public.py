@@ -1,8 +1,8 @@
 """INT8 on public pretrained models (docs/int8.md, "Public models: INT8 share and accuracy").
 
 A calibration set whose held-out part has too few FP32 boxes gives an inconclusive check; the classifier meets its
-bound GPU-only; DBNet's FP16 engine matches FP32 (its BatchNorm variance beyond FP16's range is folded before
-converting). YOLOv8n's bound (1,000 calibration scenes: 150-180 s a profile), those under c4, DBNet's and the build
+bound GPU-only and under c4; DBNet's FP16 engine matches FP32 (its BatchNorm variance beyond FP16's range is folded
+before converting). YOLOv8n's bound (1,000 calibration scenes: 150-180 s a profile), DBNet's and the build
 time are judged by ``bench/bench_int8_public.py``, which prints each row's verdict and exits 1 when one misses
 (docs/int8.md): asserted here they would take CI past its 20 minutes (a run with YOLOv8n's GPU-only bound took 19).
 """
@@ -18,6 +18,7 @@ from int8_support import GPU_CHAIN
 from public_sets import textline_set
 from test_int8_fixtures import INT8, packaged_model
 
+EVAL_LINES = 2000  # the bench's evaluation set (bench/bench_int8_public.py SIZES)
 
 
 @pytest.mark.slow
@@ -43,15 +44,17 @@ def test_a_held_out_part_with_too_few_boxes_is_inconclusive(tmp_path):
 
 
 @pytest.mark.slow
-def test_public_classifier_runs_mostly_int8_within_half_a_point(tmp_path):
-    """PP-OCR's text-direction classifier, GPU-only ["int8", "fp16"], 1,280 rendered lines to calibrate (256 held out
-    for the check): at least 90 % of its learned-layer FLOPs in INT8 and top-1 within 0.5 point of FP32 on 400 other
-    lines (about 2 minutes on 2 cores)."""
+@pytest.mark.parametrize("profile", [GPU_CHAIN, "c4"], ids=["gpu", "c4"])
+def test_public_classifier_runs_mostly_int8_within_half_a_point(tmp_path, profile):
+    """PP-OCR's text-direction classifier, GPU-only ["int8", "fp16"] and c4, 1,280 rendered lines to calibrate (256
+    held out for the check): at least 90 % of its learned-layer FLOPs in INT8 and top-1 within 0.5 point of FP32 on
+    2,000 other lines (about a minute a profile on 2 cores). On 400 lines the difference's 95 % interval is about 3
+    points wide, and c4's +0.75 point there is -0.15 on 2,000 (docs/int8.md)."""
     model, card = packaged_model("ppocr-cls"), INT8 / "ppocr-cls" / "card.toml"
-    calib, held = textline_set(tmp_path / "calib", 1280, 21), textline_set(tmp_path / "eval", 400, 22)
+    calib, held = textline_set(tmp_path / "calib", 1280, 21), textline_set(tmp_path / "eval", EVAL_LINES, 22)
     data = open_dataset(held, ["0", "180"])
-    assert len(data) >= 400
-    engine = Engine.build(model, GPU_CHAIN, calib=calib, card=card, cache_dir=tmp_path / "cache")
+    assert len(data) == EVAL_LINES
+    engine = Engine.build(model, profile, calib=calib, card=card, cache_dir=tmp_path / "cache")
     fp32 = Engine.build(model, "cpu-dev", card=card, cache_dir=tmp_path / "cache")
     with engine:
         top1 = evaluate_classifier(engine, data)["top1"]
@@ -60,7 +63,7 @@ def test_public_classifier_runs_mostly_int8_within_half_a_point(tmp_path):
     share = engine.plan.precision_flops["model"]["int8"]
     line = engine.info.int8_check.line()
     assert engine.plan.precision_flops["measured"] and share >= 0.90, (share, line)
-    assert abs(top1 - ref) <= 0.005, (top1, ref, line)
+    assert round(abs(top1 - ref) * EVAL_LINES) <= 0.005 * EVAL_LINES, (top1, ref, line)  # in lines: no float edge
 
 
 @pytest.mark.slow
