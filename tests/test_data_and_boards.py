@@ -44,6 +44,24 @@ def test_npz_checks(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"junk")
     with pytest.raises(DatasetError, match="cannot read"):
         open_dataset(tmp_path / "junk.npz")
+    np.savez(tmp_path / "scalar.npz", x=np.uint8(3), y=np.int64(1))
+    with pytest.raises(DatasetError, match=r"'x' must be an array of samples .* got uint8 of shape \(\)"):
+        open_dataset(tmp_path / "scalar.npz")
+    x = np.zeros((4, 1, 8, 8), np.float32)
+    x[2, 0, 3, 3] = np.inf
+    np.savez(tmp_path / "inf.npz", x=x, y=np.arange(4))
+    with pytest.raises(DatasetError, match=r"'x' holds NaN or infinite values \(1 of 4 samples\)"):
+        open_dataset(tmp_path / "inf.npz")
+
+
+def test_an_image_array_of_another_shape_is_refused_and_a_single_channel_axis_taken():
+    """uint8 (H, W, 1) stages as (H, W); a 4-D array or two channels is an InputError naming what fits."""
+    pre = Preprocess(InputSpec(color="L", size=(8, 8)))
+    pixels = (np.arange(64, dtype=np.uint8) * 4).reshape(8, 8)
+    np.testing.assert_array_equal(pre.stage(pixels[:, :, None]), pre.stage(pixels))
+    for bad in (np.zeros((2, 8, 8, 1), np.uint8), np.zeros((8, 8, 2), np.uint8)):
+        with pytest.raises(InputError, match=r"an image array must be uint8 \(H, W\)"):
+            pre.stage(bad)
 
 
 def test_stage_png_jpeg_bytes_array_agree():

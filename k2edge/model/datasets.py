@@ -112,8 +112,14 @@ def _open_npz(p: Path) -> Dataset:
         raise
     except Exception as exc:
         raise DatasetError(f"{p}: cannot read .npz ({exc})") from None
+    if x.ndim == 0 or x.dtype.kind not in "uif":
+        raise DatasetError(f"{p}: 'x' must be an array of samples (numbers, one per row), got {x.dtype} of shape "
+                           f"{tuple(x.shape)}")
     if len(x) == 0:
         raise DatasetError(f"{p}: 'x' is empty")
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
+        bad = int((~np.isfinite(x.reshape(len(x), -1))).any(axis=1).sum())
+        raise DatasetError(f"{p}: 'x' holds NaN or infinite values ({bad} of {len(x)} samples)")
     if y is not None:
         if len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
             raise DatasetError(f"{p}: 'y' must hold one integer label per sample ({len(x)}), got {y.dtype} x {len(y)}")

@@ -242,7 +242,10 @@ class Preprocess:
         mode = "L" if self.color == "L" else "RGB"
         try:
             if isinstance(source, np.ndarray):
-                img = Image.fromarray(source)
+                if source.dtype != np.uint8 or not (source.ndim == 2 or (source.ndim == 3 and source.shape[2] in (1, 3, 4))):
+                    raise InputError(f"an image array must be uint8 (H, W), (H, W, 1), (H, W, 3) or (H, W, 4); got "
+                                     f"{source.dtype} {tuple(source.shape)}")
+                img = Image.fromarray(source[:, :, 0] if source.ndim == 3 and source.shape[2] == 1 else source)
             elif isinstance(source, Image.Image):
                 img = source
             else:
