@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from k2_server import K2StandIn, answer, delay, hang, status
+from k2_server import K2StandIn, answer, delay, garbage, hang, status
 from k2edge.cloud_bridge import (
     BreakerOpen,
     BridgeRequest,
@@ -133,6 +133,21 @@ def test_text_only_request_and_undecodable_image(k2):
     with pytest.raises(CloudRejected, match="could not be decoded"):
         client.complete(b"not an image", "image/png", "q", None, 5.0)
     assert len(k2.chat_requests) == n and client.breaker.state == "closed"
+
+
+def test_an_answer_that_is_not_json_is_a_cloud_error_not_a_crash(k2):
+    """A 200 whose body is not JSON (a proxy's page, a broken server): the chat and the model list each raise the
+    bridge's own CloudError saying so, not the SDK's AttributeError."""
+    from k2edge.cloud_bridge import CloudError
+
+    client = K2Client(settings_for(k2, max_retries=0), KEY)
+    k2.script(garbage())
+    with pytest.raises(CloudError, match="not the JSON expected"):
+        client.complete(None, None, "q", None, 5.0)
+    k2.garbled_models = True
+    with pytest.raises(CloudUnavailable, match=r"GET /v1/models: the server's answer is not the JSON expected"):
+        client.list_models()
+    client.close()
 
 
 def test_anthropic_mode_body_and_temperature_scaling(k2):
@@ -736,6 +751,8 @@ def test_cloud_check_against_the_stand_in(k2, tmp_path):
     (["--base-url", "http://127.0.0.1:9/v1", "--model", MODEL], "GET /v1/models: cannot connect"),
     (["--api-key-env", "K2_UNSET_VAR"], "environment variable K2_UNSET_VAR is not set"),
     (["--config", "/nonexistent.toml"], "does not exist"),
+    (["--base-url", "http://127.0.0.1:9/v1", "--model", MODEL, "--image", "/nonexistent.jpg"],  # before the network
+     "--image '/nonexistent.jpg' does not exist"),
 ])
 def test_cloud_check_failures_are_one_line(args, fragment):
     """Unreachable endpoint, missing key, missing config: one line on stderr, exit 1."""
@@ -743,6 +760,27 @@ def test_cloud_check_failures_are_one_line(args, fragment):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_cloud_check_refuses_a_malformed_config_and_never_repeats_a_secret(k2, tmp_path):
+    """[cloud] that is not a table, a base URL with user:password@ or a query, a key pasted where the name of its
+    environment variable goes, an endpoint that answers what is not JSON: one line each, no secret in it."""
+    (tmp_path / "c.toml").write_text('cloud = "x"\n')
+    cases = [(["--config", str(tmp_path / "c.toml")], "cloud must be a table ([cloud]), got str"),
+             (["--base-url", "http://u:URLPW@127.0.0.1:9/v1"], "cloud.base_url: must not hold user:password@"),
+             (["--base-url", "http://127.0.0.1:9/v1?key=URLKEY"], "cloud.base_url: must not hold a query"),
+             (["--api-key-env", "sk-PASTEDKEY123"], "cloud.api_key_env: must name an environment variable")]
+    for args, fragment in cases:
+        proc = k2edge_cli("cloud", "check", "--model", MODEL, *args)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and fragment in lines[0], proc.stderr
+        assert not any(secret in proc.stdout + proc.stderr for secret in ("URLPW", "URLKEY", "PASTEDKEY")), proc.stderr
+    k2.garbled_models = True
+    proc = k2edge_cli("cloud", "check", "--base-url", k2.url, "--model", MODEL, "--api-key-env", "K2_TEST_KEY",
+                      env_extra={"K2_TEST_KEY": KEY})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "GET /v1/models: the server's answer is not the JSON expected (" in proc.stderr, proc.stderr
 
 
 def test_cloud_check_wrong_key_is_one_line(k2):

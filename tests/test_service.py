@@ -204,11 +204,31 @@ def test_config_example_loads_and_resolves_paths():
     ('[mqtt]\npassword_file = "p"\n[[models]]\nname = "a"\nonnx = "m"', "a password needs a username"),
     ('[mqtt]\npassword = "hunter2"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.password: unknown key"),
     ("device_id = 'x'\n[service\n", "not valid TOML"),
+    ('[mqtt]\nhost = ""\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.host: is empty"),
+    ('[mqtt]\nhost = "mqtt://u:hunter2@broker"\n[[models]]\nname = "a"\nonnx = "m"',
+     "mqtt.host: must be a host name or address, not a URL or user:password@host (the user goes in mqtt.username"),
+    ('[mqtt]\nhost = "broker one"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.host: holds spaces"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(_write(tmp_path, text))
-    assert fragment.replace("Value error, ", "") in str(err.value)
+    assert fragment.replace("Value error, ", "") in str(err.value) and "hunter2" not in str(err.value)
+
+
+@pytest.mark.parametrize("broker, fragment", [
+    ("mqtt://u:hunter2@127.0.0.1:1883", "--broker (not repeated: it may hold a password): the host must be a host name"),
+    ("u:hunter2@127.0.0.1", "--broker (not repeated: it may hold a password): expected HOST[:PORT]"),
+    ("127.0.0.1:x", "--broker '127.0.0.1:x': expected HOST[:PORT] with a port in 1..65535"),
+])
+def test_a_broker_option_that_holds_a_password_is_refused_without_repeating_it(broker, fragment):
+    """--broker, as serve, request, deploy and rollback read it: a URL or user:password@ is refused, unrepeated."""
+    from k2edge.cli.control import broker_address
+    from k2edge.errors import K2EdgeError
+
+    with pytest.raises(K2EdgeError) as err:
+        broker_address(broker)
+    assert fragment in str(err.value) and "hunter2" not in str(err.value)
+    assert broker_address("broker.local") == ("broker.local", 1883) and broker_address(":1884", "h") == ("h", 1884)
 
 
 def test_missing_config_file(tmp_path):

@@ -65,7 +65,10 @@ def _settings(args):
 
         path = Path(args.config)
         doc = read_toml(path, K2EdgeError, f"config {str(path)!r} does not exist")
-        table_ = dict(doc.get("cloud") or {})
+        table_ = doc.get("cloud") or {}
+        if not isinstance(table_, dict):
+            raise K2EdgeError(f"config {str(path)!r}: cloud must be a table ([cloud]), got {type(table_).__name__}")
+        table_ = dict(table_)
         if not table_:
             raise K2EdgeError(f"config {str(path)!r} has no [cloud] table")
     overrides = {"base_url": args.base_url, "model": args.model, "mode": args.mode, "timeout_s": args.timeout}
@@ -83,6 +86,7 @@ def _check(args) -> int:
     from ..cloud_bridge.errors import CloudError
 
     settings = _settings(args)
+    image = _image(args.image) if args.image else None  # a bad path is refused before the network is
     check = settings.model_copy(update={"max_tokens": 16, "max_retries": 0})
     client = K2Client(check)
     report: dict = {"endpoint": settings.base_url, "mode": settings.mode, "key": settings.key_source(),
@@ -101,7 +105,6 @@ def _check(args) -> int:
         report["model_listed"] = settings.model in models if settings.model and models is not None else None
         if not settings.model:
             raise K2EdgeError(f"no model configured: pass --model, one of {', '.join(models) or '(none listed)'}")
-        image = Path(args.image).read_bytes() if args.image else None
         ans = client.complete(image, None, CHECK_PROMPT, None, check.timeout_s)
         report.update({"round_trip_ms": round(ans.latency_ms, 1), "answer": ans.text, "answered_by": ans.model, "ok": True})
     except (CloudError, K2EdgeError, OSError) as exc:
@@ -125,6 +128,15 @@ def _check(args) -> int:
               f"{report['answered_by']} answered {report['answer']!r}")
         return 0
     raise K2EdgeError(report["error"] or "the check failed")
+
+
+def _image(path: str) -> bytes:
+    p = Path(path)
+    if p.is_dir():
+        raise K2EdgeError(f"--image {path!r} is a directory; give an image file")
+    if not p.is_file():
+        raise K2EdgeError(f"--image {path!r} does not exist")
+    return p.read_bytes()
 
 
 # curve ---------------------------------------------------------------------------------------------

@@ -28,16 +28,27 @@ def add_target(p: argparse.ArgumentParser, timeout: float) -> None:
     p.add_argument("--json", action="store_true", help="print each answer as a JSON line")
 
 
-def broker_address(text: str) -> tuple[str, int]:
-    """``HOST[:PORT]`` (default port 1883)."""
+def broker_address(text: str, default_host: str = "127.0.0.1", default_port: int = 1883) -> tuple[str, int]:
+    """``--broker HOST[:PORT]`` (the defaults for what it leaves out).
+
+    Raises:
+        K2EdgeError: a bad port, or a host that is a URL, holds ``user:password@`` (the message never repeats it) or
+            spaces.
+    """
+    from ..config.schema import host_problem
+
+    shown = "(not repeated: it may hold a password)" if "@" in text else repr(text)
     host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
     try:
-        port_n = int(port) if port else 1883
+        port_n = int(port) if port else default_port
         if not 1 <= port_n <= 65535:
             raise ValueError
     except ValueError:
-        raise K2EdgeError(f"--broker {text!r}: expected HOST[:PORT] with a port in 1..65535") from None
-    return host or "127.0.0.1", port_n
+        raise K2EdgeError(f"--broker {shown}: expected HOST[:PORT] with a port in 1..65535") from None
+    problem = host_problem(host or default_host)
+    if problem:
+        raise K2EdgeError(f"--broker {shown}: the host {problem}")
+    return host or default_host, port_n
 
 
 def target_topic(args, kind: str) -> str:

@@ -38,6 +38,7 @@ def run(args) -> int:
     import uuid
 
     from .client import RequestClient, build_payload
+    from .control import broker_address
     from ..service.protocol import RETRYABLE
     from ..service.topics import valid_level
 
@@ -45,11 +46,7 @@ def run(args) -> int:
         if not valid_level(value):
             raise K2EdgeError(f"{what} {value!r} cannot be a topic level (no '+', '#' or '/')")
 
-    host, _, port = args.broker.partition(":")
-    try:
-        port_n = int(port) if port else 1883
-    except ValueError:
-        raise K2EdgeError(f"--broker {args.broker!r}: port must be a number") from None
+    host, port_n = broker_address(args.broker)
     request_id = uuid.uuid4().hex[:16]
 
     def request(attempt: int):
@@ -58,7 +55,7 @@ def run(args) -> int:
                              allow_cloud=not args.no_cloud, raw=args.raw, request_id=request_id, attempt=attempt)
 
     first = request(0)  # a bad input is refused before the broker is dialled
-    with RequestClient(host or "127.0.0.1", port_n) as client:
+    with RequestClient(host, port_n) as client:
         for attempt in range(args.retries + 1):
             payload, ctype, props = first if attempt == 0 else request(attempt)
             answer, elapsed_ms = client.request(f"k2edge/{args.device}/infer/{args.model}", payload, ctype, props,

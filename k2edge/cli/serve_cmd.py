@@ -23,19 +23,10 @@ def run(args) -> int:
 
     cfg = load_config(args.config)
     if args.broker:
-        from ..errors import K2EdgeError
+        from .control import broker_address
 
-        from pydantic import ValidationError
-
-        from ..config.schema import MqttConfig
-
-        host, _, port = args.broker.rpartition(":") if ":" in args.broker else (args.broker, "", "")
-        try:
-            fields = {**cfg.mqtt.model_dump(), "host": host or cfg.mqtt.host, "port": int(port) if port else cfg.mqtt.port}
-            mqtt = MqttConfig.model_validate(fields)
-        except (ValueError, ValidationError):
-            raise K2EdgeError(f"--broker {args.broker!r}: expected HOST[:PORT] with a port in 1..65535") from None
-        cfg = cfg.model_copy(update={"mqtt": mqtt})
+        host, port = broker_address(args.broker, cfg.mqtt.host, cfg.mqtt.port)
+        cfg = cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"host": host, "port": port})})
     if args.backend:
         cfg = cfg.model_copy(update={"models": tuple(m.model_copy(update={"backend": args.backend}) for m in cfg.models)})
     if not args.verbose:

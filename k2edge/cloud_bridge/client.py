@@ -152,6 +152,8 @@ class _OpenAIWire:
                             dict(exc.response.headers), body)
         if isinstance(exc, o.OpenAIError):
             return _Failure("protocol", f"{type(exc).__name__}")
+        if isinstance(exc, (AttributeError, TypeError, ValueError)):  # the SDK choking on an answer it cannot parse
+            return _Failure("protocol", f"the server's answer is not the JSON expected ({type(exc).__name__})")
         raise exc
 
 

@@ -6,6 +6,7 @@ an environment variable); :func:`k2edge.cloud_bridge.resolve_api_key` reads it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -17,6 +18,7 @@ from .tables import bound
 __all__ = ["CloudSettings", "EscalationSettings", "MOONSHOT_BASE_URL", "K2_TEMPERATURE"]
 
 MOONSHOT_BASE_URL = "https://api.moonshot.ai/v1"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 K2_TEMPERATURE = 0.6  # Moonshot's recommendation for Kimi K2 Instruct
 
 
@@ -86,16 +88,32 @@ class CloudSettings(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str) -> str:
+        # the URL is shown in the status, in traces and by `cloud check`: a password or a key in it would go with it
+        shown = "(not repeated: it may hold a secret)" if "@" in v or "?" in v else repr(v[:120])
         if not v.startswith(("http://", "https://")):
-            raise ValueError(f"must start with http:// or https://, got {v!r}")
+            raise ValueError(f"must start with http:// or https://, got {shown}")
         try:
             parts = urlsplit(v)
             parts.port  # noqa: B018 (parsing the port raises on a bad one)
         except ValueError as exc:
-            raise ValueError(f"not a URL ({exc}): {v[:120]!r}") from None
+            raise ValueError(f"not a URL ({exc}): {shown}") from None
+        if "@" in parts.netloc:
+            raise ValueError(f"must not hold user:password@ (the key goes in api_key_file, api_key_env or "
+                             f"api_key_credential): {shown}")
+        if parts.query or parts.fragment or v.endswith(("?", "#")):
+            raise ValueError(f"must not hold a query or fragment (an OpenAI-compatible base URL is scheme, host and "
+                             f"path; a key goes in api_key_file, api_key_env or api_key_credential): {shown}")
         if not parts.hostname:
-            raise ValueError(f"names no host: {v[:120]!r}")
+            raise ValueError(f"names no host: {shown}")
         return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not _ENV_NAME.match(v):  # not repeated: a key pasted here by mistake must not be shown
+            raise ValueError("must name an environment variable (letters, digits and '_', not starting with a digit), "
+                             "not hold the key itself")
+        return v
 
     @field_validator("api_key_credential")
     @classmethod

@@ -30,6 +30,17 @@ class ConfigError(K2EdgeError):
     """The daemon config is missing, not TOML, or invalid (the message names the key)."""
 
 
+def host_problem(host: str) -> str | None:
+    """Why ``host`` cannot be a broker's host name or address (never repeating it: it may hold a password), or None."""
+    if not host:
+        return "is empty"
+    if "@" in host or "/" in host:
+        return "must be a host name or address, not a URL or user:password@host"
+    if any(c.isspace() or not c.isprintable() for c in host):
+        return "holds spaces or control characters"
+    return None
+
+
 class MqttConfig(_Strict):
     """Broker connection. Password from ``password_file`` or ``password_credential`` only."""
 
@@ -51,6 +62,16 @@ class MqttConfig(_Strict):
     max_inflight: int = Field(64, ge=1, le=65535, description="answers at QoS 1 that may await the broker's "
                               "acknowledgement at once (fewer when the broker's receive maximum is lower); each may "
                               "be delivered twice after a broker restart, as QoS 1 allows")
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        problem = host_problem(v)
+        if problem and "@" in v:
+            problem += " (the user goes in mqtt.username, the password in mqtt.password_file or mqtt.password_credential)"
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _pairs(self):

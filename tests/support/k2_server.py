@@ -31,7 +31,7 @@ DEFAULT_MODELS = ("kimi-k2.5", "moonshot-v1-8k-vision-preview")
 
 @dataclass(frozen=True)
 class Behaviour:
-    kind: str  # answer | status | hang
+    kind: str  # answer | status | hang | garbage
     text: str = "stand-in answer"
     delay_s: float = 0.0
     code: int = 200
@@ -66,6 +66,11 @@ def verdict(kind: str = "confirmed", label: str | None = "person", description: 
                      delay_s=delay_s)
 
 
+def garbage() -> Behaviour:
+    """Answer 200 with a body that is not JSON (a proxy's error page, a broken server)."""
+    return Behaviour("garbage")
+
+
 def hang(seconds: float = 5.0) -> Behaviour:
     """Read the request, send nothing for ``seconds`` (or until the stand-in stops), then close."""
     return Behaviour("hang", delay_s=seconds)
@@ -98,6 +103,7 @@ class K2StandIn:
             text-only Kimi K2 does. Settable while running.
         refuse_json_mode: answer a chat request asking ``response_format`` with the 400 a server without JSON mode
             gives. Settable while running.
+        garbled_models: answer ``GET /v1/models`` with 200 and a body that is not JSON. Settable while running.
     """
 
     def __init__(self, models=DEFAULT_MODELS, api_key: str | None = None, refuse_images: bool = False,
@@ -106,6 +112,7 @@ class K2StandIn:
         self.api_key = api_key
         self.refuse_images = refuse_images
         self.refuse_json_mode = refuse_json_mode
+        self.garbled_models = False
         self.fallback: Behaviour = answer()
         self._script: deque[Behaviour] = deque()
         self._lock = threading.Lock()
@@ -208,6 +215,13 @@ class K2StandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _send_raw(self, code: int, data: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def _authorised(self) -> bool:
                 if standin.api_key is None:
                     return True
@@ -223,6 +237,9 @@ class K2StandIn:
                     self._send(401, {"error": {"message": "Invalid Authentication", "type": "invalid_authentication_error"}})
                     return
                 if method == "GET" and path == "/v1/models":
+                    if standin.garbled_models:
+                        self._send_raw(200, b"\xff\xfe not json")
+                        return
                     data = [{"id": m, "object": "model", "created": 0, "owned_by": "stand-in"} for m in standin.models]
                     self._send(200, {"object": "list", "data": data})
                     return
@@ -249,6 +266,9 @@ class K2StandIn:
                     standin._stopping.wait(b.delay_s)
                 if b.kind == "status":
                     self._send(b.code, b.body, b.headers)
+                    return
+                if b.kind == "garbage":
+                    self._send_raw(200, b"\xff\xfe not json")
                     return
                 model = body.get("model", "unknown")
                 if anthropic:
