@@ -155,6 +155,9 @@ def test_doctor_runs_here():
      ["--reply-prefix 'a/#' must be topic levels", "without the wildcards"]),
     (["deploy", "pyproject.toml", "--broker", "127.0.0.1:1", "--device", "d"], ["not_a_bundle: not a tar archive"]),
     (["keys", "show", "nope.pub"], ["public key 'nope.pub' does not exist"]),
+    (["plan", MODEL, "-p", "cpu-dev", "--input-shape", "input=99999999999999999999x1x32x32"],
+     ["each dimension must be at most 65536"]),
+    (["build", MODEL, "-p", "cpu-dev", "--input-shape", "input=65536x1x32x32x32"], ["at most 2,147,483,647 elements"]),
     (["plan", MODEL, "-p", "models/digits"], ["profile file 'models/digits' is a directory"]),
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "missing.jpg"],  # the input before the broker
      ["input file 'missing.jpg' does not exist"]),

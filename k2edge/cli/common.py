@@ -49,6 +49,10 @@ def seconds_or_zero(text: str) -> float:
     return value
 
 
+MAX_DIM = 65536  # inspect's --batch-size bound too
+MAX_ELEMENTS = 2**31 - 1  # an input tensor larger than ONNX Runtime's and TensorRT's int32 volumes is not one to build
+
+
 def input_shape(text: str) -> tuple[str, tuple[int, ...]]:
     """Parse ``NAME=1x3x224x224``."""
     name, sep, dims = text.partition("=")
@@ -60,6 +64,9 @@ def input_shape(text: str) -> tuple[str, tuple[int, ...]]:
             raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected NAME=DxDx..., e.g. data=1x3x224x224, got {text!r}") from None
+    if any(d > MAX_DIM for d in shape) or math.prod(shape) > MAX_ELEMENTS:
+        raise argparse.ArgumentTypeError(f"{text!r}: each dimension must be at most {MAX_DIM} and the whole at most "
+                                         f"{MAX_ELEMENTS:,} elements")
     return name, shape
 
 

@@ -6,12 +6,12 @@ COMMAND = "inspect"
 HELP = "show a model's inputs, outputs and nodes with FLOPs and DLA support"
 ORDER = 10
 
-from .common import add_json, add_model, count, input_shapes_of, print_json, table
+from .common import MAX_DIM, add_json, add_model, count, input_shapes_of, print_json, table
 
 
 def register(p) -> None:
     add_model(p)
-    p.add_argument("--batch-size", type=count(1, 65536), default=1, help="static batch for a dynamic batch dimension")
+    p.add_argument("--batch-size", type=count(1, MAX_DIM), default=1, help="static batch for a dynamic batch dimension")
     add_json(p)
 
 

@@ -8,7 +8,7 @@ ORDER = 20
 
 from pathlib import Path
 
-from .common import BOARD_CHOICES, add_json, add_model, board_of, count, print_json, table
+from .common import BOARD_CHOICES, MAX_DIM, add_json, add_model, board_of, count, print_json, table
 
 
 def register(p) -> None:
@@ -22,7 +22,7 @@ def register(p) -> None:
                    "beside the model): shows the layers that build's INT8 check kept out of INT8")
     p.add_argument("--check", metavar="DATA", help="the --check set that build used, if any")
     p.add_argument("--cache", metavar="DIR", help="engine cache directory (default: ~/.cache/k2edge)")
-    p.add_argument("--max-batch", type=count(1, 65536), default=8, metavar="N",
+    p.add_argument("--max-batch", type=count(1, MAX_DIM), default=8, metavar="N",
                    help="the largest batch the engines run, for the weights they hold (default 8, the daemon's max_batch)")
     add_json(p)
 
