@@ -179,6 +179,23 @@ def test_wrong_tensor_shape_is_one_line(tmp_path):
                           "the array holds NaN or infinite values")
 
 
+def test_a_card_that_does_not_fit_the_model_is_one_line(tmp_path):
+    """Labels that are fewer than the classifier's classes, an empty labels file, labels that name a directory, and a
+    classification card on a detector (output [1, 4 + C, anchors]): refused, not answered with made-up classes."""
+    sample = str(ROOT / "models" / "digits" / "samples" / "digit-0-9.jpg")
+    (tmp_path / "three.txt").write_text("a\nb\nc\n")
+    (tmp_path / "empty.txt").write_text("\n")
+    (tmp_path / "folder").mkdir()
+    cases = [("three.txt", MODEL, "labels: 3 label(s) for a classifier of 10 class(es) (output 'logits' [1, 10])"),
+             ("empty.txt", MODEL, "is empty: one label a line"),
+             ("folder", MODEL, "labels: file '" + str(tmp_path / "folder") + "' is a directory"),
+             (None, str(ROOT / "models" / "detector" / "model.onnx"), "task classification reads one score per class")]
+    for labels, model, fragment in cases:
+        card = tmp_path / "card.toml"
+        card.write_text('task = "classification"\n' + (f'labels = "{labels}"\n' if labels else ""))
+        assert_one_line_error(k2edge("infer", model, "-p", "cpu-dev", "--card", str(card), sample, check=False), fragment)
+
+
 def test_files_that_are_not_what_they_claim_are_one_line(tmp_path):
     """A profile or labels file that is not UTF-8 text, a model folder whose .onnx is not a model, and a bundle
     without a manifest: each refused in one line, before anything is built or sent."""

@@ -123,11 +123,15 @@ def load_labels(model_path: Path | None, model: "NormalisedModel", override: str
                 raise BuildError(f"labels file {str(c)!r} is not UTF-8 text (byte {exc.start}): one label a line") from None
             except OSError as exc:
                 raise BuildError(f"labels file {str(c)!r} cannot be read ({exc.strerror})") from None
-            return tuple(line.strip() for line in text.splitlines() if line.strip())
+            labels = tuple(line.strip() for line in text.splitlines() if line.strip())
+            if not labels:
+                raise BuildError(f"labels file {str(c)!r} is empty: one label a line, in the model's class order")
+            return labels
+    missing = "is a directory" if candidates and candidates[0].is_dir() else "does not exist"
     if override:
-        raise BuildError(f"labels file {str(override)!r} does not exist")
+        raise BuildError(f"labels file {str(override)!r} {missing}")
     if card is not None and card.labels:
-        raise BuildError(f"{card.source or 'card'}: labels: file {card.labels!r} does not exist")
+        raise BuildError(f"{card.source or 'card'}: labels: file {card.labels!r} {missing}")
     from .ultralytics import UltralyticsMetadataError, read_ultralytics
 
     try:  # an Ultralytics export names its classes itself

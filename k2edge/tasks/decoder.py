@@ -53,6 +53,8 @@ class TaskDecoder:
             raise CardError(f"{where}: {card.task}.output_name: the model has no output {wanted!r} "
                             f"(outputs: {', '.join(outputs)})")
         self.output = wanted or self.output_names[0]
+        if card.task == "classification":
+            self._check_classes(outputs[self.output], where)
         self.protos: str | None = None
         self.extra = 0
         if card.task in BOX_TASKS:
@@ -80,6 +82,18 @@ class TaskDecoder:
                 what = "detector" if card.task == "detection" else f"{card.task} model"
                 raise CardError(f"{where}: labels: {len(self.labels)} label(s) for a {what} of {self.classes} "
                                 f"class(es) (output {self.output!r} {list(outputs[self.output])})")
+
+    def _check_classes(self, shape, where: str) -> None:
+        """A classifier's output is [N, classes] (trailing 1s allowed: [N, classes, 1, 1]), as many as the labels."""
+        dims = list(shape)[1:]
+        while len(dims) > 1 and dims[-1] == 1:
+            dims.pop()
+        if len(dims) > 1 and all(isinstance(d, int) for d in dims):
+            raise CardError(f"{where}: task classification reads one score per class, [N, classes]; output "
+                            f"{self.output!r} is {list(shape)} (a detector's or a map's: give the card its task)")
+        if len(dims) == 1 and isinstance(dims[0], int) and self.labels and len(self.labels) != dims[0]:
+            raise CardError(f"{where}: labels: {len(self.labels)} label(s) for a classifier of {dims[0]} class(es) "
+                            f"(output {self.output!r} {list(shape)})")
 
     def _pose_values(self, shape: tuple, where: str) -> int:
         """Keypoint values per box: from ``[pose] keypoints`` x ``dims``, else what the labels leave."""
