@@ -181,7 +181,8 @@ def test_wrong_tensor_shape_is_one_line(tmp_path):
 
 def test_a_card_that_does_not_fit_the_model_is_one_line(tmp_path):
     """Labels that are fewer than the classifier's classes, an empty labels file, labels that name a directory, and a
-    classification card on a detector (output [1, 4 + C, anchors]): refused, not answered with made-up classes."""
+    classification card on a detector (output [1, 4 + C, anchors]): refused, not answered with made-up classes, by
+    infer and by card show."""
     sample = str(ROOT / "models" / "digits" / "samples" / "digit-0-9.jpg")
     (tmp_path / "three.txt").write_text("a\nb\nc\n")
     (tmp_path / "empty.txt").write_text("\n")
@@ -194,6 +195,8 @@ def test_a_card_that_does_not_fit_the_model_is_one_line(tmp_path):
         card = tmp_path / "card.toml"
         card.write_text('task = "classification"\n' + (f'labels = "{labels}"\n' if labels else ""))
         assert_one_line_error(k2edge("infer", model, "-p", "cpu-dev", "--card", str(card), sample, check=False), fragment)
+        # card show, which card init sends the user to, refuses what infer refuses
+        assert_one_line_error(k2edge("card", "show", model, "--card", str(card), check=False), fragment)
 
 
 def test_files_that_are_not_what_they_claim_are_one_line(tmp_path):

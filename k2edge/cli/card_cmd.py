@@ -74,6 +74,10 @@ def run(args) -> int:
         from ..config.resolve import card_file, model_card
 
         card = model_card(Path(args.model), nm, args.card)
+        from ..config.resolve import load_labels
+        from ..tasks import TaskDecoder
+
+        TaskDecoder(card, load_labels(Path(args.model), nm, card=card), outputs)  # what infer would refuse, refused here
         sources = card_sources(shape, nm.metadata(), card_file(Path(args.model), args.card))
         if args.json:
             print_json({"card": card.source, **card.model_dump(mode="json", exclude={"source"}), "sources": sources})
