@@ -159,6 +159,7 @@ def test_doctor_runs_here():
      ["each dimension must be at most 65536"]),
     (["build", MODEL, "-p", "cpu-dev", "--input-shape", "input=65536x1x32x32x32"], ["at most 2,147,483,647 elements"]),
     (["plan", MODEL, "-p", "models/digits"], ["profile file 'models/digits' is a directory"]),
+    (["plan", MODEL, "-p", "./models"], ["profile file './models' is a directory"]),
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "missing.jpg"],  # the input before the broker
      ["input file 'missing.jpg' does not exist"]),
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "models"], ["input 'models' is a directory"]),

@@ -135,6 +135,31 @@ def test_eval_refuses_mismatched_categories_and_wrong_kind(det_dir, coco_set, tm
     assert_one_line_error(proc, "is evaluated on a COCO annotation file")
 
 
+def test_a_broken_coco_entry_is_refused_not_scored(coco_set):
+    """A NaN or negative-size box, an annotation on an image not listed, an image id twice: each one line naming the
+    entry, where pycocotools would have scored it and changed the mAP."""
+    from k2edge.errors import DatasetError
+    from k2edge.model.datasets import open_coco
+
+    def broken(change) -> Path:
+        doc = json.loads(coco_set.read_text())
+        change(doc)
+        out = coco_set.parent / "broken.json"
+        out.write_text(json.dumps(doc))
+        return out
+
+    def bbox(value):
+        return lambda d: d["annotations"][0].update(bbox=value)
+
+    cases = [(bbox([float("nan")] * 4), r"annotations\[0\] \(id \d+\): bbox \[nan, nan, nan, nan\] must be finite"),
+             (bbox([10, 10, -5, -5]), r"annotations\[0\] .*with a width and height above 0"),
+             (lambda d: d["annotations"][0].update(image_id=999), r"annotations\[0\] .*image_id 999 is not in 'images'"),
+             (lambda d: d["images"][1].update(id=d["images"][0]["id"]), r"image id\(s\) \[\d+\] appear more than once")]
+    for change, message in cases:
+        with pytest.raises(DatasetError, match=message):
+            open_coco(broken(change))
+
+
 def test_int8_keeps_the_head_in_float_and_the_boxes(det_dir, coco_set, cache_dir):
     """INT8 through the card: the head (decode, concat) gets no Q/DQ and no TensorRT range; mAP holds."""
     from k2edge.engine.cache import EngineCache

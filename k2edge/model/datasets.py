@@ -11,6 +11,7 @@ Two formats:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,7 @@ def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limi
     stray = sorted({a["category_id"] for a in anns} - known)
     if stray:
         raise DatasetError(f"{p}: annotations use category id(s) {stray[:5]} not listed in 'categories'")
+    _check_coco_entries(p, images, anns)
     if limit:
         images = images[:limit]
     samples = [p.parent / name for _, name in images]
@@ -256,6 +258,23 @@ def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limi
     gt = {"images": [im for im in doc["images"] if int(im["id"]) in keep],
           "annotations": [a for a in anns if a["image_id"] in keep], "categories": doc["categories"]}
     return CocoDataset(str(p), samples, [i for i, _ in images], [i for i, _ in categories], names, gt)
+
+
+def _check_coco_entries(p: Path, images: list[tuple[int, str]], anns: list[dict]) -> None:
+    """Every image id once; every box finite with a positive width and height, on a listed image: a broken entry
+    would change the mAP silently (pycocotools scores what it is given)."""
+    ids = [i for i, _ in images]
+    twice = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+    if twice:
+        raise DatasetError(f"{p}: image id(s) {twice[:5]} appear more than once in 'images'")
+    listed = set(ids)
+    for n, a in enumerate(anns):
+        x, y, w, h = a["bbox"]
+        if not all(math.isfinite(v) for v in (x, y, w, h)) or w <= 0 or h <= 0:
+            raise DatasetError(f"{p}: annotations[{n}] (id {a['id']}): bbox {[x, y, w, h]} must be finite [x, y, width, "
+                               "height] with a width and height above 0")
+        if a["image_id"] not in listed:
+            raise DatasetError(f"{p}: annotations[{n}] (id {a['id']}): image_id {a['image_id']} is not in 'images'")
 
 
 def open_calibration(path: str | os.PathLike, labels: Sequence[str] | None = None) -> Dataset:

@@ -208,16 +208,18 @@ def find_profile(name_or_path: str | os.PathLike) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    if path.suffix == "" and len(path.parts) == 1:
+    written_as_path = str(name_or_path).startswith((".", "/")) or str(name_or_path).endswith("/")
+    if path.is_dir() and (written_as_path or len(path.parts) > 1):
+        raise ProfileError(f"profile file {str(name_or_path)!r} is a directory; give a profile's .json file or a name "
+                           "such as c3")
+    if path.suffix == "" and len(path.parts) == 1 and not written_as_path:
         for folder in profile_search_path():
             candidate = folder / f"{path.name}.json"
             if candidate.is_file():
                 return candidate
         where = ", ".join(str(p) for p in profile_search_path())
         raise ProfileError(f"profile {str(name_or_path)!r} not found (looked in {where})")
-    if path.is_dir():
-        raise ProfileError(f"profile file {str(path)!r} is a directory; give a profile's .json file or a name such as c3")
-    raise ProfileError(f"profile file {str(path)!r} does not exist")
+    raise ProfileError(f"profile file {str(name_or_path)!r} does not exist")
 
 
 def load_profile(source: str | os.PathLike | dict) -> Profile:
