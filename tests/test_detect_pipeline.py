@@ -141,7 +141,7 @@ def test_a_broken_coco_entry_is_refused_not_scored(coco_set):
     from k2edge.errors import DatasetError
     from k2edge.model.datasets import open_coco
 
-    def broken(change) -> Path:
+    def broken(change):
         doc = json.loads(coco_set.read_text())
         change(doc)
         out = coco_set.parent / "broken.json"
