@@ -88,7 +88,9 @@ class TaskDecoder:
         dims = list(shape)[1:]
         while len(dims) > 1 and dims[-1] == 1:
             dims.pop()
-        if len(dims) > 1 and all(isinstance(d, int) for d in dims):
+        # a model without a card is a classifier by default, and runs on its flattened output as before; a card that
+        # says classification is held to it
+        if len(dims) > 1 and all(isinstance(d, int) for d in dims) and "task" in self.card.model_fields_set:
             raise CardError(f"{where}: task classification reads one score per class, [N, classes]; output "
                             f"{self.output!r} is {list(shape)} (a detector's or a map's: give the card its task)")
         if len(dims) == 1 and isinstance(dims[0], int) and self.labels and len(self.labels) != dims[0]:
