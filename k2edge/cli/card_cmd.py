@@ -71,11 +71,10 @@ def run(args) -> int:
     nm, name, shape, outputs = _model(args)
     if args.card_command == "show":
         from ..config.card import card_sources
-        from ..config.resolve import card_file, model_card
+        from ..config.resolve import card_file, load_labels, model_card
+        from ..tasks import TaskDecoder
 
         card = model_card(Path(args.model), nm, args.card)
-        from ..config.resolve import load_labels
-        from ..tasks import TaskDecoder
 
         TaskDecoder(card, load_labels(Path(args.model), nm, card=card), outputs)  # what infer would refuse, refused here
         sources = card_sources(shape, nm.metadata(), card_file(Path(args.model), args.card))

@@ -9,13 +9,13 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from ..errors import InputError, K2EdgeError
+from .common import input_file
 
 _CTYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png"}
 
@@ -23,11 +23,7 @@ _CTYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png"}
 def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cloud=True, raw=False, request_id=None,
                   attempt: int = 0):
     """(payload bytes, content type, user properties) for one input file."""
-    p = Path(path)
-    if p.is_dir():
-        raise InputError(f"input {path!r} is a directory; give an image or .npy file")
-    if not p.is_file():
-        raise InputError(f"input file {path!r} does not exist")
+    p = input_file(path)
     request_id = request_id or uuid.uuid4().hex[:16]
     fields = {"id": request_id}
     if attempt:

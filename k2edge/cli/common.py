@@ -27,26 +27,42 @@ def count(minimum: int, maximum: int | None = None):
     return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number above 0 (a time in seconds, say)."""
+def _finite(text: str, zero_allowed: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    if not ((value >= 0 if zero_allowed else value > 0) and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>= 0' if zero_allowed else 'above 0'}, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (a time in seconds, say)."""
+    return _finite(text, zero_allowed=False)
 
 
 def seconds_or_zero(text: str) -> float:
     """An argparse type: a finite number of seconds, 0 allowed (it means "none" or "forever": the option says which)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return _finite(text, zero_allowed=True)
+
+
+def input_file(path: str):
+    """The ``Path`` of an input file (an image, an .npy) a command reads.
+
+    Raises:
+        InputError: ``path`` is a directory, or no file.
+    """
+    from pathlib import Path
+
+    from ..errors import InputError
+
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"input {path!r} is a directory; give an image or .npy file")
+    if not p.is_file():
+        raise InputError(f"input file {path!r} does not exist")
+    return p
 
 
 MAX_DIM = 65536  # inspect's --batch-size bound too

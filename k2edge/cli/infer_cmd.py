@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_build, add_json, add_model, build_engine, table
+from .common import add_build, add_json, add_model, build_engine, input_file, table
 
 
 def register(p) -> None:
@@ -32,11 +32,7 @@ def _load(engine, path: str):
     """One input batch from an image or an .npy file (a sample, or a whole batch), with each sample's geometry."""
     import numpy as np
 
-    p = Path(path)
-    if p.is_dir():
-        raise InputError(f"input {path!r} is a directory; give image or .npy files")
-    if not p.is_file():
-        raise InputError(f"input file {path!r} does not exist")
+    p = input_file(path)
     if p.suffix == ".npy":
         try:
             arr = np.load(p, allow_pickle=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -264,7 +265,7 @@ def _check_coco_entries(p: Path, images: list[tuple[int, str]], anns: list[dict]
     """Every image id once; every box finite with a positive width and height, on a listed image: a broken entry
     would change the mAP silently (pycocotools scores what it is given)."""
     ids = [i for i, _ in images]
-    twice = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
     if twice:
         raise DatasetError(f"{p}: image id(s) {twice[:5]} appear more than once in 'images'")
     listed = set(ids)
