@@ -200,6 +200,23 @@ def test_a_card_that_does_not_fit_the_model_is_one_line(tmp_path):
         assert_one_line_error(k2edge("card", "show", model, "--card", str(card), check=False), fragment)
 
 
+def test_special_files_are_refused_without_waiting_or_reading_them_whole(tmp_path):
+    """A named pipe as config, card or profile would wait for a writer forever, and /dev/zero would be read until
+    memory ran out: each is refused at once in one line naming what it is."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    cases = [("serve", "--config", str(fifo)),
+             ("infer", MODEL, "-p", "cpu-dev", "--card", str(fifo), "models/digits/samples/digit-0-9.jpg"),
+             ("plan", MODEL, "-p", str(fifo))]
+    for args in cases:
+        assert_one_line_error(k2edge(*args, check=False), "not a regular file: a named pipe")
+    assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", "--card", "/dev/zero", "models/digits/samples/digit-0-9.jpg",
+                                 check=False), "not a regular file: a character device")
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (4 * 1024 * 1024 + 1))
+    assert_one_line_error(k2edge("serve", "--config", str(big), check=False), "larger than 4 MiB")
+
+
 def test_files_that_are_not_what_they_claim_are_one_line(tmp_path):
     """A profile or labels file that is not UTF-8 text, a model folder whose .onnx is not a model, and a bundle
     without a manifest: each refused in one line, before anything is built or sent."""

@@ -466,6 +466,29 @@ def test_key_sources_and_their_errors(tmp_path, monkeypatch):
         validate_settings(CloudSettings, {"timeout_s": 0}, "cloud")
 
 
+def test_a_key_that_cannot_be_sent_or_a_pasted_key_as_path_is_refused_without_showing_it(tmp_path):
+    """A key file holding two lines (or a space) would fail every call as "cannot connect (LocalProtocolError)": it is
+    refused when read, naming the source and never the key; a key pasted where its path goes is not shown back."""
+    f = tmp_path / "k2.key"
+    f.write_text(f"{KEY}\nsecond-line-{KEY}\n")
+    with pytest.raises(CloudConfigError, match="holds a space, a line break") as err:
+        resolve_api_key(CloudSettings(api_key_file=f))
+    assert KEY not in str(err.value) and str(f) in str(err.value)
+    with pytest.raises(CloudConfigError, match="environment variable K2: the key holds a space") as err:
+        resolve_api_key(CloudSettings(api_key_env="K2"), {"K2": f"{KEY} {KEY}"})
+    assert KEY not in str(err.value)
+    pasted = "sk-" + "a1B2c3D4e5" * 5
+    settings = CloudSettings(api_key_file=tmp_path / pasted)
+    with pytest.raises(CloudConfigError, match="does not exist") as err:
+        resolve_api_key(settings)
+    assert pasted not in str(err.value) and "53 characters, not shown" in str(err.value)
+    assert pasted not in settings.key_source()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(CloudConfigError, match="not a regular file: a named pipe"):
+        resolve_api_key(CloudSettings(api_key_file=fifo))
+
+
 def test_key_never_reaches_a_log_a_repr_or_an_error(k2, caplog, tmp_path, monkeypatch):
     """With openai/httpx loggers at DEBUG: success, retries, a server echoing the header, and anthropic mode leak nothing."""
     for name in ("openai", "httpx", "httpx2", "httpcore", "httpcore2", "k2edge", ""):

@@ -2,6 +2,7 @@
 
 import base64
 import json
+import os
 import threading
 import time
 
@@ -245,6 +246,12 @@ def test_secrets_from_file_and_credential(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="CREDENTIALS_DIRECTORY is not set") as err:
         read_secret(credential="pw")
     assert "hunter2" not in str(err.value)
+    (tmp_path / "latin").write_bytes("hünter2".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        read_secret(tmp_path / "latin", what="mqtt password")
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ConfigError, match=r"mqtt password: cannot read .*not a regular file: a named pipe"):
+        read_secret(tmp_path / "pipe", what="mqtt password")
 
 
 def test_the_drain_order_is_data_naming_the_daemons_steps():

@@ -13,7 +13,8 @@ from typing import Mapping
 
 from pydantic import SecretStr
 
-from ..config.cloud import CloudSettings
+from ..config.cloud import CloudSettings, shown_key_path
+from ..readfile import read_small
 from .errors import CloudConfigError
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def resolve_api_key(settings: CloudSettings, environ: Mapping[str, str] | None =
     """
     env = os.environ if environ is None else environ
     if settings.api_key_file is not None:
-        return SecretStr(_read_key_file(Path(settings.api_key_file), f"api_key_file {settings.api_key_file}"))
+        return SecretStr(_read_key_file(Path(settings.api_key_file), f"api_key_file {shown_key_path(settings.api_key_file)}"))
     if settings.api_key_credential is not None:
         creds = env.get("CREDENTIALS_DIRECTORY")
         if not creds:
@@ -42,13 +43,16 @@ def resolve_api_key(settings: CloudSettings, environ: Mapping[str, str] | None =
         value = (env.get(settings.api_key_env) or "").strip()
         if not value:
             raise CloudConfigError(f"api_key_env: environment variable {settings.api_key_env} is not set or empty")
-        return SecretStr(value)
+        return SecretStr(_checked(value, f"api_key_env: environment variable {settings.api_key_env}"))
     return None
+
+
+MAX_KEY_FILE_BYTES = 64 * 1024
 
 
 def _read_key_file(path: Path, what: str) -> str:
     try:
-        text = path.read_text().strip()
+        text = read_small(path, MAX_KEY_FILE_BYTES).decode("utf-8").strip()
         mode = path.stat().st_mode
     except FileNotFoundError:
         raise CloudConfigError(f"{what}: the file does not exist") from None
@@ -58,4 +62,14 @@ def _read_key_file(path: Path, what: str) -> str:
         raise CloudConfigError(f"{what}: the file is empty")
     if mode & (stat.S_IRGRP | stat.S_IROTH):
         log.warning("%s is readable by other users (mode %o); chmod 600 it", what, stat.S_IMODE(mode))
-    return text
+    return _checked(text, what)
+
+
+def _checked(key: str, what: str) -> str:
+    """``key`` when every character can go in an HTTP header as a bearer token; else one line naming where, not what."""
+    bad = next((i for i, ch in enumerate(key) if not "!" <= ch <= "~"), None)
+    if bad is not None:
+        raise CloudConfigError(f"{what}: the key holds a space, a line break or a character an HTTP header cannot carry "
+                               f"(character {bad + 1} of {len(key)}); it must be the key alone, on one line")
+    return key
+

@@ -6,6 +6,7 @@ an environment variable); :func:`k2edge.cloud_bridge.resolve_api_key` reads it.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from .tables import bound
 
-__all__ = ["CloudSettings", "EscalationSettings", "MOONSHOT_BASE_URL", "K2_TEMPERATURE"]
+__all__ = ["CloudSettings", "EscalationSettings", "MOONSHOT_BASE_URL", "K2_TEMPERATURE", "shown_key_path"]
 
 MOONSHOT_BASE_URL = "https://api.moonshot.ai/v1"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -128,12 +129,22 @@ class CloudSettings(BaseModel):
     def key_source(self) -> str:
         """Where the key comes from, in words (never the key)."""
         if self.api_key_file:
-            return f"file {self.api_key_file}"
+            return f"file {shown_key_path(self.api_key_file)}"
         if self.api_key_env:
             return f"environment variable {self.api_key_env}"
         if self.api_key_credential:
             return f"systemd credential {self.api_key_credential}"
         return "none (no API key configured)"
+
+
+def shown_key_path(path: str | os.PathLike) -> str:
+    """``api_key_file`` as a message may show it: a file name of 20 characters or more without a dot may be the key
+    itself, pasted in place of its path, and is replaced by its length."""
+    p = Path(path)
+    if len(p.name) >= 20 and "." not in p.name:
+        hidden = f"<a name of {len(p.name)} characters, not shown: it may be a key>"
+        return hidden if p.parent == Path(".") else str(p.parent / hidden)
+    return str(p)
 
 
 class EscalationSettings(BaseModel):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import BuildError
+from ..readfile import MIB, read_small
 from .card import BOX_TASKS, LABELS_METADATA_KEY, ModelCard, card_sources, check_size, find_card, load_card, resolve_card
 
 if TYPE_CHECKING:
@@ -101,6 +102,9 @@ def model_card(model_path: Path | None, normalised: "NormalisedModel", card: str
     return resolve_card(name, graph.shape(name), normalised.metadata(), card, overrides, tuple(graph.inputs))
 
 
+MAX_LABELS_BYTES = 16 * MIB  # 1,000 ImageNet labels are 30 KiB
+
+
 def load_labels(model_path: Path | None, model: "NormalisedModel", override: str | os.PathLike | None = None,
                 card: ModelCard | None = None) -> tuple[str, ...]:
     """Labels from ``override``, else the card's ``labels``, else the file the model's metadata names,
@@ -118,7 +122,7 @@ def load_labels(model_path: Path | None, model: "NormalisedModel", override: str
     for c in candidates:
         if c.is_file():
             try:
-                text = c.read_text(encoding="utf-8")
+                text = read_small(c, MAX_LABELS_BYTES).decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise BuildError(f"labels file {str(c)!r} is not UTF-8 text (byte {exc.start}): one label a line") from None
             except OSError as exc:

@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import K2EdgeError
+from ..readfile import read_small
 from ..profile.validation import describe_validation_error, model_keys
 from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
@@ -350,6 +351,9 @@ def state_dir(cfg: DaemonConfig) -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "k2edge"
 
 
+MAX_SECRET_BYTES = 64 * 1024
+
+
 def read_secret(path: Path | None = None, credential: str | None = None, what: str = "secret") -> str | None:
     """A secret from a file or a systemd credential; stripped of the trailing newline.
 
@@ -365,6 +369,8 @@ def read_secret(path: Path | None = None, credential: str | None = None, what: s
     if path is None:
         return None
     try:
-        return path.read_text(encoding="utf-8").rstrip("\r\n")
+        return read_small(path, MAX_SECRET_BYTES).decode("utf-8").rstrip("\r\n")
     except OSError as exc:
         raise ConfigError(f"{what}: cannot read {str(path)!r} ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start})") from None

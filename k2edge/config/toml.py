@@ -11,8 +11,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ..errors import K2EdgeError
+from ..readfile import MIB, read_small
 
-__all__ = ["TOMLDecodeError", "loads", "read_toml"]
+__all__ = ["MAX_TOML_BYTES", "TOMLDecodeError", "loads", "read_toml"]
+
+MAX_TOML_BYTES = 4 * MIB  # a config with hundreds of streams is tens of KiB
 
 TOMLDecodeError = tomllib.TOMLDecodeError
 loads = tomllib.loads
@@ -27,11 +30,12 @@ def read_toml(path: str | os.PathLike, error: type[K2EdgeError], missing: str) -
         missing: the message when the file does not exist.
 
     Raises:
-        error: the file is missing, unreadable, not UTF-8 or not TOML (naming the file).
+        error: the file is missing, unreadable, not a regular file, over ``MAX_TOML_BYTES``, not UTF-8 or not TOML
+            (naming the file).
     """
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        raw = read_small(p, MAX_TOML_BYTES)
     except FileNotFoundError:
         raise error(missing) from None
     except OSError as exc:

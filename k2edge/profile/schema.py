@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import ProfileError
+from ..readfile import MIB, read_small
 from .validation import describe_validation_error, model_keys
 
 Precision = Literal["fp32", "fp16", "int8"]
@@ -219,6 +220,8 @@ def find_profile(name_or_path: str | os.PathLike) -> Path:
                 return candidate
         where = ", ".join(str(p) for p in profile_search_path())
         raise ProfileError(f"profile {str(name_or_path)!r} not found (looked in {where})")
+    if path.exists():  # a named pipe, a device: read_small says which
+        return path
     raise ProfileError(f"profile file {str(name_or_path)!r} does not exist")
 
 
@@ -232,7 +235,7 @@ def load_profile(source: str | os.PathLike | dict) -> Profile:
         return Profile.from_dict(source)
     path = find_profile(source)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_small(path, MIB).decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except UnicodeDecodeError as exc:
