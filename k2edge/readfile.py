@@ -1,4 +1,5 @@
-"""Reading a small file a user names (a config, a card, a profile, labels, a key) without hanging or exhausting memory.
+"""Reading a file a user names: a small one (a config, a card, a profile, labels, a key) without hanging or
+exhausting memory, and a NumPy file without NumPy's guess that anything else is a pickle.
 
 ``Path.read_bytes`` on a named pipe waits for a writer forever, and on ``/dev/zero`` reads until memory runs
 out. :func:`read_small` opens without blocking, takes only regular files, and reads at most ``limit`` bytes;
@@ -12,7 +13,7 @@ import errno
 import os
 import stat
 
-__all__ = ["MIB", "read_small"]
+__all__ = ["MIB", "load_numpy", "read_small"]
 
 MIB = 1 << 20
 
@@ -42,3 +43,31 @@ def read_small(path: str | os.PathLike, limit: int) -> bytes:
 
 def _size(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n:,} bytes"
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # an archive with members, an empty one
+
+
+def load_numpy(path: str | os.PathLike):
+    """``np.load(path)`` of a .npy array or an .npz archive, never of pickled objects.
+
+    ``np.load`` takes any file that is neither for a pickle ("This file contains pickled (object) data"), which
+    tells someone who gave a damaged or wrong file nothing; this says what the file is not.
+
+    Raises:
+        OSError: it cannot be opened or read.
+        ValueError: one line saying why it is no NumPy array file.
+    """
+    import numpy as np
+
+    with open(path, "rb") as f:
+        head = f.read(len(_NPY_MAGIC))
+    if not head.startswith(_NPY_MAGIC) and not head.startswith(_ZIP_MAGICS):
+        raise ValueError("not a NumPy file: neither a .npy array (numpy.save) nor an .npz archive (numpy.savez)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as exc:
+        if "pickle" in str(exc):
+            raise ValueError("it holds Python objects (pickled), which are not loaded; save numbers only") from None
+        raise ValueError(str(exc).splitlines()[0][:160] or type(exc).__name__) from None

@@ -268,10 +268,34 @@ def test_request_refuses_an_npy_file_of_pickled_objects(tmp_path):
     from k2edge.errors import InputError
 
     np.save(tmp_path / "objects.npy", np.array([{"not": "a tensor"}], dtype=object), allow_pickle=True)
-    with pytest.raises(InputError, match="not a numeric .npy array .it holds pickled objects"):
+    with pytest.raises(InputError, match=r"not a numeric .npy array .it holds Python objects \(pickled\)"):
         build_payload(str(tmp_path / "objects.npy"))
     np.save(tmp_path / "ok.npy", np.zeros((1, 32, 32), np.float32))
     assert json.loads(build_payload(str(tmp_path / "ok.npy"))[0])["tensor"]["shape"] == [1, 32, 32]
+
+
+def test_a_file_that_is_not_numpys_is_called_that_not_a_pickle(tmp_path):
+    """NumPy takes any file that is neither .npy nor .npz for a pickle; infer, eval and request say what it is not,
+    and an archive where an array goes (or the other way round) is named as such."""
+    from k2edge.cli.client import build_payload
+    from k2edge.errors import InputError
+
+    noise = np.random.default_rng(0).integers(0, 256, 300, dtype=np.uint8).tobytes()
+    noise = b"\x00" + noise[1:]  # neither NumPy's magic nor a zip's
+    (tmp_path / "noise.npy").write_bytes(noise)
+    (tmp_path / "noise.npz").write_bytes(noise)
+    assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "noise.npy"), check=False),
+                          "not a NumPy file: neither a .npy array")
+    assert_one_line_error(k2edge("eval", MODEL, "-p", "cpu-dev", "--data", str(tmp_path / "noise.npz"), check=False),
+                          "cannot read .npz (not a NumPy file")
+    with pytest.raises(InputError, match="not a NumPy file"):
+        build_payload(str(tmp_path / "noise.npy"))
+    np.savez(tmp_path / "archive.npz", x=np.zeros((1, 1, 32, 32), np.float32))
+    (tmp_path / "archive.npy").write_bytes((tmp_path / "archive.npz").read_bytes())
+    assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "archive.npy"), check=False),
+                          "an .npz archive, not a .npy array")
+    with pytest.raises(InputError, match="is an .npz archive, not a .npy array"):
+        build_payload(str(tmp_path / "archive.npy"))
 
 
 def test_watch_refuses_an_annotated_output_that_is_not_a_video(tmp_path):
@@ -287,6 +311,20 @@ def test_watch_refuses_an_annotated_output_that_is_not_a_video(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
     assert "--save-annotated" in line and "give a video file such as out.mp4" in line, line
+
+
+def test_serve_with_a_model_that_is_no_model_says_that_alone(tmp_path):
+    """A model file that is not ONNX: its own error, with no warning before it about the batch axis (the per-batch
+    fallback is what fails, and only a fallback that works is worth a warning)."""
+    (tmp_path / "m.onnx").write_bytes(b"junk")
+    (tmp_path / "state").mkdir()
+    cfg = tmp_path / "k2edge.toml"
+    cfg.write_text(f'[mqtt]\nport = 1\n[service]\nstate_dir = "{tmp_path / "state"}"\n'
+                   f'[[models]]\nname = "digits"\nonnx = "{tmp_path / "m.onnx"}"\nprofile = "cpu-dev"\n')
+    proc = k2edge("serve", "--config", str(cfg), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("k2edge serve: error: ") and "not an ONNX model" in proc.stderr
+    assert "one engine for every batch size" not in proc.stderr, proc.stderr
 
 
 def test_serve_refuses_a_state_dir_it_cannot_use(tmp_path):

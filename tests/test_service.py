@@ -209,6 +209,13 @@ def test_config_example_loads_and_resolves_paths():
     ('[mqtt]\nhost = "mqtt://u:hunter2@broker"\n[[models]]\nname = "a"\nonnx = "m"',
      "mqtt.host: must be a host name or address, not a URL or user:password@host (the user goes in mqtt.username"),
     ('[mqtt]\nhost = "broker one"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.host: holds spaces"),
+    # TOML's true, inf and nan are not numbers a setting can take (true was a max_batch of 1)
+    ('[service]\nmax_batch = true\n[[models]]\nname = "a"\nonnx = "m"', "service.max_batch: must be a number, not true"),
+    ('[service]\ntelemetry_interval_s = inf\n[[models]]\nname = "a"\nonnx = "m"', "service.telemetry_interval_s: input should be a finite number"),
+    ('[cloud]\ntimeout_s = nan\n[[models]]\nname = "a"\nonnx = "m"', "cloud.timeout_s: input should be a finite number"),
+    ('[thermal]\nsoft_c = false\n[[models]]\nname = "a"\nonnx = "m"', "thermal.soft_c: must be a number, not false"),
+    # where the file was read from is recorded by k2edge, never a key of the file
+    ('source = "elsewhere.toml"\n[[models]]\nname = "a"\nonnx = "m"', "source: unknown key"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:
@@ -220,6 +227,7 @@ def test_config_errors_name_the_key(tmp_path, text, fragment):
     ("mqtt://u:hunter2@127.0.0.1:1883", "--broker (not repeated: it may hold a password): the host must be a host name"),
     ("u:hunter2@127.0.0.1", "--broker (not repeated: it may hold a password): expected HOST[:PORT]"),
     ("127.0.0.1:x", "--broker '127.0.0.1:x': expected HOST[:PORT] with a port in 1..65535"),
+    ("", "--broker is empty: give HOST[:PORT]"),
 ])
 def test_a_broker_option_that_holds_a_password_is_refused_without_repeating_it(broker, fragment):
     """--broker, as serve, request, deploy and rollback read it: a URL or user:password@ is refused, unrepeated."""

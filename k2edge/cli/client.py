@@ -39,11 +39,15 @@ def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cl
     if p.suffix.lower() == ".npy":
         import numpy as np
 
+        from ..readfile import load_numpy
+
         try:
-            arr = np.load(p, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:  # pickled objects, a damaged header, a short file
-            why = "it holds pickled objects, which are not loaded" if "pickle" in str(exc) else str(exc).splitlines()[0][:160]
-            raise InputError(f"input file {path!r} is not a numeric .npy array ({why}); save one with numpy.save") from None
+            arr = load_numpy(p)
+        except ValueError as exc:  # not NumPy's, pickled objects, a damaged header, a short file
+            raise InputError(f"input file {path!r} is not a numeric .npy array ({exc}); save one with numpy.save") from None
+        if not isinstance(arr, np.ndarray):
+            arr.close()
+            raise InputError(f"input file {path!r} is an .npz archive, not a .npy array; save one with numpy.save")
         fields["tensor"] = {"dtype": str(arr.dtype), "shape": list(arr.shape),
                             "data": base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode()}
         return json.dumps(fields).encode(), "application/json", {}

@@ -37,6 +37,8 @@ def broker_address(text: str, default_host: str = "127.0.0.1", default_port: int
     """
     from ..config.schema import host_problem
 
+    if not text:  # an unset variable in a script (`--broker "$BROKER"`): say so rather than dial the default
+        raise K2EdgeError("--broker is empty: give HOST[:PORT] (a port alone is :PORT)")
     shown = "(not repeated: it may hold a password)" if "@" in text else repr(text)
     host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
     try:

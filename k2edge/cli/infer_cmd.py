@@ -34,10 +34,15 @@ def _load(engine, path: str):
 
     p = input_file(path)
     if p.suffix == ".npy":
+        from ..readfile import load_numpy
+
         try:
-            arr = np.load(p, allow_pickle=False)
-        except Exception as exc:
+            arr = load_numpy(p)
+        except (OSError, ValueError) as exc:
             raise InputError(f"{path}: not a readable .npy file ({exc})") from None
+        if not isinstance(arr, np.ndarray):
+            arr.close()
+            raise InputError(f"{path}: an .npz archive, not a .npy array; save one with numpy.save")
         sample = tuple(engine.input_shape[1:])
         if tuple(arr.shape) == sample:
             arr = arr[None]

@@ -22,7 +22,7 @@ def run(args) -> int:
     from ..service.daemon import serve
 
     cfg = load_config(args.config)
-    if args.broker:
+    if args.broker is not None:
         from .control import broker_address
 
         host, port = broker_address(args.broker, cfg.mqtt.host, cfg.mqtt.port)

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from .tables import bound
+from .tables import Strict, bound
 
 __all__ = ["CloudSettings", "EscalationSettings", "MOONSHOT_BASE_URL", "K2_TEMPERATURE", "shown_key_path"]
 
@@ -23,7 +23,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 K2_TEMPERATURE = 0.6  # Moonshot's recommendation for Kimi K2 Instruct
 
 
-class CloudSettings(BaseModel):
+class CloudSettings(Strict):
     """One K2 endpoint and how the bridge talks to it.
 
     Attributes:
@@ -58,7 +58,7 @@ class CloudSettings(BaseModel):
             so cameras never starve MQTT requests; requests may use the whole budget.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=False)  # Strict's rules, not frozen
 
     base_url: str = MOONSHOT_BASE_URL
     model: str | None = None
@@ -147,7 +147,7 @@ def shown_key_path(path: str | os.PathLike) -> str:
     return str(p)
 
 
-class EscalationSettings(BaseModel):
+class EscalationSettings(Strict):
     """When one model's requests go to the cloud.
 
     Confidence is in [0, 1], higher is surer, by ``measure``:
@@ -171,7 +171,7 @@ class EscalationSettings(BaseModel):
         warm_profile: the model's DLA-heavier profile, used in the warm and hot states.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=False)  # Strict's rules, not frozen
 
     measure: Literal["max_softmax", "margin", "entropy", "max_box_score", "uncertain_boxes"] = "max_softmax"
     threshold: float = Field(0.5, ge=0, le=1)

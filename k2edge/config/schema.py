@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import K2EdgeError
 from ..readfile import read_small
@@ -245,7 +245,7 @@ class DaemonConfig(_Strict):
     streams: tuple[StreamConfig, ...] = Field((), description="video sources processed by a served detection model; "
                                                                 "read at start (a change takes effect at the next start)")
     storage: StorageSettings = Field(default_factory=StorageSettings)
-    source: Path | None = Field(None, exclude=True)
+    _source: Path | None = PrivateAttr(None)  # not a key of the file: load_config records where it read it
 
     @field_validator("device_id")
     @classmethod
@@ -280,6 +280,11 @@ class DaemonConfig(_Strict):
             if s.escalation and self.cloud is None:
                 raise ValueError(f"streams.{i}.escalation: rules need a [cloud] table (the K2 server to ask)")
         return self
+
+    @property
+    def source(self) -> Path | None:
+        """The file this config was read from; None for one built in code."""
+        return self._source
 
     @property
     def client_id(self) -> str:
@@ -339,7 +344,8 @@ def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
         cfg = DaemonConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{p}: {describe_validation_error(exc, model_keys(DaemonConfig))}") from None
-    return cfg.model_copy(update={"source": p})
+    cfg._source = p
+    return cfg
 
 
 def state_dir(cfg: DaemonConfig) -> Path:

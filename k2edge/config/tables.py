@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Callable, TypeVar
+from types import UnionType
+from typing import Any, Callable, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, create_model, field_validator
 
@@ -22,9 +23,30 @@ _TOPIC_LEVELS = {  # what a name that becomes an MQTT topic level may hold
 
 
 class Strict(BaseModel):
-    """A config table: unknown keys are errors; a loaded config never changes."""
+    """A config table: unknown keys are errors, a number is a finite number (``inf``, ``nan`` and ``true`` are not), and a
+    loaded config never changes."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v, info: ValidationInfo):
+        # pydantic takes true as 1 for an int or float field: `max_batch = true` would serve one request a batch
+        if isinstance(v, bool) and info.field_name is not None:
+            kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+            if kinds & {int, float} and not kinds & {bool, Any}:
+                raise ValueError(f"must be a number, not {str(v).lower()}")
+        return v
+
+
+def _scalar_kinds(annotation) -> set:
+    """The scalar types a field's annotation admits at its top level (through unions and Optional; a Literal's values)."""
+    if get_origin(annotation) is Literal:
+        return {type(a) for a in get_args(annotation)}
+    args = get_args(annotation)
+    if args and get_origin(annotation) in (Union, UnionType):
+        return set().union(*(_scalar_kinds(a) for a in args))
+    return {annotation}
 
 
 def topic_level(value: str, what: str, narrow: bool = False) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from .tables import bound
+from .tables import Strict, bound
 
 __all__ = ["ThermalSettings"]
 
@@ -17,7 +17,7 @@ def _gap(fields: dict) -> float | None:
     return hard - soft if soft is not None and hard is not None else None
 
 
-class ThermalSettings(BaseModel):
+class ThermalSettings(Strict):
     """The thermal governor's budget and where its readings come from.
 
     Temperatures are the hottest of the watched sensors (``sensors``; all when empty). A state is
@@ -26,7 +26,7 @@ class ThermalSettings(BaseModel):
     cannot flip the state.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=False)  # Strict's rules, not frozen
 
     source: Literal["auto", "jtop", "sysfs", "nvml", "trace"] = "auto"
     trace: Path | None = Field(None, validate_default=True)

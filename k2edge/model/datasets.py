@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..errors import DatasetError
+from ..readfile import load_numpy
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -105,7 +106,10 @@ def open_labelled(path: str | os.PathLike, labels: Sequence[str] | None = None, 
 
 def _open_npz(p: Path) -> Dataset:
     try:
-        with np.load(p, allow_pickle=False) as data:
+        loaded = load_numpy(p)
+        if isinstance(loaded, np.ndarray):
+            raise DatasetError(f"{p}: a .npy array, not an .npz archive holding 'x' (and 'y'); save one with numpy.savez")
+        with loaded as data:
             if "x" not in data:
                 raise DatasetError(f"{p}: .npz has no 'x' array (found {sorted(data.files)})")
             x = data["x"]
@@ -251,10 +255,11 @@ def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limi
     if limit:
         images = images[:limit]
     samples = [p.parent / name for _, name in images]
-    missing = [str(s) for s in samples if not s.is_file()]
+    missing = [s for s in samples if not s.is_file()]
     if missing:
-        raise DatasetError(f"{p}: {len(missing)} image file(s) missing, e.g. {missing[0]!r} (file_name is relative to the "
-                           "annotation file's folder)")
+        what = "name a folder, not an image" if all(s.is_dir() for s in missing) else "missing"
+        raise DatasetError(f"{p}: {len(missing)} image file(s) {what}, e.g. {str(missing[0])!r} (file_name is relative to "
+                           "the annotation file's folder)")
     keep = {i for i, _ in images}
     gt = {"images": [im for im in doc["images"] if int(im["id"]) in keep],
           "annotations": [a for a in anns if a["image_id"] in keep], "categories": doc["categories"]}
@@ -307,7 +312,8 @@ def open_calibration(path: str | os.PathLike, labels: Sequence[str] | None = Non
     unreadable = [] if missing else _unreadable_images(dataset.samples)
     bad = missing or unreadable
     if bad:
-        what = "missing" if missing else "unreadable (not an image)"
+        folders = all(Path(s).is_dir() for s in missing)
+        what = ("folders, not images" if folders else "missing") if missing else "unreadable (not an image)"
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise DatasetError(f"{dataset.source}: {len(bad)} of {len(dataset)} image(s) {what}: {', '.join(bad[:3])}{more}")
     return dataset

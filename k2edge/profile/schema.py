@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import ProfileError
-from ..readfile import MIB, read_small
+from ..readfile import read_small
 from .validation import describe_validation_error, model_keys
 
 Precision = Literal["fp32", "fp16", "int8"]
@@ -169,9 +169,19 @@ class EdgeRuntime(_Strict):
 class Profile(_Strict):
     """A named profile. ``name`` defaults to the file's stem."""
 
-    name: str | None = None
-    description: str | None = None
+    name: str | None = Field(None, max_length=64)
+    description: str | None = Field(None, max_length=500)
     edge_runtime: EdgeRuntime
+
+    @field_validator("name", "description")
+    @classmethod
+    def _printable(cls, value: str | None):
+        # both are printed by plan, build, sweep and the status: an escape sequence would be run by the terminal
+        if value is not None and not value.isprintable():
+            at = next(i for i, ch in enumerate(value) if not ch.isprintable())
+            raise ValueError(f"holds a control character (character {at + 1} of {len(value)}: {value[at]!r}); "
+                             "one line of printable text")
+        return value
 
     @classmethod
     def from_dict(cls, data: object, source: str = "profile") -> "Profile":

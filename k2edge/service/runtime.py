@@ -111,13 +111,12 @@ class ModelRuntime:
         from ..engine.backends import resolve_backend
         from ..errors import BuildError, ModelError
 
+        why_not_one = None
         if resolve_backend(self.cfg.backend) in ("onnxruntime", "tensorrt"):
             try:
                 engine = self._engine(profile, board, cache_dir, max_batch=max_batch)
             except (BuildError, ModelError) as exc:
-                # the model's computation depends on its batch in a way a batch axis cannot carry
-                log.warning("model %s: one engine for every batch size cannot be built (%s); building one per batch size",
-                            self.cfg.name, exc)
+                why_not_one = exc  # the model's computation may depend on its batch in a way a batch axis cannot carry
             else:
                 sizes = engine.backend.inputs[0].batch_sizes or (engine.batch_size,)
                 self._log_ready(profile, engine, f"batch {', '.join(map(str, sizes))}")
@@ -125,8 +124,12 @@ class ModelRuntime:
         engines = {}
         for b in batch_sizes(max_batch):
             er = profile.edge_runtime.model_copy(update={"batch_size": b})
+            # a model that cannot be built at all fails here with its own error, and nothing is said of the batch axis
             engines[b] = self._engine(profile.model_copy(update={"edge_runtime": er}), board, cache_dir)
             self._log_ready(profile, engines[b], f"batch {b}")
+        if why_not_one is not None:
+            log.warning("model %s: one engine for every batch size cannot be built (%s); built one per batch size",
+                        self.cfg.name, why_not_one)
         return engines
 
     def _engine(self, profile: Profile, board, cache_dir, max_batch: int | None = None):
