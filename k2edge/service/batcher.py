@@ -76,26 +76,33 @@ class BatchClient:
 
 
 QUICK_S = 0.005  # a model that answers a lone request this fast is "quick"
-# a model this quick at batch 1 runs its batches on the batcher's thread: a hand-off to a worker costs it more than a
-# second worker gains (digits, 0.41 ms here). The demo detector (0.88 ms) gains: bench/bench_peer.py --models detector,
-# workers against inline: 457 against 365 requests/s at 16 in flight (1.25x), the peer's 363 and 340 in those runs
+# a model this quick at batch 1 may run its batches on the batcher's thread: a hand-off to a worker costs it more than
+# a second worker gains (digits, 0.41 ms here) -- unless staging the batch took long enough for the workers to pay by
+# overlapping it with the previous batch's inference (OVERLAP_S)
 INLINE_S = 0.0007
+# a batch whose staging (decoding its images) took this long goes to the workers even on a quick model: the next batch
+# is staged while it runs. The demo detector (JPEG requests, 0.55 ms of decoding each) on a day its batch 1 measured
+# under INLINE_S: `bench/bench_peer.py --models detector --rounds 3 --requests 1000` at 16 in flight, 650 requests/s
+# all inline (1.22x the peer), the batcher's thread busy for 83 % of the daemon's samples; see docs/performance.md for
+# the figures with this rule. Digits (tensors, 0.2 ms to stage a batch of 8) stays inline.
+OVERLAP_S = 0.0005
 
 
 def runs_inline(runtime: ModelRuntime) -> bool:
-    """Whether the thread that forms a batch runs it: on an engine with one lane, and on a model quicker than
-    :data:`INLINE_S` at batch 1 whose workers all run one device (the auto CPU layout), where a hand-off to a worker
-    costs more than a second worker gains (digits, ``bench/bench_peer.py --tracing --baseline-src`` with one lane
-    against two workers: 1.24x the throughput at 16 in flight, 0.96 against 1.20 CPU ms a request). A plan over
-    several devices keeps its lanes: they overlap a batch's segments."""
+    """Whether the thread that forms a batch runs it when staging it was quick (:data:`OVERLAP_S`): on an engine with
+    one lane, and on a model quicker than :data:`INLINE_S` at batch 1 whose workers all run one device (the auto CPU
+    layout), where a hand-off to a worker costs more than a second worker gains (digits, ``bench/bench_peer.py
+    --tracing --baseline-src`` with one lane against two workers: 1.24x the throughput at 16 in flight, 0.96 against
+    1.20 CPU ms a request). A plan over several devices keeps its lanes: they overlap a batch's segments."""
     lanes = runtime.engines[1].lanes()
     return len(lanes) == 1 or (len({lane.device for lane in lanes}) == 1 and runtime.batch1_s < INLINE_S)
 
 
 def slots_for(runtime: ModelRuntime) -> int:
-    """Batches a batcher keeps in flight on ``runtime``: one when it runs them inline, else one per lane plus
-    one (the lanes are fed while the next batch is staged)."""
-    return 1 if runs_inline(runtime) else len(runtime.lanes()) + 1
+    """Batches a batcher keeps in flight on ``runtime``: one on an engine with one lane, else one per lane plus
+    one (the lanes are fed while the next batch is staged; a batch run inline holds one, and frees it when done)."""
+    lanes = len(runtime.lanes())
+    return 1 if lanes == 1 else lanes + 1
 
 
 class Slot:
@@ -311,13 +318,19 @@ class Batcher:
             return True
 
     # running a batch ------------------------------------------------------------------------------
+    def runs_here(self, staging_s: float) -> bool:
+        """Whether a batch whose staging took ``staging_s`` runs on this thread rather than on the lanes' workers: on
+        a quick model (:func:`runs_inline`) unless its staging took :data:`OVERLAP_S` or more and there are workers to
+        give it to, so that the next batch is staged while this one runs."""
+        return self.inline and (self.slots == 1 or staging_s < OVERLAP_S)
+
     def run(self, groups: list[tuple[BatchClient, list]], inline: bool = False) -> None:
         """Run a batch whose room was taken, in the calling thread; never raises, never leaves an item
         unconcluded. ``groups``: (client, its items), in the order their rows are in the batch. ``inline``: infer in
         this thread even where the engine has lanes (a lone item taken with :meth:`take_idle`)."""
         slot = Slot(self)
         try:
-            self._run(groups, slot, inline or self.inline)
+            self._run(groups, slot, inline)
         except Exception as exc:  # one bad batch never stops the batcher
             self._fail(groups, exc)
             slot.free()
@@ -327,14 +340,16 @@ class Batcher:
                 if self._next is not None:
                     self._cond.notify_all()
 
-    def _run(self, groups: list[tuple[BatchClient, list]], slot: Slot, inline: bool) -> None:
+    def _run(self, groups: list[tuple[BatchClient, list]], slot: Slot, lone: bool) -> None:
         rt = self.runtime
+        begun = clock()
         staged = [(c, c.stage(rt, items)) for c, items in groups]
         staged = [(c, items) for c, items in staged if items]
         if not staged:
             slot.free()
             return
         started = clock()
+        inline = lone or self.runs_here(started - begun)
         items = [it for _, items in staged for it in items]
         bt = tracing.tracer().batch(rt.name, items, started) if tracing.tracer().on else None
         if bt is None:
