@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -77,3 +78,44 @@ def test_a_live_view_beyond_loopback_needs_a_token_or_a_password(tmp_path):
     assert load_config(p).http.token_file == tmp_path / "token"
     p.write_text(base)
     assert load_config(p).http.host == "127.0.0.1"
+
+
+def test_a_silent_client_is_let_go_and_connections_past_the_bound_are_closed_unanswered(monkeypatch):
+    """Each connection holds a thread: one that sends nothing is closed after the request timeout, and past
+    MAX_CONNECTIONS a new one is closed at once, while the ones already served go on and the app answers again
+    once the silent ones are gone."""
+    import socket
+
+    from k2edge.service import live_view
+
+    monkeypatch.setattr(live_view._Handler, "timeout", 3.0)
+    monkeypatch.setattr(live_view._Server, "max_connections", 3)
+    view = LiveView(None)
+    host, port = view.start("127.0.0.1", 0)
+    try:
+        silent = [socket.create_connection((host, port), timeout=30) for _ in range(3)]
+        extra = socket.create_connection((host, port), timeout=30)
+        try:
+            extra.sendall(b"GET /api/streams HTTP/1.0\r\n\r\n")
+        except ConnectionError:  # closed before the request went
+            pass
+        try:
+            answer = extra.recv(1024)
+        except ConnectionError:
+            answer = b""
+        assert answer == b""  # closed unanswered: the three silent ones hold every slot
+        extra.close()
+        for s in silent:  # each let go by the server after its timeout, never answered
+            assert s.recv(1024) == b""
+            s.close()
+        deadline = time.monotonic() + 30
+        while True:  # a slot comes back as its serving thread ends, just after it closed the socket
+            try:
+                status = _get(f"http://{host}:{port}/api/streams")[0]
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "no slot came back"
+                time.sleep(0.05)
+        assert status == 200
+    finally:
+        view.stop()

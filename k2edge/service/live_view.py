@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _COOKIE = "k2edge_token"
 EVENTS_LIMIT = 200
+REQUEST_TIMEOUT_S = 20.0  # a connection that has not sent its request (or read its answer) by then is closed
+MAX_CONNECTIONS = 64  # connections served at once (a thread each); one more is closed unanswered
 
 
 class LiveViewError(K2EdgeError):
@@ -75,10 +77,9 @@ class LiveView:
             app = view
 
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = _Server((host, port), Handler)
         except OSError as exc:
             raise LiveViewError(f"http: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-        self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="k2edge-http", daemon=True)
         self._thread.start()
         return host, self._server.server_port
@@ -160,9 +161,38 @@ class LiveView:
         return media.read(event_id, ext) if media is not None else None
 
 
+class _Server(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with a bound on the connections it serves at once: each holds a thread, and a client
+    that opens connections and sends nothing would otherwise take a thread per connection until the device runs out."""
+
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._open = threading.BoundedSemaphore(self.max_connections)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._open.acquire(blocking=False):
+            self.shutdown_request(request)  # full: closed at once, the serving threads untouched
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._open.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._open.release()
+
+
 class _Handler(BaseHTTPRequestHandler):
     app: LiveView
     server_version = "k2edge"
+    timeout = REQUEST_TIMEOUT_S  # the socket's: a silent client's thread is given back
 
     def log_message(self, fmt, *args) -> None:  # the query may hold a token: requests are not logged
         pass
