@@ -80,17 +80,19 @@ def test_a_live_view_beyond_loopback_needs_a_token_or_a_password(tmp_path):
     assert load_config(p).http.host == "127.0.0.1"
 
 
-def test_a_silent_client_is_let_go_and_connections_past_the_bound_are_closed_unanswered(monkeypatch):
-    """Each connection holds a thread: one that sends nothing is closed after the request timeout, and past
-    MAX_CONNECTIONS a new one is closed at once, while the ones already served go on and the app answers again
-    once the silent ones are gone."""
+@pytest.mark.parametrize("server", ["live view", "metrics"])
+def test_a_silent_client_is_let_go_and_connections_past_the_bound_are_closed_unanswered(monkeypatch, server):
+    """Each connection holds a thread, on the web app as on /metrics: one that sends nothing is closed after the
+    request timeout, and past MAX_CONNECTIONS a new one is closed at once, while the ones already served go on and
+    the server answers again once the silent ones are gone."""
     import socket
 
-    from k2edge.service import live_view
+    from k2edge.service import http_server
+    from k2edge.service.metrics import PrometheusMetrics
 
-    monkeypatch.setattr(live_view._Handler, "timeout", 3.0)
-    monkeypatch.setattr(live_view._Server, "max_connections", 3)
-    view = LiveView(None)
+    monkeypatch.setattr(http_server.BoundedHandler, "timeout", 3.0)
+    monkeypatch.setattr(http_server.BoundedHTTPServer, "max_connections", 3)
+    view = LiveView(None) if server == "live view" else PrometheusMetrics()
     host, port = view.start("127.0.0.1", 0)
     try:
         silent = [socket.create_connection((host, port), timeout=30) for _ in range(3)]

@@ -29,18 +29,16 @@ import json
 import logging
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, quote, urlsplit
 
 from ..errors import K2EdgeError
+from .http_server import BoundedHandler, BoundedHTTPServer
 from .live_page import PAGE
 
 log = logging.getLogger(__name__)
 
 _COOKIE = "k2edge_token"
 EVENTS_LIMIT = 200
-REQUEST_TIMEOUT_S = 20.0  # a connection that has not sent its request (or read its answer) by then is closed
-MAX_CONNECTIONS = 64  # connections served at once (a thread each); one more is closed unanswered
 
 
 class LiveViewError(K2EdgeError):
@@ -60,7 +58,7 @@ class LiveView:
     def __init__(self, streams, metrics=None, token: str | None = None, password: str | None = None) -> None:
         self.streams, self.metrics = streams, metrics
         self.token, self.password = token, password
-        self._server: ThreadingHTTPServer | None = None
+        self._server: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._frames: dict[str, tuple[int, bytes]] = {}  # stream -> (frame index, JPEG): drawn once per frame
         self._lock = threading.Lock()
@@ -77,7 +75,7 @@ class LiveView:
             app = view
 
         try:
-            self._server = _Server((host, port), Handler)
+            self._server = BoundedHTTPServer((host, port), Handler)
         except OSError as exc:
             raise LiveViewError(f"http: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
         self._thread = threading.Thread(target=self._server.serve_forever, name="k2edge-http", daemon=True)
@@ -161,41 +159,8 @@ class LiveView:
         return media.read(event_id, ext) if media is not None else None
 
 
-class _Server(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` with a bound on the connections it serves at once: each holds a thread, and a client
-    that opens connections and sends nothing would otherwise take a thread per connection until the device runs out."""
-
-    daemon_threads = True
-    max_connections = MAX_CONNECTIONS
-
-    def __init__(self, *args, **kwargs) -> None:
-        self._open = threading.BoundedSemaphore(self.max_connections)
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request, client_address) -> None:
-        if not self._open.acquire(blocking=False):
-            self.shutdown_request(request)  # full: closed at once, the serving threads untouched
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._open.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._open.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     app: LiveView
-    server_version = "k2edge"
-    timeout = REQUEST_TIMEOUT_S  # the socket's: a silent client's thread is given back
-
-    def log_message(self, fmt, *args) -> None:  # the query may hold a token: requests are not logged
-        pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         try:
@@ -244,17 +209,11 @@ class _Handler(BaseHTTPRequestHandler):
                                   HTTPStatus.NOT_FOUND)
             return self._send(HTTPStatus.OK, data, "image/jpeg" if ext == "jpg" else "video/mp4", headers)
         if parts == ["metrics"] and self.app.metrics is not None:
-            return self._send(HTTPStatus.OK, self.app.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+            return self._send(HTTPStatus.OK, self.app.metrics.render(), self.app.metrics.content_type)
         return self._json({"error": f"no such page: {url.path}"}, HTTPStatus.NOT_FOUND)
 
     def _json(self, body, status: HTTPStatus = HTTPStatus.OK, headers: dict | None = None) -> None:
         self._send(status, json.dumps(body).encode(), "application/json", headers or {})
 
     def _send(self, status: HTTPStatus, data: bytes, content_type: str, headers: dict | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
+        self.send_body(status, data, content_type, headers)

@@ -29,7 +29,8 @@ from collections import deque
 from typing import Mapping
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from ..cloud_bridge.policy import reason_kind
 from ..errors import K2EdgeError
@@ -80,6 +81,8 @@ class PrometheusMetrics:
     ``media_bytes``, ``media_files``, ``media_degraded``, ``media_removed_total{reason}`` (``budget``, ``age``);
     ``trace_spans_dropped_total`` (spans the tracing exporter lost).
     """
+
+    content_type = CONTENT_TYPE_PLAIN_0_0_4  # what render() writes: the text format, names escaped to underscores
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -287,10 +290,23 @@ class PrometheusMetrics:
         """
         if self._server is not None:
             raise MetricsError("the metrics endpoint is already running")
+        from .http_server import BoundedHandler, BoundedHTTPServer
+
+        metrics = self
+
+        class Handler(BoundedHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name); every path, as prometheus_client's server
+                try:
+                    self.send_body(200, metrics.render(), metrics.content_type)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = BoundedHTTPServer((host, port), Handler)
         except OSError as exc:
             raise MetricsError(f"metrics: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="k2edge-metrics", daemon=True)
+        self._thread.start()
         return host, self._server.server_port
 
     def stop(self) -> None:
@@ -298,7 +314,7 @@ class PrometheusMetrics:
         if self._server is None:
             return
         self._server.shutdown()
-        self._server.server_close()  # shutdown() alone keeps the port bound (prometheus/client_python#1068)
+        self._server.server_close()  # shutdown() alone keeps the port bound
         self._thread.join(timeout=5)
         self._server = self._thread = None
 

@@ -1,0 +1,65 @@
+"""The daemon's HTTP servers (the web app, ``/metrics``): threads, each connection on its own, with a bound.
+
+``http.server``'s threading server starts a thread per connection and waits on it for as long as the client
+wishes: a client that opens connections and sends nothing takes a thread each until the device runs out.
+:class:`BoundedHTTPServer` serves at most :data:`MAX_CONNECTIONS` at once (one more is closed unanswered,
+the connections being served untouched), and a handler built on :class:`BoundedHandler` gives up on a
+connection that has not sent its request (or read its answer) within :data:`REQUEST_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+__all__ = ["MAX_CONNECTIONS", "REQUEST_TIMEOUT_S", "BoundedHTTPServer", "BoundedHandler"]
+
+REQUEST_TIMEOUT_S = 20.0
+MAX_CONNECTIONS = 64
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server serving at most ``max_connections`` connections at once."""
+
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._open = threading.BoundedSemaphore(self.max_connections)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._open.acquire(blocking=False):
+            self.shutdown_request(request)  # full: closed at once
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._open.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._open.release()
+
+
+class BoundedHandler(BaseHTTPRequestHandler):
+    """A request handler whose socket times out (a silent client's thread is given back) and which logs nothing
+    (a query may hold a token)."""
+
+    server_version = "k2edge"
+    timeout = REQUEST_TIMEOUT_S
+
+    def log_message(self, fmt, *args) -> None:
+        pass
+
+    def send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
