@@ -42,7 +42,10 @@ def read_small(path: str | os.PathLike, limit: int) -> bytes:
 
 
 def _size(n: int) -> str:
-    return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n:,} bytes"
+    for unit, size in (("MiB", MIB), ("KiB", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n:,} bytes"
 
 
 _NPY_MAGIC = b"\x93NUMPY"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hashlib
 import json
 import os
@@ -122,6 +123,9 @@ def _read(path, what: str) -> bytes:
     except FileNotFoundError:
         raise BundleError(f"{what} {str(path)!r} does not exist") from None
     except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise BundleError(f"{what} {str(path)!r}: not a PEM key (a key file is a few hundred bytes, this one "
+                              f"{exc.strerror})") from None
         raise BundleError(f"{what} {str(path)!r}: cannot read ({exc.strerror})") from None
 
 
