@@ -1,40 +1,48 @@
 """Reading a file a user names: a small one (a config, a card, a profile, labels, a key) without hanging or
 exhausting memory, and a NumPy file without NumPy's guess that anything else is a pickle.
 
-``Path.read_bytes`` on a named pipe waits for a writer forever, and on ``/dev/zero`` reads until memory runs
-out. :func:`read_small` opens without blocking, takes only regular files, and reads at most ``limit`` bytes;
-what it refuses is an ``OSError`` whose ``strerror`` says why, so every caller's existing "cannot read
-(...)" message carries it.
+``Path.read_bytes`` on a named pipe no one writes to waits in ``open`` forever, and on ``/dev/zero`` reads until
+memory runs out. :func:`read_small` opens without blocking (a pipe with no writer then reads as empty; one with a
+writer, such as the shell's ``--config <(envsubst < k2edge.toml.in)``, is read as it comes) and reads at most
+``limit`` bytes; what it refuses is an ``OSError`` whose ``strerror`` says why, so every caller's existing "cannot
+read (...)" message carries it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
+import zipfile
 
 __all__ = ["MIB", "load_numpy", "read_small"]
 
 MIB = 1 << 20
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+def _open(path: str | os.PathLike) -> int:
+    """A descriptor of ``path`` for reading, opened without waiting for a pipe's writer, then blocking again."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EISDIR, "a directory, not a file", os.fspath(path))
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_small(path: str | os.PathLike, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
+    """The bytes of ``path``, at most ``limit`` of them.
 
     Raises:
         FileNotFoundError: there is no such file.
-        OSError: it cannot be opened or read, it is not a regular file (``strerror`` "not a regular file: a
-            named pipe"), or it holds more than ``limit`` bytes (``strerror`` "larger than 1 MiB").
+        OSError: it cannot be opened or read, it is a directory, or it holds more than ``limit`` bytes
+            (``strerror`` "larger than 1 MiB").
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _KINDS if test(mode)), "a special file")
-            raise OSError(errno.EINVAL, f"not a regular file: {kind}", os.fspath(path))
+    with os.fdopen(_open(path), "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than {_size(limit)}", os.fspath(path))
@@ -59,17 +67,22 @@ def load_numpy(path: str | os.PathLike):
     tells someone who gave a damaged or wrong file nothing; this says what the file is not.
 
     Raises:
-        OSError: it cannot be opened or read.
-        ValueError: one line saying why it is no NumPy array file.
+        OSError: it cannot be opened or read, or it is a directory.
+        ValueError: one line saying why it is no NumPy array file (a pipe or device, not NumPy's format, pickled
+            objects, a damaged archive).
     """
     import numpy as np
 
-    with open(path, "rb") as f:
+    with os.fdopen(_open(path), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a file NumPy can load (a pipe or a device); give a .npy or .npz file")
         head = f.read(len(_NPY_MAGIC))
     if not head.startswith(_NPY_MAGIC) and not head.startswith(_ZIP_MAGICS):
         raise ValueError("not a NumPy file: neither a .npy array (numpy.save) nor an .npz archive (numpy.savez)")
     try:
         return np.load(path, allow_pickle=False)
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"a damaged .npz archive ({exc})") from None
     except (ValueError, EOFError) as exc:
         if "pickle" in str(exc):
             raise ValueError("it holds Python objects (pickled), which are not loaded; save numbers only") from None

@@ -221,3 +221,36 @@ def test_the_daemons_metrics_count_the_answers_it_sent_over_mqtt(run_daemon, bro
     assert _sample(samples, "k2edge_thermal_state", k2edge_thermal_state="unknown") == 1
     assert all(a.get("model_version", "missing") is None for a in answers)  # a bare onnx has no version
     client.close()
+
+
+def test_a_scraper_gets_what_it_asks_for_over_ipv4_or_ipv6():
+    """The endpoint negotiates as prometheus_client's own server did: the text format by default, OpenMetrics when
+    asked (Prometheus asks), gzip when accepted, HEAD answered; it listens on IPv6 when the host is written so."""
+    import gzip
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+
+    m = Metrics()
+    m.set_model("digits", version="1.0.0", profile="c2")
+    for host in ("127.0.0.1", "::1"):
+        try:
+            _, port = m.start(host, 0)
+        except MetricsError as exc:
+            assert host == "::1", exc
+            pytest.skip(f"no IPv6 loopback here: {exc}")
+        try:
+            url = f"http://{'[::1]' if host == '::1' else host}:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                assert "k2edge_model_info" in resp.read().decode()
+            req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0",
+                                                       "Accept-Encoding": "gzip"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+                assert resp.headers["Content-Encoding"] == "gzip"
+                names = {f.name for f in openmetrics_families(gzip.decompress(resp.read()).decode())}
+            assert {"k2edge_model", "k2edge_latency_seconds"} <= names  # OpenMetrics names an info family without _info
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as resp:
+                assert resp.status == 200 and resp.read() == b""
+        finally:
+            m.stop()

@@ -43,7 +43,7 @@ def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cl
 
         try:
             arr = load_numpy(p)
-        except ValueError as exc:  # not NumPy's, pickled objects, a damaged header, a short file
+        except (OSError, ValueError) as exc:  # unreadable, not NumPy's, pickled objects, a damaged header, a short file
             raise InputError(f"input file {path!r} is not a numeric .npy array ({exc}); save one with numpy.save") from None
         if not isinstance(arr, np.ndarray):
             arr.close()

@@ -66,10 +66,11 @@ def _read_key_file(path: Path, what: str) -> str:
 
 
 def _checked(key: str, what: str) -> str:
-    """``key`` when every character can go in an HTTP header as a bearer token; else one line naming where, not what."""
-    bad = next((i for i, ch in enumerate(key) if not "!" <= ch <= "~"), None)
+    """``key`` when every character can go in an HTTP header (printable ASCII; a space inside is allowed, as some
+    self-hosted servers' keys have one); else one line naming where, not what."""
+    bad = next((i for i, ch in enumerate(key) if not " " <= ch <= "~"), None)
     if bad is not None:
-        raise CloudConfigError(f"{what}: the key holds a space, a line break or a character an HTTP header cannot carry "
-                               f"(character {bad + 1} of {len(key)}); it must be the key alone, on one line")
+        raise CloudConfigError(f"{what}: the key holds a line break, a control character or a character an HTTP header "
+                               f"cannot carry (character {bad + 1} of {len(key)}); it must be the key alone, on one line")
     return key
 

@@ -138,11 +138,12 @@ class CloudSettings(Strict):
 
 
 def shown_key_path(path: str | os.PathLike) -> str:
-    """``api_key_file`` as a message may show it: a file name of 20 characters or more without a dot may be the key
-    itself, pasted in place of its path, and is replaced by its length."""
+    """``api_key_file`` as a message may show it: a file name of 20 characters or more, without a dot, mixing letters
+    and digits may be the key itself, pasted in place of its path, and is replaced by its length."""
     p = Path(path)
-    if len(p.name) >= 20 and "." not in p.name:
-        hidden = f"<a name of {len(p.name)} characters, not shown: it may be a key>"
+    name = p.name
+    if len(name) >= 20 and "." not in name and any(c.isdigit() for c in name) and any(c.isalpha() for c in name):
+        hidden = f"<a name of {len(name)} characters, not shown: it may be a key>"
         return hidden if p.parent == Path(".") else str(p.parent / hidden)
     return str(p)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import re
 from types import UnionType
-from typing import Any, Callable, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Callable, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, create_model, field_validator
 
@@ -43,6 +43,8 @@ def _scalar_kinds(annotation) -> set:
     """The scalar types a field's annotation admits at its top level (through unions and Optional; a Literal's values)."""
     if get_origin(annotation) is Literal:
         return {type(a) for a in get_args(annotation)}
+    if get_origin(annotation) is Annotated:
+        return _scalar_kinds(get_args(annotation)[0])
     args = get_args(annotation)
     if args and get_origin(annotation) in (Union, UnionType):
         return set().union(*(_scalar_kinds(a) for a in args))

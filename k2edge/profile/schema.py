@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from pathlib import Path
 from typing import Literal
 
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import ProfileError
 from ..readfile import read_small
 from .validation import describe_validation_error, model_keys
+
+_NOT_TEXT = {"Cc", "Cf", "Zl", "Zp"}  # Unicode categories of control, format and line/paragraph separator characters
 
 Precision = Literal["fp32", "fp16", "int8"]
 Partition = Literal["layer-wise", "block-wise", "model-wise"]
@@ -169,18 +172,19 @@ class EdgeRuntime(_Strict):
 class Profile(_Strict):
     """A named profile. ``name`` defaults to the file's stem."""
 
-    name: str | None = Field(None, max_length=64)
-    description: str | None = Field(None, max_length=500)
+    name: str | None = None
+    description: str | None = None
     edge_runtime: EdgeRuntime
 
     @field_validator("name", "description")
     @classmethod
-    def _printable(cls, value: str | None):
-        # both are printed by plan, build, sweep and the status: an escape sequence would be run by the terminal
-        if value is not None and not value.isprintable():
-            at = next(i for i, ch in enumerate(value) if not ch.isprintable())
-            raise ValueError(f"holds a control character (character {at + 1} of {len(value)}: {value[at]!r}); "
-                             "one line of printable text")
+    def _one_line_of_text(cls, value: str | None):
+        # both are printed by plan, build, sweep and the status: an escape sequence would be run by the terminal.
+        # Control and format characters and line breaks are refused; a no-break space is text.
+        at = next((i for i, ch in enumerate(value or "") if unicodedata.category(ch) in _NOT_TEXT), None)
+        if at is not None:
+            raise ValueError(f"holds a control character or a line break (character {at + 1} of {len(value)}: "
+                             f"{value[at]!r}); one line of text")
         return value
 
     @classmethod

@@ -9,6 +9,7 @@ connection that has not sent its request (or read its answer) within :data:`REQU
 
 from __future__ import annotations
 
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -24,9 +25,13 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, server_address: tuple[str, int], handler) -> None:
         self._open = threading.BoundedSemaphore(self.max_connections)
-        super().__init__(*args, **kwargs)
+        host, port = server_address
+        # IPv4 or IPv6 as the host is written ("::1", "::" and names too); raises OSError (socket.gaierror) when it
+        # names no address
+        self.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        super().__init__(server_address, handler)
 
     def process_request(self, request, client_address) -> None:
         if not self._open.acquire(blocking=False):

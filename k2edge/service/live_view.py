@@ -209,7 +209,7 @@ class _Handler(BoundedHandler):
                                   HTTPStatus.NOT_FOUND)
             return self._send(HTTPStatus.OK, data, "image/jpeg" if ext == "jpg" else "video/mp4", headers)
         if parts == ["metrics"] and self.app.metrics is not None:
-            return self._send(HTTPStatus.OK, self.app.metrics.render(), self.app.metrics.content_type)
+            return self._send(HTTPStatus.OK, *self.app.metrics.exposition(self.headers))
         return self._json({"error": f"no such page: {url.path}"}, HTTPStatus.NOT_FOUND)
 
     def _json(self, body, status: HTTPStatus = HTTPStatus.OK, headers: dict | None = None) -> None:

@@ -22,6 +22,8 @@ counted as ``(unknown)``, an unknown status or reason as ``other``.
 
 from __future__ import annotations
 
+import gzip
+import logging
 import threading
 import time
 from collections import Counter as Tally
@@ -30,11 +32,13 @@ from typing import Mapping
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, gzip_accepted
 
 from ..cloud_bridge.policy import reason_kind
 from ..errors import K2EdgeError
 from .protocol import ERROR_CODES
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BREAKER_STATES", "ESCALATION_REASONS", "STAGES", "STATUSES", "THERMAL_STATES", "AnswerStats", "MetricsError",
            "PrometheusMetrics"]
@@ -276,8 +280,17 @@ class PrometheusMetrics:
     # -- exposing them ------------------------------------------------------------------------
 
     def render(self) -> bytes:
-        """The text exposition format, as ``/metrics`` serves it."""
+        """The text exposition format (the web app's ``/metrics``)."""
         return generate_latest(self.registry)
+
+    def exposition(self, headers) -> tuple[bytes, str, dict]:
+        """(body, content type, headers) for a scrape with these request headers, negotiated as prometheus_client's
+        own server does: OpenMetrics when the scraper asks for it (Prometheus does), gzip when it accepts it."""
+        encoder, content_type = choose_encoder(headers.get("Accept", ""))
+        body = encoder(self.registry)
+        if gzip_accepted(headers.get("Accept-Encoding", "")):
+            return gzip.compress(body), content_type, {"Content-Encoding": "gzip"}
+        return body, content_type, {}
 
     def start(self, host: str = "127.0.0.1", port: int = 9108) -> tuple[str, int]:
         """Serve ``/metrics`` over HTTP on a daemon thread.
@@ -297,9 +310,17 @@ class PrometheusMetrics:
         class Handler(BoundedHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name); every path, as prometheus_client's server
                 try:
-                    self.send_body(200, metrics.render(), metrics.content_type)
+                    self.send_body(200, *metrics.exposition(self.headers))
                 except (BrokenPipeError, ConnectionResetError):
                     pass
+                except Exception:
+                    log.exception("metrics: rendering /metrics failed")
+                    self.send_body(500, b"internal error\n", "text/plain; charset=utf-8")
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                self.send_response(200)
+                self.send_header("Content-Type", metrics.content_type)
+                self.end_headers()
 
         try:
             self._server = BoundedHTTPServer((host, port), Handler)
