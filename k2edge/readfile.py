@@ -16,9 +16,10 @@ import os
 import stat
 import zipfile
 
-__all__ = ["MIB", "load_numpy", "read_small"]
+__all__ = ["MAX_SECRET_BYTES", "MIB", "load_numpy", "read_small"]
 
 MIB = 1 << 20
+MAX_SECRET_BYTES = 64 * 1024  # a password, an API key, a PEM key: a few hundred bytes
 
 
 def _open(path: str | os.PathLike) -> int:

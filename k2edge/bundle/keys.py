@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ..errors import first_line
-from ..readfile import read_small
+from ..readfile import MAX_SECRET_BYTES, read_small
 from .result import BundleError
 
 __all__ = [
@@ -119,7 +119,7 @@ def load_public_key(path: str | os.PathLike) -> Ed25519PublicKey:
 
 def _read(path, what: str) -> bytes:
     try:
-        return read_small(path, 64 * 1024)  # a PEM key is a few hundred bytes
+        return read_small(path, MAX_SECRET_BYTES)
     except FileNotFoundError:
         raise BundleError(f"{what} {str(path)!r} does not exist") from None
     except OSError as exc:

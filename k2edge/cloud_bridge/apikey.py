@@ -14,7 +14,7 @@ from typing import Mapping
 from pydantic import SecretStr
 
 from ..config.cloud import CloudSettings, shown_key_path
-from ..readfile import read_small
+from ..readfile import MAX_SECRET_BYTES, read_small
 from .errors import CloudConfigError
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,9 @@ def resolve_api_key(settings: CloudSettings, environ: Mapping[str, str] | None =
     return None
 
 
-MAX_KEY_FILE_BYTES = 64 * 1024
-
-
 def _read_key_file(path: Path, what: str) -> str:
     try:
-        text = read_small(path, MAX_KEY_FILE_BYTES).decode("utf-8").strip()
+        text = read_small(path, MAX_SECRET_BYTES).decode("utf-8").strip()
         mode = path.stat().st_mode
     except FileNotFoundError:
         raise CloudConfigError(f"{what}: the file does not exist") from None

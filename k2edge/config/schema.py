@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import K2EdgeError
-from ..readfile import read_small
+from ..readfile import MAX_SECRET_BYTES, read_small
 from ..profile.validation import describe_validation_error, model_keys
 from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
@@ -355,9 +355,6 @@ def state_dir(cfg: DaemonConfig) -> Path:
     if os.environ.get("STATE_DIRECTORY"):
         return Path(os.environ["STATE_DIRECTORY"].split(os.pathsep)[0])
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "k2edge"
-
-
-MAX_SECRET_BYTES = 64 * 1024
 
 
 def read_secret(path: Path | None = None, credential: str | None = None, what: str = "secret") -> str | None:

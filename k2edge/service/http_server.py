@@ -60,11 +60,14 @@ class BoundedHandler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args) -> None:
         pass
 
-    def send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+    def send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None,
+                  head: bool = False) -> None:
+        """One whole answer (``head``: its headers only, as a HEAD request is answered)."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(data)
+        if not head:
+            self.wfile.write(data)

@@ -32,7 +32,7 @@ from typing import Mapping
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, gzip_accepted
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from ..cloud_bridge.policy import reason_kind
 from ..errors import K2EdgeError
@@ -85,8 +85,6 @@ class PrometheusMetrics:
     ``media_bytes``, ``media_files``, ``media_degraded``, ``media_removed_total{reason}`` (``budget``, ``age``);
     ``trace_spans_dropped_total`` (spans the tracing exporter lost).
     """
-
-    content_type = CONTENT_TYPE_PLAIN_0_0_4  # what render() writes: the text format, names escaped to underscores
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -308,19 +306,17 @@ class PrometheusMetrics:
         metrics = self
 
         class Handler(BoundedHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name); every path, as prometheus_client's server
+            def do_GET(self, head: bool = False) -> None:  # noqa: N802 (http.server's name); every path, as prometheus_client's
                 try:
-                    self.send_body(200, *metrics.exposition(self.headers))
+                    self.send_body(200, *metrics.exposition(self.headers), head=head)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 except Exception:
                     log.exception("metrics: rendering /metrics failed")
-                    self.send_body(500, b"internal error\n", "text/plain; charset=utf-8")
+                    self.send_body(500, b"internal error\n", "text/plain; charset=utf-8", head=head)
 
             def do_HEAD(self) -> None:  # noqa: N802
-                self.send_response(200)
-                self.send_header("Content-Type", metrics.content_type)
-                self.end_headers()
+                self.do_GET(head=True)
 
         try:
             self._server = BoundedHTTPServer((host, port), Handler)
