@@ -430,3 +430,53 @@ def test_cost_per_flop_ranking_moves_flopless_units_first_then_the_costliest_per
     costs = {"conv0": 0.02, "add": 0.0, "conv1": 0.001, "conv2": 0.004, "conv3": 0.004}
     flops = {"conv0": 100, "add": 0, "conv1": 1000, "conv2": 1000, "conv3": 1000}
     assert rank_by_cost_per_flop(costs, flops, order) == ["add", "conv0", "conv2", "conv3", "conv1"]
+
+
+def test_a_method_closer_by_less_than_the_check_resolves_is_too_close_to_call():
+    """auto keeps percentile over max on the all-INT8 check only when the check resolves the difference: percentile's
+    margin above what max's binding measure reaches at the top of its 95 % interval. NudeNet's YOLOv8n on four seeds:
+    the two a box or two apart (strict recall 0.736 and 0.736 of 235 boxes), and percentile's fallback kept 47-79 %
+    INT8 where max's kept 92-94 %; the PP-OCR classifier: percentile 250/256 against max 245/256 [0.925, 0.976]."""
+    from k2edge.engine.check import wilson
+    from k2edge.engine.int8 import too_close
+
+    tol = {"recall": 0.97, "strict_recall": 0.93}
+
+    def boxes(found, strict, n=235):
+        return {"recall": found / n, "strict_recall": strict / n,
+                "bounds": {"recall": wilson(found, n), "strict_recall": wilson(strict, n)}}
+
+    default = boxes(208, 173)  # strict recall 0.736, interval about 0.68..0.79
+    assert too_close(default, tol, boxes(218, 175), tol)  # two boxes closer: within max's interval
+    assert not too_close(default, tol, boxes(218, 173), tol)  # as close: max kept, no comparison
+    assert not too_close(default, tol, boxes(218, 170), tol)  # further: max kept
+    assert not too_close(default, tol, boxes(230, 200), tol)  # 0.851 > the interval's top: percentile resolved better
+    agree = {"agreement": 0.99}
+    cls = lambda k: {"agreement": k / 256, "bounds": {"agreement": wilson(k, 256)}}  # noqa: E731
+    assert not too_close(cls(245), agree, cls(250), agree) and too_close(cls(245), agree, cls(248), agree)
+    assert not too_close({"recall": 0.9}, tol, {"recall": 0.95}, tol)  # no interval: every difference resolved
+
+
+def test_methods_too_close_to_call_each_fall_back_and_the_one_keeping_more_int8_is_kept(silu, tmp_path, monkeypatch):
+    """When the all-INT8 check cannot tell max from percentile (forced here), each falls back (percentile only as far
+    as it would keep more INT8 than max's fallback) and the decision keeps the one that keeps more INT8: the same
+    share as the better of the two methods named alone, and a note that says why."""
+    from k2edge.engine import int8 as decision
+
+    def card(method):
+        path = tmp_path / f"{method}.card.toml"
+        path.write_text(f'task = "tensor"\n[input]\nscale = 0.00392156862745098\n[quantization]\nmethod = "{method}"\n'
+                        'tolerance = { cosine = 0.9996 }\n')
+        return path
+
+    kept = lambda e: e.plan.precision_flops["model"]["int8"]  # noqa: E731
+    alone = {m: Engine.build(silu / "silu.onnx", GPU_CHAIN, card=card(m), cache_dir=tmp_path / m) for m in ("max", "percentile")}
+    assert all(e.info.int8_check.status == "fallback" for e in alone.values()), [e.info.int8_check.line() for e in alone.values()]
+    monkeypatch.setattr(decision, "too_close", lambda *a: True)
+    auto = Engine.build(silu / "silu.onnx", GPU_CHAIN, card=card("auto"), cache_dir=tmp_path / "auto")
+    better = max(alone, key=lambda m: (kept(alone[m]), m == "max"))
+    check = auto.info.int8_check
+    assert check.calibration.split()[0] == better and kept(auto) == pytest.approx(kept(alone[better])), (
+        check.calibration, kept(auto), {m: kept(e) for m, e in alone.items()})
+    assert check.status == "fallback" and check.measures["cosine"] >= 0.9996, check.line()
+    assert any("so each fell back" in n for n in check.notes), check.notes

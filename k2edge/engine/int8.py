@@ -6,7 +6,9 @@ daemon builds shares it: the same layers fall back at every batch size.
 
 1. statistics: one streaming pass over the calibration samples (:func:`~.quantize.calibration_statistics`);
 2. ranges: per tensor from the statistics by the calibration method (``auto``: ``max``, and ``percentile`` when the
-   check of ``max`` misses; the closer to FP32 kept), with the DLA's ties on DLA layers only;
+   check of ``max`` misses; ``percentile`` kept when the check resolves it closer to the tolerance, and when it is
+   closer by less than that, each falls back and the one that keeps more INT8 is kept), with the DLA's ties on DLA
+   layers only;
 3. Q/DQ artefacts: one all-INT8 model per set of devices (:func:`_bases`), each fallback a graph edit of it;
 4. check: FP32 and the INT8 Q/DQ emulation (every artefact of the plan: a model-wise plan's GPU and DLA ones) run
    on the check samples (every fifth calibration sample, or a ``--check`` set) and are compared by the card's
@@ -57,6 +59,9 @@ SENSITIVITY_REASON = "INT8 check below tolerance: among the learned layers whose
 COST_REASON = "INT8 check below tolerance: among the layers whose INT8 alone costs the model's output most per FLOP"
 SECOND_RANKING_BELOW = 0.9  # the sensitivity ranking's fallback kept less than this share of the INT8 FLOPs
 FIRST_SEARCH_KEEPS = 0.5  # where the second ranking may run, the first is searched first only as far as this share
+# how the decision is made from the same statistics and artefacts (QUANT_VERSION covers those): 2, methods too close
+# for the all-INT8 check to tell apart each fall back (:func:`too_close`)
+DECISION_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,7 @@ def decision_inputs(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
     tolerance, explicit = tolerance_for(card.task, getattr(edge_runtime, "int8_tolerance", None), card.quantization.tolerance)
     devices = _node_devices(plan)
     allow = any(next_precision(plan.precision_chain, d) for d in set(devices.values()))
-    key = digest("int8-decision", QUANT_VERSION, model.identity, statistics_key(model, calib, preprocess), settings.method,
+    key = digest("int8-decision", QUANT_VERSION, DECISION_VERSION, model.identity, statistics_key(model, calib, preprocess), settings.method,
                  repr(settings.percentile), json.dumps(tolerance, sort_keys=True), check_fp, repr(check_idx),
                  plan_identity(plan), ",".join(keep_float), ",".join(exclude), ",".join(branches))
     return DecisionInputs(keep_float, exclude, settings, check_data, check_idx, source, tolerance, explicit, devices,
@@ -274,13 +279,71 @@ def _probe(model: NormalisedModel, calib: Dataset, preprocess: Preprocess, sampl
     return make
 
 
+@dataclass
+class _Candidate:
+    """One calibration method's all-INT8 artefacts and their check (step 3 and 4), before any fallback."""
+
+    settings: QuantSettings
+    bases: list
+    first: dict
+    tol: dict
+    notes: list
+
+
 def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: CheckRunner, probe, tmp: Path,
                          progress, search_probe=None) -> Int8Check:
-    """Steps 3 to 5: the check of all-INT8 (under each calibration method the settings allow, the closest to FP32
-    kept) and, if it misses and the chain allows, the smallest fallback."""
-    settings, bases, first, tol, notes = _first_check(model, stats, plan, inputs, runner, tmp, search_probe, progress)
-    task, n_check, method = runner.task, len(inputs.check_idx), _method_text(settings)
-    searched = dict(settings.searched) or None
+    """Steps 3 to 5: the check of all-INT8 under each calibration method the settings allow and, if it misses and the
+    chain allows, the smallest fallback. A method closer to FP32 than ``max`` on the all-INT8 check is kept when the
+    check resolves the difference; when it does not (:func:`too_close`), each falls back and the one that keeps
+    more INT8 is kept."""
+    tried = _first_checks(model, stats, plan, inputs, runner, tmp, search_probe, progress)
+    best = max(tried, key=lambda c: _score(c.first, c.tol))  # a tie keeps the first: max
+    if len(tried) > 1:
+        scored = ", ".join(f"{_method_text(c.settings)} {_score(c.first, c.tol):+.4f}" for c in tried)
+        best.notes.append(f"calibration method {_method_text(best.settings)} kept: all-INT8 margin to the tolerance "
+                          f"{scored}")
+    if (best is tried[0] or not inputs.allow or meets(best.first, best.tol)
+            or not too_close(tried[0].first, tried[0].tol, best.first, best.tol)):
+        return _fall_back(model, plan, inputs, runner, probe, progress, best)[0]
+    # the check cannot tell the two apart before the fallback (YOLOv8n: max and percentile a box or two apart, and
+    # percentile's fallback keeps 47-79 % INT8 where max's keeps 92-94 %): each falls back, the other only as far as
+    # it would keep more INT8 and meet the tolerance
+    del best.notes[-1]
+    default, kept = _fall_back(model, plan, inputs, runner, probe, progress, tried[0])
+    other, other_kept = _fall_back(model, plan, inputs, runner, probe, progress, best, floor=kept)
+    won = other if other is not None else default
+    versus = (f"{100 * other_kept:.1f} %" if other is not None
+              else f"none that met the tolerance keeping more than {100 * kept:.1f} %")
+    note = (f"calibration method {won.calibration} kept: {tried[0].settings.method} and {_method_text(best.settings)} "
+            f"are within the check's 95 % interval of each other on all-INT8 (margins {_score(tried[0].first, tried[0].tol):+.4f}, "
+            f"{_score(best.first, best.tol):+.4f}), so each fell back: {tried[0].settings.method}'s fallback keeps "
+            f"{100 * kept:.1f} % of the candidate layers' FLOPs INT8, {_method_text(best.settings)}'s {versus}")
+    return replace(won, notes=won.notes + (note,))
+
+
+def too_close(default: dict, default_tol: dict, other: dict, other_tol: dict) -> bool:
+    """Whether ``other`` (a method's all-INT8 measures), closer to the tolerance than ``default`` (``max``'s), is closer
+    by less than the check resolves: its margin no larger than what ``default``'s binding measure (the one furthest
+    under its tolerance) reaches at the top of its 95 % interval. A measure without an interval, or lower-is-better,
+    resolves every difference."""
+    if _score(other, other_tol) <= _score(default, default_tol):
+        return False
+    binding = min(default_tol, key=lambda k: float(default.get(k, 0.0)) - float(default_tol[k]))
+    interval = (default.get("bounds") or {}).get(binding)
+    if interval is None or binding in _LOWER_IS_BETTER:
+        return False
+    return _score(other, other_tol) <= float(interval[1]) - float(default_tol[binding])
+
+
+def _fall_back(model, plan, inputs: DecisionInputs, runner: CheckRunner, probe, progress, cand: _Candidate,
+               floor: float | None = None) -> tuple[Int8Check | None, float]:
+    """Step 5 from one method's all-INT8 check: the check as it stands when it meets the tolerance, else the smallest
+    fallback (sensitivity ranking, then the cost-per-FLOP one when that keeps too little). Returns the check and the
+    share of the candidate layers' learned FLOPs it keeps INT8. With ``floor``, only fallbacks that keep more than that
+    share are searched, and None is returned when none meets the tolerance."""
+    first, tol, notes, bases = cand.first, cand.tol, list(cand.notes), cand.bases
+    task, n_check, method = runner.task, len(inputs.check_idx), _method_text(cand.settings)
+    searched = dict(cand.settings.searched) or None
     floats = set(inputs.exclude) | set(inputs.keep_float)
     count, need = min_check(task)
     powered = int(first.get(count, n_check if count == "samples" else 0)) >= need
@@ -292,16 +355,21 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
         notes.append(f"the detection head's branches ({len(held)} node(s)) kept out of INT8: {int(first.get(count, 0))} "
                      f"FP32 box(es) on the check are too few to vouch for them ({need} needed)")
     pre = tuple(_moved(plan, inputs, n, HEAD_REASON) for n in held)
-    if meets(first, tol):
-        return Int8Check(task, verdict(task, first, True, bool(held)), inputs.source, n_check, first, tol, pre, before,
-                         notes=tuple(notes), calibration=method, ranges=searched)
-    if not inputs.allow:
-        notes.append("the precision chain ends at int8: no layer falls back")
-        return Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method,
-                         ranges=searched)
     units = fallback_units(model.graph, [n.name for n in model.graph.nodes if n.name in inputs.devices
                                          and n.name not in inputs.keep_float and n.name not in held])
+    flops = _unit_flops(model, units)
+    if meets(first, tol):
+        return (Int8Check(task, verdict(task, first, True, bool(held)), inputs.source, n_check, first, tol, pre, before,
+                          notes=tuple(notes), calibration=method, ranges=searched), 1.0)
+    if not inputs.allow:
+        notes.append("the precision chain ends at int8: no layer falls back")
+        return (Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method,
+                          ranges=searched), 1.0)
     measured: dict[frozenset, dict] = {frozenset(held): first}  # by the nodes moved, shared by both rankings
+
+    def above_floor(names: list[str]) -> int:
+        """How many prefixes of ``names`` keep more than ``floor`` (every prefix without one)."""
+        return len(names) if floor is None else sum(1 for k in range(1, len(names) + 1) if _kept(flops, names[:k]) > floor)
 
     def search(names: list[str], upto: int | None = None) -> tuple[int | None, dict[int, dict]]:
         """The smallest prefix of ``names`` (of at most ``upto`` units) whose move meets the tolerance, and every
@@ -317,11 +385,13 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
             tried[k] = measured[key]
             return meets(tried[k], tol)
 
-        return smallest_prefix(holds, len(names) if upto is None else upto), tried
+        limit = min(above_floor(names), len(names) if upto is None else upto)
+        if floor is not None and (limit == 0 or not holds(limit)):
+            return None, tried  # the most it may move without keeping less than the floor misses: nothing within it
+        return smallest_prefix(holds, limit), tried
 
     scores = sensitivity(probe(), finish_qdq(bases[-1], model, held, floats), model.model, units, progress)
     names = rank(scores, list(units))
-    flops = _unit_flops(model, units)
     # where the second ranking may run, the first is searched only as far as it keeps FIRST_SEARCH_KEEPS: past that the
     # second runs anyway, and one of its fallbacks that keeps as much beats every longer prefix of the first
     half = sum(1 for k in range(1, len(names) + 1) if _kept(flops, names[:k]) >= FIRST_SEARCH_KEEPS)
@@ -339,10 +409,12 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
             best, tried = search(names)  # the rest of the first ranking (what was measured is not measured again)
         if k is not None and (best is None or _kept(flops, other[:k]) > _kept(flops, names[:best])):
             before = (f"{100 * _kept(flops, names[:best]):.1f} %" if best is not None else "none that met the tolerance"
-                      if searched_all else f"none that met the tolerance keeping {100 * FIRST_SEARCH_KEEPS:.0f} %")
+                      if searched_all else f"none that met the tolerance keeping {100 * max(FIRST_SEARCH_KEEPS, floor or 0):.1f} %")
             notes.append(f"ranked by INT8-alone cost per FLOP: {100 * _kept(flops, other[:k]):.1f} % of the candidate "
                          f"layers' FLOPs kept INT8 (by sensitivity: {before})")
             names, best, tried, scores, reason = other, k, tried_other, costs, COST_REASON
+    if best is None and floor is not None:
+        return None, 0.0
     if best is None:
         best = max(tried, key=lambda k: _score(tried[k], tol))
         notes.append(f"moving all {len(names)} ranked layer(s) out of INT8 did not reach the tolerance; keeping the "
@@ -350,8 +422,8 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     fallback = pre + tuple(_moved(plan, inputs, n, reason, sensitivity=round(scores[u], 6), unit=u)
                            for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
-    return Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
-                     all_int8, tuple(notes), calibration=method, ranges=searched)
+    return (Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
+                      all_int8, tuple(notes), calibration=method, ranges=searched), _kept(flops, names[:best]))
 
 
 HEAD_REASON = "a detection head's branch: the check has too few FP32 boxes to vouch for it in INT8"
@@ -379,11 +451,11 @@ def _kept(flops: dict[str, int], moved: list[str]) -> float:
     return 1.0 - sum(flops[u] for u in moved) / total if total else 1.0
 
 
-def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path, search_probe=None,
-                 progress=None):
+def _first_checks(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path, search_probe=None,
+                  progress=None) -> list[_Candidate]:
     """Steps 3 and 4 per calibration method (:func:`~.quantize.candidate_settings`: ``auto`` tries percentile only
     when max misses; ``search`` searches its ranges first, :func:`_searched`): the all-INT8 artefacts and their
-    check. Returns the closest to FP32 (a tie keeps the first) as (settings, bases, measures, tolerance, notes)."""
+    check, one candidate per method tried, in the order tried."""
     tried = []
     for settings in candidate_settings(inputs.settings):
         if settings.method == SEARCH and not settings.searched:
@@ -391,14 +463,10 @@ def _first_check(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner
         bases = _bases(model, stats, plan, inputs, tmp, settings)
         first = runner.measure([finish_qdq(b, model, (), set(inputs.exclude) | set(inputs.keep_float)) for b in bases])
         tol, notes = _tolerance(first, inputs, len(inputs.check_idx))
-        tried.append((settings, bases, first, tol, notes))
+        tried.append(_Candidate(settings, bases, first, tol, notes))
         if meets(first, tol):
             break
-    best = max(tried, key=lambda t: _score(t[2], t[3]))
-    if len(tried) > 1:
-        scored = ", ".join(f"{_method_text(t[0])} {_score(t[2], t[3]):+.4f}" for t in tried)
-        best[4].append(f"calibration method {_method_text(best[0])} kept: all-INT8 margin to the tolerance {scored}")
-    return best
+    return tried
 
 
 def _searched(model, stats, plan, inputs: DecisionInputs, tmp: Path, settings: QuantSettings, probe, progress
