@@ -81,6 +81,41 @@ def test_a_live_view_beyond_loopback_needs_a_token_or_a_password(tmp_path):
 
 
 @pytest.mark.parametrize("server", ["live view", "metrics"])
+def test_a_client_that_trickles_its_request_is_let_go_at_the_deadline(monkeypatch, server):
+    """A client that sends a header byte every 0.2 s never trips the per-read timeout; the deadline on the whole request
+    (its line and headers) closes it unanswered, and the server answers the next client."""
+    import select
+    import socket
+
+    from k2edge.service import http_server
+    from k2edge.service.metrics import PrometheusMetrics
+
+    monkeypatch.setattr(http_server.BoundedHandler, "request_deadline", 1.0)
+    view = LiveView(None) if server == "live view" else PrometheusMetrics()
+    host, port = view.start("127.0.0.1", 0)
+    try:
+        s = socket.create_connection((host, port), timeout=30)
+        s.sendall(b"GET /api/streams HTTP/1.0\r\nX-Slow: ")
+        got, started = None, time.monotonic()
+        while got is None and time.monotonic() - started < 60:  # the deadline is 1 s: 60 s is a broken server
+            try:
+                s.sendall(b"a")
+            except OSError:
+                got = b""
+                break
+            if select.select([s], [], [], 0.2)[0]:
+                try:
+                    got = s.recv(1024)
+                except OSError:
+                    got = b""
+        s.close()
+        assert got == b"", got  # closed, never answered
+        assert _get(f"http://{host}:{port}/api/streams" if server == "live view" else f"http://{host}:{port}/metrics")[0] == 200
+    finally:
+        view.stop()
+
+
+@pytest.mark.parametrize("server", ["live view", "metrics"])
 def test_a_silent_client_is_let_go_and_connections_past_the_bound_are_closed_unanswered(monkeypatch, server):
     """Each connection holds a thread, on the web app as on /metrics: one that sends nothing is closed after the
     request timeout, and past MAX_CONNECTIONS a new one is closed at once, while the ones already served go on and

@@ -4,7 +4,8 @@
 wishes: a client that opens connections and sends nothing takes a thread each until the device runs out.
 :class:`BoundedHTTPServer` serves at most :data:`MAX_CONNECTIONS` at once (one more is closed unanswered,
 the connections being served untouched), and a handler built on :class:`BoundedHandler` gives up on a
-connection that has not sent its request (or read its answer) within :data:`REQUEST_TIMEOUT_S`.
+connection that sends or reads nothing for :data:`REQUEST_TIMEOUT_S`, and on one whose request line and headers
+have not all arrived within :data:`REQUEST_DEADLINE_S` (a client that trickles a byte now and then).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["MAX_CONNECTIONS", "REQUEST_TIMEOUT_S", "BoundedHTTPServer", "BoundedHandler"]
+__all__ = ["MAX_CONNECTIONS", "REQUEST_DEADLINE_S", "REQUEST_TIMEOUT_S", "BoundedHTTPServer", "BoundedHandler"]
 
-REQUEST_TIMEOUT_S = 20.0
+REQUEST_TIMEOUT_S = 20.0  # each read or write
+REQUEST_DEADLINE_S = 30.0  # the request line and headers, all together
 MAX_CONNECTIONS = 64
 
 
@@ -56,6 +58,33 @@ class BoundedHandler(BaseHTTPRequestHandler):
 
     server_version = "k2edge"
     timeout = REQUEST_TIMEOUT_S
+    request_deadline = REQUEST_DEADLINE_S
+
+    def setup(self) -> None:
+        super().setup()
+        self._headers_in = threading.Lock()  # held by whichever comes first: the headers, or the deadline
+        self._deadline = threading.Timer(self.request_deadline, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        """The deadline passed before the request's headers were in: the connection is closed under the reader."""
+        if self._headers_in.acquire(blocking=False):
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers
+        if not self._headers_in.acquire(blocking=False):
+            return False  # cut while they came in: not answered
+        self._deadline.cancel()
+        return parsed
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, fmt, *args) -> None:
         pass
