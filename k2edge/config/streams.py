@@ -13,14 +13,14 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from .stream_escalation import EscalationRule
-from .tables import Strict as _Strict, bound, topic_level
+from .tables import Number, Strict as _Strict, bound, topic_level
 
 
 def _name(value: str, what: str) -> str:
     return topic_level(value, what, narrow=True)
 
 
-Point = tuple[float, float]
+Point = tuple[Number, Number]
 
 
 class ZoneConfig(_Strict):

@@ -7,12 +7,12 @@ import re
 from types import UnionType
 from typing import Annotated, Any, Callable, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, create_model, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, create_model, field_validator
 
 from ..errors import K2EdgeError
 from ..profile.validation import describe_validation_error, model_keys
 
-__all__ = ["SettingsError", "Strict", "bound", "topic_level", "validate_settings"]
+__all__ = ["Number", "SettingsError", "Strict", "bound", "topic_level", "validate_settings"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -20,6 +20,17 @@ _TOPIC_LEVELS = {  # what a name that becomes an MQTT topic level may hold
     False: (re.compile(r"^[A-Za-z0-9_.:-]+$"), "letters, digits, '_', '.', ':' or '-'"),
     True: (re.compile(r"^[A-Za-z0-9_-]+$"), "letters, digits, '_' or '-'"),  # stream, zone and line names
 }
+
+
+def _not_bool(v):
+    if isinstance(v, bool):
+        raise ValueError(f"must be a number, not {str(v).lower()}")
+    return v
+
+
+# a number inside a container field (a zone's point): pydantic takes true as 1.0 there too, and Strict's own check
+# sees only a field's top level
+Number = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class Strict(BaseModel):
@@ -35,7 +46,7 @@ class Strict(BaseModel):
         if isinstance(v, bool) and info.field_name is not None:
             kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
             if kinds & {int, float} and not kinds & {bool, Any}:
-                raise ValueError(f"must be a number, not {str(v).lower()}")
+                _not_bool(v)
         return v
 
 

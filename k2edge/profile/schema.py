@@ -22,15 +22,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import ProfileError
-from ..readfile import read_small
+from ..readfile import MIB, read_small
 from .validation import describe_validation_error, model_keys
 
 _NOT_TEXT = {"Cc", "Cf", "Zl", "Zp"}  # Unicode categories of control, format and line/paragraph separator characters
 
 Precision = Literal["fp32", "fp16", "int8"]
 Partition = Literal["layer-wise", "block-wise", "model-wise"]
-
-MIB = 1 << 20
 
 
 class _Strict(BaseModel):
