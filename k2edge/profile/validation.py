@@ -15,9 +15,13 @@ _RANGE_WORDS = {
 def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list[str]] | None = None) -> str:
     """Render every error of ``exc`` as ``path.to.field: what is wrong, got X``, joined by '; '."""
     parts = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors:
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
         kind = err["type"]
+        if kind == "too_short" and any(e["loc"][:len(err["loc"])] == err["loc"] and len(e["loc"]) > len(err["loc"])
+                                       for e in errors):
+            continue  # "at least 3 items after validation, not 2": an item under it failed, and that is what to say
         ctx = err.get("ctx") or {}
         got = err.get("input")
         if kind == "extra_forbidden":
