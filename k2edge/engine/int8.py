@@ -217,9 +217,10 @@ def decision_inputs(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
     tolerance, explicit = tolerance_for(card.task, getattr(edge_runtime, "int8_tolerance", None), card.quantization.tolerance)
     devices = _node_devices(plan)
     allow = any(next_precision(plan.precision_chain, d) for d in set(devices.values()))
-    key = digest("int8-decision", QUANT_VERSION, DECISION_VERSION, model.identity, statistics_key(model, calib, preprocess), settings.method,
-                 repr(settings.percentile), json.dumps(tolerance, sort_keys=True), check_fp, repr(check_idx),
-                 plan_identity(plan), ",".join(keep_float), ",".join(exclude), ",".join(branches))
+    key = digest("int8-decision", QUANT_VERSION, DECISION_VERSION, model.identity,
+                 statistics_key(model, calib, preprocess), settings.method, repr(settings.percentile),
+                 json.dumps(tolerance, sort_keys=True), check_fp, repr(check_idx), plan_identity(plan),
+                 ",".join(keep_float), ",".join(exclude), ",".join(branches))
     return DecisionInputs(keep_float, exclude, settings, check_data, check_idx, source, tolerance, explicit, devices,
                           allow, key, branches)
 
@@ -314,10 +315,11 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     won = other if other is not None else default
     versus = (f"{100 * other_kept:.1f} %" if other is not None
               else f"none that met the tolerance keeping more than {100 * kept:.1f} %")
-    note = (f"calibration method {won.calibration} kept: {tried[0].settings.method} and {_method_text(best.settings)} "
-            f"are within the check's 95 % interval of each other on all-INT8 (margins {_score(tried[0].first, tried[0].tol):+.4f}, "
-            f"{_score(best.first, best.tol):+.4f}), so each fell back: {tried[0].settings.method}'s fallback keeps "
-            f"{100 * kept:.1f} % of the candidate layers' FLOPs INT8, {_method_text(best.settings)}'s {versus}")
+    first, second = _method_text(tried[0].settings), _method_text(best.settings)
+    note = (f"calibration method {won.calibration} kept: {first} and {second} are within the check's 95 % interval of "
+            f"each other on all-INT8 (margins {_score(tried[0].first, tried[0].tol):+.4f}, {_score(best.first, best.tol):+.4f}), "
+            f"so each fell back: {first}'s fallback keeps {100 * kept:.1f} % of the candidate layers' FLOPs INT8, "
+            f"{second}'s {versus}")
     return replace(won, notes=won.notes + (note,))
 
 
@@ -355,9 +357,6 @@ def _fall_back(model, plan, inputs: DecisionInputs, runner: CheckRunner, probe, 
         notes.append(f"the detection head's branches ({len(held)} node(s)) kept out of INT8: {int(first.get(count, 0))} "
                      f"FP32 box(es) on the check are too few to vouch for them ({need} needed)")
     pre = tuple(_moved(plan, inputs, n, HEAD_REASON) for n in held)
-    units = fallback_units(model.graph, [n.name for n in model.graph.nodes if n.name in inputs.devices
-                                         and n.name not in inputs.keep_float and n.name not in held])
-    flops = _unit_flops(model, units)
     if meets(first, tol):
         return (Int8Check(task, verdict(task, first, True, bool(held)), inputs.source, n_check, first, tol, pre, before,
                           notes=tuple(notes), calibration=method, ranges=searched), 1.0)
@@ -365,6 +364,9 @@ def _fall_back(model, plan, inputs: DecisionInputs, runner: CheckRunner, probe, 
         notes.append("the precision chain ends at int8: no layer falls back")
         return (Int8Check(task, "failed", inputs.source, n_check, first, tol, notes=tuple(notes), calibration=method,
                           ranges=searched), 1.0)
+    units = fallback_units(model.graph, [n.name for n in model.graph.nodes if n.name in inputs.devices
+                                         and n.name not in inputs.keep_float and n.name not in held])
+    flops = _unit_flops(model, units)
     measured: dict[frozenset, dict] = {frozenset(held): first}  # by the nodes moved, shared by both rankings
 
     def above_floor(names: list[str]) -> int:
