@@ -67,6 +67,26 @@ def test_fallback_result_topic_without_response_topic(run_daemon, broker):
     client.close()
 
 
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_serving_goes_on(run_daemon, broker):
+    """kill -USR1: where each of the daemon's threads is, in its log (the journal under systemd), for a daemon that
+    does not answer or does not stop; it keeps serving, and SIGTERM still drains it."""
+    import signal
+
+    d = run_daemon()
+    d.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while "k2edge/service/daemon.py" not in d.output():
+        assert time.monotonic() < deadline, d.output()[-3000:]
+        time.sleep(0.05)
+    assert d.output().count("(most recent call first)") >= 3  # the main thread, the transport's, a batcher's, ...
+    client = Client(broker.port).connect()
+    corr = client.publish(TOPIC, _image_request(SAMPLES[0]))
+    client.wait_answers(1)
+    assert client.answers[0][1] == corr and client.answers[0][0]["status"] == "ok"
+    client.close()
+    assert d.terminate() == 0
+
+
 def test_requests_sent_while_down_are_answered_after_start(run_daemon, broker):
     """The persistent session keeps requests at the broker while the daemon is stopped."""
     d = run_daemon()

@@ -490,10 +490,15 @@ class Daemon:
 
 
 def serve(cfg: DaemonConfig) -> int:
-    """Run the daemon with SIGTERM/SIGINT draining it."""
+    """Run the daemon with SIGTERM/SIGINT draining it, and SIGUSR1 writing every thread's stack to stderr (the
+    journal): where a daemon that does not answer, or does not stop, is waiting."""
+    import faulthandler
+
     daemon = Daemon(cfg)
     signal.signal(signal.SIGTERM, daemon.request_drain)
     signal.signal(signal.SIGINT, daemon.request_drain)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     return daemon.run()
 
 
