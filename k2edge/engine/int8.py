@@ -299,17 +299,16 @@ def _check_and_fall_back(model, plan, stats, inputs: DecisionInputs, runner: Che
     more INT8 is kept."""
     tried = _first_checks(model, stats, plan, inputs, runner, tmp, search_probe, progress)
     best = max(tried, key=lambda c: _score(c.first, c.tol))  # a tie keeps the first: max
-    if len(tried) > 1:
-        scored = ", ".join(f"{_method_text(c.settings)} {_score(c.first, c.tol):+.4f}" for c in tried)
-        best.notes.append(f"calibration method {_method_text(best.settings)} kept: all-INT8 margin to the tolerance "
-                          f"{scored}")
     if (best is tried[0] or not inputs.allow or meets(best.first, best.tol)
             or not too_close(tried[0].first, tried[0].tol, best.first, best.tol)):
+        if len(tried) > 1:
+            scored = ", ".join(f"{_method_text(c.settings)} {_score(c.first, c.tol):+.4f}" for c in tried)
+            best.notes.append(f"calibration method {_method_text(best.settings)} kept: all-INT8 margin to the "
+                              f"tolerance {scored}")
         return _fall_back(model, plan, inputs, runner, probe, progress, best)[0]
     # the check cannot tell the two apart before the fallback (YOLOv8n: max and percentile a box or two apart, and
     # percentile's fallback keeps 47-79 % INT8 where max's keeps 92-94 %): each falls back, the other only as far as
     # it would keep more INT8 and meet the tolerance
-    del best.notes[-1]
     default, kept = _fall_back(model, plan, inputs, runner, probe, progress, tried[0])
     other, other_kept = _fall_back(model, plan, inputs, runner, probe, progress, best, floor=kept)
     won = other if other is not None else default
@@ -371,7 +370,7 @@ def _fall_back(model, plan, inputs: DecisionInputs, runner: CheckRunner, probe, 
 
     def above_floor(names: list[str]) -> int:
         """How many prefixes of ``names`` keep more than ``floor`` (every prefix without one)."""
-        return len(names) if floor is None else sum(1 for k in range(1, len(names) + 1) if _kept(flops, names[:k]) > floor)
+        return len(names) if floor is None else sum(1 for share in _prefix_kept(flops, names) if share > floor)
 
     def search(names: list[str], upto: int | None = None) -> tuple[int | None, dict[int, dict]]:
         """The smallest prefix of ``names`` (of at most ``upto`` units) whose move meets the tolerance, and every
@@ -396,7 +395,7 @@ def _fall_back(model, plan, inputs: DecisionInputs, runner: CheckRunner, probe, 
     names = rank(scores, list(units))
     # where the second ranking may run, the first is searched only as far as it keeps FIRST_SEARCH_KEEPS: past that the
     # second runs anyway, and one of its fallbacks that keeps as much beats every longer prefix of the first
-    half = sum(1 for k in range(1, len(names) + 1) if _kept(flops, names[:k]) >= FIRST_SEARCH_KEEPS)
+    half = sum(1 for share in _prefix_kept(flops, names) if share >= FIRST_SEARCH_KEEPS)
     (best, tried), reason = search(names, half if powered else None), SENSITIVITY_REASON
     if powered and (best is None or _kept(flops, names[:best]) < SECOND_RANKING_BELOW):
         # the sensitivity ranking lost more than a tenth of the INT8: rank by what each layer costs alone, per FLOP, and
@@ -451,6 +450,15 @@ def _kept(flops: dict[str, int], moved: list[str]) -> float:
     """The share of the units' learned FLOPs that stays INT8 when ``moved`` leave it."""
     total = sum(flops.values())
     return 1.0 - sum(flops[u] for u in moved) / total if total else 1.0
+
+
+def _prefix_kept(flops: dict[str, int], names: list[str]) -> list[float]:
+    """:func:`_kept` of every prefix of ``names``: the share kept INT8 when the first 1, 2, ... of them leave it."""
+    total, moved, out = sum(flops.values()), 0, []
+    for u in names:
+        moved += flops[u]
+        out.append(1.0 - moved / total if total else 1.0)
+    return out
 
 
 def _first_checks(model, stats, plan, inputs: DecisionInputs, runner: CheckRunner, tmp: Path, search_probe=None,
