@@ -102,6 +102,64 @@ def test_classification_and_tensor_measures():
     assert t["cosine"] == pytest.approx(1.0) and t["max_rel_error"] == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize("task", ["classification", "detection", "tensor"])
+def test_a_candidate_stops_being_measured_only_once_it_cannot_meet_the_tolerance(task):
+    """The fallback's search stops measuring a candidate at a certain miss (:meth:`Tally.cannot_meet`): on 300
+    random runs of 40 batches (some starting worse than they go on), whenever it says so after some batch, the
+    measures of all 40 miss the tolerance; and after the last batch it says so exactly when they miss (the counted
+    measures, or the mean cosine)."""
+    from k2edge.engine.check import Tally
+
+    rng = np.random.default_rng(7)
+    tol = {"classification": {"agreement": 0.9}, "tensor": {"cosine": 0.99},
+           "detection": {"recall": 0.9, "precision": 0.9, "strict_recall": 0.85, "strict_precision": 0.85}}[task]
+
+    def boxes(n: int) -> Detections:
+        xy = rng.uniform(0, 100, (n, 2)).astype(np.float32)
+        return Detections(np.concatenate([xy, xy + 10], axis=1), rng.uniform(0.3, 1.0, n).astype(np.float32),
+                          rng.integers(0, 2, n))
+
+    def batch(miss: float, extra: float) -> tuple[dict, dict]:
+        """One batch of FP32 and INT8 outputs, INT8 wrong for about a share ``miss`` of the items (a box task: missing
+        that share of FP32's boxes, and an extra box of its own at a rate ``extra``)."""
+        if task == "classification":
+            p = rng.normal(size=(4, 3))
+            q = np.where((rng.random(4) < miss)[:, None], -p, p + rng.normal(scale=0.01, size=p.shape))
+            return {"y": p}, {"y": q}
+        if task == "tensor":
+            a = rng.normal(size=(2, 50))
+            return {"y": a}, {"y": a + rng.normal(scale=miss, size=a.shape)}
+        ref, extra = boxes(int(rng.integers(0, 4))), boxes(int(rng.random() < extra))  # one sample: its boxes
+        keep = rng.random(len(ref.scores)) >= miss
+        scores = np.concatenate([ref.scores[keep] * rng.uniform(0.6, 1.1, int(keep.sum())), extra.scores])
+        q = Detections(np.concatenate([ref.boxes[keep], extra.boxes]), scores.astype(np.float32),
+                       np.concatenate([ref.classes[keep], extra.classes]))
+        return {"y": [ref]}, {"y": [q]}
+
+    def at_threshold(o: dict) -> list:
+        d = o["y"][0]
+        return [Detections(d.boxes[d.scores >= 0.5], d.scores[d.scores >= 0.5], d.classes[d.scores >= 0.5])]
+
+    decoders = {"detections": at_threshold, "relaxed": lambda o: o["y"]} if task == "detection" else {}
+    stopped = 0
+    for _ in range(300):
+        early, late = rng.choice([0.0, 0.02, 0.1, 0.3], size=2), rng.choice([0.0, 0.02, 0.1], size=2)
+        k = int(rng.integers(0, 20))
+        batches = [batch(*(early if i < k else late)) for i in range(40)]  # a bad start may yet meet it
+        final = compare_outputs(task, [r for r, _ in batches], [q for _, q in batches], **decoders)
+        tally = Tally(task, **decoders)
+        rooms = [tally.room(r) for r, _ in batches]
+        for i, (r, q) in enumerate(batches):
+            tally.add(r, q)
+            if tally.cannot_meet(tol, {k: sum(x[k] for x in rooms[i + 1:]) for k in rooms[i]}):
+                assert not meets(final, tol), (i, final)
+                stopped += i < len(batches) - 1
+                break
+        else:
+            assert meets(final, tol), final
+    assert stopped > 30, stopped  # and it came early, often
+
+
 @pytest.mark.parametrize("n", [9, 12, 48, 200])
 def test_one_miss_allowed_holds_exactly(n):
     """With too few items for the default tolerance, (n - 1) / n is the bound, compared in integers: n - 1 hits of n

@@ -88,6 +88,33 @@ def test_silu_detector_meets_the_tolerance_and_forced_ties_fail_it(silu, tmp_pat
     assert bad["recall"] < good.measures["recall"] and bad["precision"] < good.measures["precision"]
 
 
+def test_the_fallback_decides_the_same_when_its_misses_are_measured_in_full(silu, tmp_path, monkeypatch):
+    """The search stops measuring a candidate at its first certain miss; the decision is the one it makes with
+    every candidate measured on all 200 check scenes (the SiLU detector, GPU-only ["int8", "fp16"], its default
+    tolerance: a fallback of a few layers, several candidates stopped early)."""
+    from k2edge.engine import int8 as decision
+
+    nm, card, labels, pre, calib = silu
+    profile = load_profile(GPU_CHAIN)
+    plan = plan_partition(nm, profile)
+    decoder = TaskDecoder(card, labels, {o: nm.graph.shape(o) for o in nm.graph.outputs})
+    check_set = open_calibration(DETECTOR / "eval" / "annotations.json", labels)
+    measure, seen = decision.CheckRunner.measure, []
+
+    def logged(self, models, stop=None):
+        seen.append(measure(self, models, stop))
+        return seen[-1]
+
+    monkeypatch.setattr(decision.CheckRunner, "measure", logged)
+    early = decide_int8(nm, plan, calib, pre, card, EngineCache(tmp_path / "a"), profile.edge_runtime, decoder, check_set)
+    stopped = [m["samples"] for m in seen if m.get("partial")]
+    monkeypatch.setattr(decision.CheckRunner, "measure", lambda self, models, stop=None: measure(self, models))
+    full = decide_int8(nm, plan, calib, pre, card, EngineCache(tmp_path / "b"), profile.edge_runtime, decoder, check_set)
+    assert early.check.status == "fallback" and len(stopped) >= 2 and max(stopped) < 200, stopped
+    assert early.check.to_dict() == full.check.to_dict()
+    assert early.plan.int8_fallback == full.plan.int8_fallback
+
+
 def test_silu_detector_map_holds_with_the_fallback(silu, tmp_path):
     """Through the engine with the chain ["int8", "fp16"]: the check passes its default tolerance (after fallback)
     and mAP@0.5 stays within 0.005 of FP32 (FP32 0.6925 by the fixture's README)."""

@@ -219,60 +219,124 @@ def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabili
         relaxed: box tasks: the same at half the card's score threshold (default: ``detections``).
         masks: segmentation: (outputs, sample row, detections) -> each detection's ``(mask, origin)``.
     """
-    if task == "classification":
-        to_p = probabilities or (lambda outs: _softmax(np.asarray(_values(outs)[0]).reshape(_rows(outs), -1)))
-        p = np.concatenate([to_p(o) for o in reference])
-        q = np.concatenate([to_p(o) for o in int8])
-        top = p.argmax(axis=1)
-        rows = np.arange(len(p))
-        agreed = int(np.sum(top == q.argmax(axis=1)))
-        return {"agreement": agreed / len(p) if len(p) else 1.0, "agreed": agreed,
-                "mean_abs_dp": float(np.mean(np.abs(p[rows, top] - q[rows, top]))), "samples": int(len(p)),
-                "bounds": {"agreement": wilson(agreed, len(p))}}
-    if task in BOX_TASKS:
-        relaxed = relaxed or detections
-        found, kept, ref_n, test_n, ratios, pair_values = 0, 0, 0, 0, [], []
-        strict_found, strict_kept = 0, 0
-        for r_out, q_out in zip(reference, int8):
-            rows = zip(detections(r_out), detections(q_out), relaxed(r_out), relaxed(q_out))
+    tally = Tally(task, probabilities=probabilities, detections=detections, relaxed=relaxed, masks=masks)
+    for r_out, q_out in zip(reference, int8):
+        tally.add(r_out, q_out)
+    return tally.measures()
+
+
+class Tally:
+    """:func:`compare_outputs` one batch at a time, and whether a tolerance can still be met (:meth:`cannot_meet`):
+    the fallback's search stops measuring a candidate as soon as it has certainly missed."""
+
+    def __init__(self, task: str, *, probabilities=None, detections=None, relaxed=None, masks=None) -> None:
+        self.task, self.masks = task, masks
+        self.to_p = probabilities or (lambda outs: _softmax(np.asarray(_values(outs)[0]).reshape(_rows(outs), -1)))
+        self.detections, self.relaxed = detections, relaxed or detections
+        self.p: list[np.ndarray] = []
+        self.q: list[np.ndarray] = []
+        self.n = dict.fromkeys(("agreed", "found", "kept", "strict_found", "strict_kept", "reference_boxes",
+                                "int8_boxes", "samples"), 0)
+        self.ratios: list[float] = []
+        self.pair_values: list[float] = []
+        self.cosines: list[float] = []
+        self.rel = 0.0
+
+    def room(self, r_out) -> dict[str, int]:
+        """The most a reference batch can add to each count: its samples, its FP32 boxes at the card's threshold
+        (``reference_boxes``) and at the relaxed one (``relaxed_boxes``: an INT8 box is kept only matched to one)."""
+        if self.task not in BOX_TASKS:
+            return {"samples": _rows(r_out)}
+        return {"samples": _rows(r_out), "reference_boxes": sum(len(r) for r in self.detections(r_out)),
+                "relaxed_boxes": sum(len(r) for r in self.relaxed(r_out))}
+
+    def add(self, r_out, q_out) -> None:
+        """Fold in one batch: the reference's outputs and INT8's."""
+        n = self.n
+        n["samples"] += _rows(r_out)
+        if self.task == "classification":
+            self.p.append(self.to_p(r_out))
+            self.q.append(self.to_p(q_out))
+            n["agreed"] += int(np.sum(self.p[-1].argmax(axis=1) == self.q[-1].argmax(axis=1)))
+        elif self.task in BOX_TASKS:
+            rows = zip(self.detections(r_out), self.detections(q_out), self.relaxed(r_out), self.relaxed(q_out))
             for row, (r, q, r_low, q_low) in enumerate(rows):
                 m, rs = match_detections(r_low, q)  # INT8 boxes that FP32 also sees
-                kept += m
-                ratios += rs
-                found += match_detections(q_low, r)[0]  # FP32 boxes that INT8 also sees
-                strict_kept += match_detections(r, q)[0]  # both at the card's threshold, as a user sees them
-                strict_found += match_detections(q, r)[0]
-                ref_n += len(r)
-                test_n += len(q)
-                if task in PAIR_MEASURE:  # the task's own measure, of the boxes both runs kept
-                    both = (masks(r_out, row, r), masks(q_out, row, q)) if masks is not None else (None, None)
-                    pair_values += pair_measure(task, r, q, match_pairs(r, q), *both)
-        out = {"recall": found / ref_n if ref_n else 1.0, "precision": kept / test_n if test_n else 1.0,
-               "score_ratio": float(np.mean(ratios)) if ratios else (1.0 if not ref_n else 0.0),
-               "strict_recall": strict_found / ref_n if ref_n else 1.0,
-               "strict_precision": strict_kept / test_n if test_n else 1.0,
-               "found": found, "kept": kept, "strict_found": strict_found, "strict_kept": strict_kept,
-               "reference_boxes": ref_n, "int8_boxes": test_n, "samples": sum(_rows(r) for r in reference),
-               "bounds": {"recall": wilson(found, ref_n), "precision": wilson(kept, test_n), "score_ratio": mean_bound(ratios),
-                          "strict_recall": wilson(strict_found, ref_n), "strict_precision": wilson(strict_kept, test_n)}}
-        if task in PAIR_MEASURE and pair_values:
-            out[PAIR_MEASURE[task]] = float(np.mean(pair_values))
-            out["bounds"][PAIR_MEASURE[task]] = mean_bound(pair_values)
-        return out
-    cosines, rel = [], 0.0
-    for r_out, q_out in zip(reference, int8):
-        for a, b in zip(_values(r_out), _values(q_out)):
-            a = np.asarray(a, dtype=np.float64).reshape(len(a), -1)
-            b = np.asarray(b, dtype=np.float64).reshape(len(b), -1)
-            den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-            cosines.extend(np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-300), 1.0).tolist())
-            rel = max(rel, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12)))
-    return {"cosine": float(np.mean(cosines)) if cosines else 1.0, "max_rel_error": rel,
-            "samples": sum(_rows(r) for r in reference), "bounds": {"cosine": mean_bound(cosines)}}
+                n["kept"] += m
+                self.ratios += rs
+                n["found"] += match_detections(q_low, r)[0]  # FP32 boxes that INT8 also sees
+                n["strict_kept"] += match_detections(r, q)[0]  # both at the card's threshold, as a user sees them
+                n["strict_found"] += match_detections(q, r)[0]
+                n["reference_boxes"] += len(r)
+                n["int8_boxes"] += len(q)
+                if self.task in PAIR_MEASURE:  # the task's own measure, of the boxes both runs kept
+                    both = (self.masks(r_out, row, r), self.masks(q_out, row, q)) if self.masks is not None else (None, None)
+                    self.pair_values += pair_measure(self.task, r, q, match_pairs(r, q), *both)
+        else:
+            for a, b in zip(_values(r_out), _values(q_out)):
+                a = np.asarray(a, dtype=np.float64).reshape(len(a), -1)
+                b = np.asarray(b, dtype=np.float64).reshape(len(b), -1)
+                den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+                self.cosines.extend(np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-300), 1.0).tolist())
+                self.rel = max(self.rel, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12)))
+
+    def cannot_meet(self, tolerance: Mapping, room: Mapping[str, int]) -> bool:
+        """Whether no outputs of the batches still to come (``room``: the sum of their :meth:`room`) can bring the
+        measures up to ``tolerance``: every one of them right (each INT8 box kept matched to a relaxed FP32 one, at
+        most one per FP32 box), and still a counted share misses, or a mean of cosines (each at most 1). A mean
+        without an upper bound (``score_ratio``, the pair measures) never decides it."""
+        n = self.n
+        if self.task == "classification":
+            best = {"agreement": (n["agreed"] + room["samples"], n["samples"] + room["samples"])}
+        elif self.task in BOX_TASKS:
+            ref, low = room["reference_boxes"], room["relaxed_boxes"]
+            best = {"recall": (n["found"] + ref, n["reference_boxes"] + ref),
+                    "strict_recall": (n["strict_found"] + ref, n["reference_boxes"] + ref),
+                    "precision": (n["kept"] + low, n["int8_boxes"] + low),  # more perfect INT8 boxes only raise it
+                    "strict_precision": (n["strict_kept"] + ref, n["int8_boxes"] + ref)}
+        else:
+            total = len(self.cosines) + room["samples"]
+            top = (sum(self.cosines) + room["samples"] * (1.0 + 1e-9)) / total if total else 1.0
+            return "cosine" in tolerance and top < float(tolerance["cosine"])
+        return any(not holds(hits, count, tolerance[k]) for k, (hits, count) in best.items() if k in tolerance)
+
+    def measures(self) -> dict[str, float]:
+        """The measures of every batch folded in (:func:`compare_outputs`'s)."""
+        n = self.n
+        if self.task == "classification":
+            p = np.concatenate(self.p) if self.p else np.zeros((0, 1))
+            q = np.concatenate(self.q) if self.q else np.zeros((0, 1))
+            top = p.argmax(axis=1)
+            rows = np.arange(len(p))
+            agreed = int(np.sum(top == q.argmax(axis=1)))
+            return {"agreement": agreed / len(p) if len(p) else 1.0, "agreed": agreed,
+                    "mean_abs_dp": float(np.mean(np.abs(p[rows, top] - q[rows, top]))), "samples": int(len(p)),
+                    "bounds": {"agreement": wilson(agreed, len(p))}}
+        if self.task in BOX_TASKS:
+            ref_n, test_n, ratios = n["reference_boxes"], n["int8_boxes"], self.ratios
+            found, kept, strict_found, strict_kept = n["found"], n["kept"], n["strict_found"], n["strict_kept"]
+            out = {"recall": found / ref_n if ref_n else 1.0, "precision": kept / test_n if test_n else 1.0,
+                   "score_ratio": float(np.mean(ratios)) if ratios else (1.0 if not ref_n else 0.0),
+                   "strict_recall": strict_found / ref_n if ref_n else 1.0,
+                   "strict_precision": strict_kept / test_n if test_n else 1.0,
+                   "found": found, "kept": kept, "strict_found": strict_found, "strict_kept": strict_kept,
+                   "reference_boxes": ref_n, "int8_boxes": test_n, "samples": n["samples"],
+                   "bounds": {"recall": wilson(found, ref_n), "precision": wilson(kept, test_n),
+                              "score_ratio": mean_bound(ratios), "strict_recall": wilson(strict_found, ref_n),
+                              "strict_precision": wilson(strict_kept, test_n)}}
+            if self.task in PAIR_MEASURE and self.pair_values:
+                out[PAIR_MEASURE[self.task]] = float(np.mean(self.pair_values))
+                out["bounds"][PAIR_MEASURE[self.task]] = mean_bound(self.pair_values)
+            return out
+        return {"cosine": float(np.mean(self.cosines)) if self.cosines else 1.0, "max_rel_error": self.rel,
+                "samples": n["samples"], "bounds": {"cosine": mean_bound(self.cosines)}}
 
 
 def meets(measures: Mapping, tolerance: Mapping) -> bool:
-    """Whether every measure of ``tolerance`` holds (each is "at least"; a counted share exactly, in integers)."""
+    """Whether every measure of ``tolerance`` holds (each is "at least"; a counted share exactly, in integers). A
+    ``partial`` measure (a candidate whose measuring stopped at a certain miss) never holds."""
+    if measures.get("partial"):
+        return False
     for k, t in tolerance.items():
         if k in COUNTED and COUNTED[k][0] in measures:
             hit, count = COUNTED[k]

@@ -667,6 +667,11 @@ def round_fp16(model: onnx.ModelProto, tensors) -> onnx.ModelProto:
     value). The arithmetic stays FP32 on a CPU."""
     tensors = set(tensors) - {o.name for o in model.graph.output}
     nodes = list(model.graph.node)
+    readers: dict[str, list] = {}
+    for r in nodes:
+        for k, name in enumerate(r.input):
+            if name in tensors:
+                readers.setdefault(name, []).append((r, k))
     out = []
     for n in nodes:
         out.append(n)
@@ -674,10 +679,8 @@ def round_fp16(model: onnx.ModelProto, tensors) -> onnx.ModelProto:
             if t not in tensors:
                 continue
             half, back = f"{t}/fp16", f"{t}/fp16_rounded"
-            for r in nodes:
-                for k, name in enumerate(r.input):
-                    if name == t:
-                        r.input[k] = back
+            for r, k in readers.get(t, ()):
+                r.input[k] = back
             out.append(onnx.helper.make_node("Cast", [t], [half], to=onnx.TensorProto.FLOAT16, name=f"{t}/to_fp16"))
             out.append(onnx.helper.make_node("Cast", [half], [back], to=onnx.TensorProto.FLOAT, name=f"{t}/from_fp16"))
     del model.graph.node[:]
