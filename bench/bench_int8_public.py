@@ -130,6 +130,12 @@ def figure(name: str, fp32, int8, paths: list[Path]) -> dict:
     return {"cosine": m["cosine"], "maps": len(paths)}
 
 
+def make_sets(spec: dict, dest: Path, n_calib: int, n_eval: int) -> list[Path]:
+    """The model's calibration set (``spec["calib_dir"]``, in ``dest``) and evaluation set: its images."""
+    spec["calib_dir"] = spec["calib"](dest / "calib", n_calib)
+    return sorted(spec["eval"](dest / "eval", n_eval).rglob("*.jpg"))
+
+
 def run_one(name: str, spec: dict, profile_key: str, tmp: Path, eval_paths: list[Path]) -> dict:
     from k2edge import Engine
 
@@ -154,9 +160,10 @@ def run_one(name: str, spec: dict, profile_key: str, tmp: Path, eval_paths: list
     return row
 
 
-def misses(r: dict) -> list[str]:
+def misses(r: dict, build_time: bool = True) -> list[str]:
     """The bounds of docs/int8.md that row ``r`` misses, each with its figure (none: it meets them all), or the data
-    it lacks for a verdict."""
+    it lacks for a verdict. ``build_time=False`` leaves out YOLOv8n's cold-build bound (tests judge the figures, not
+    the machine's speed)."""
     out = []
 
     def need(ok: bool, what: str) -> None:
@@ -168,7 +175,7 @@ def misses(r: dict) -> list[str]:
         need(r["images"] >= 100, f"not enough data: {r['images']} evaluation images (100 needed)")
         need(r["strict_recall"] >= 0.90, f"recall at the threshold {r['strict_recall']:.3f} < 0.90")
         need(r["strict_precision"] >= 0.90, f"precision at the threshold {r['strict_precision']:.3f} < 0.90")
-        need(r["cold_build_s"] <= 180, f"cold build {r['cold_build_s']:.0f} s > 180 s")
+        need(not build_time or r["cold_build_s"] <= 180, f"cold build {r['cold_build_s']:.0f} s > 180 s")
     elif r["model"] == "cls":
         need(r["lines"] >= 400, f"not enough data: {r['lines']} evaluation lines (400 needed)")
         gap = round(abs(r["top1"] - r["fp32_top1"]) * r["lines"])  # in lines: no float rounding at the edge
@@ -233,9 +240,7 @@ def main() -> int:
             spec = specs[name]
             n_calib, n_eval = SIZES[name]
             n_calib, n_eval = args.calib or n_calib, args.eval or n_eval
-            spec["calib_dir"] = spec["calib"](tmp / f"{name}-calib", n_calib)
-            evaluation = spec["eval"](tmp / f"{name}-eval", n_eval)
-            eval_paths = sorted(p for p in evaluation.rglob("*.jpg"))
+            eval_paths = make_sets(spec, tmp / name, n_calib, n_eval)
             for profile_key in args.profiles.split(","):
                 rows.append(run_one(name, spec, profile_key, tmp, eval_paths))
     print(table(rows))
