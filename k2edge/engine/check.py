@@ -226,21 +226,21 @@ def compare_outputs(task: str, reference: Sequence, int8: Sequence, *, probabili
 
 
 class Tally:
-    """:func:`compare_outputs` one batch at a time, and whether a tolerance can still be met (:meth:`cannot_meet`):
-    the fallback's search stops measuring a candidate as soon as it has certainly missed."""
+    """:func:`compare_outputs` one batch at a time, in any order, and whether a tolerance can still be met
+    (:meth:`cannot_meet`): the fallback's search stops measuring a candidate as soon as it has certainly missed, and
+    measures first the batches where a miss is likeliest (:attr:`losses`)."""
 
     def __init__(self, task: str, *, probabilities=None, detections=None, relaxed=None, masks=None) -> None:
         self.task, self.masks = task, masks
         self.to_p = probabilities or (lambda outs: _softmax(np.asarray(_values(outs)[0]).reshape(_rows(outs), -1)))
         self.detections, self.relaxed = detections, relaxed or detections
-        self.p: list[np.ndarray] = []
-        self.q: list[np.ndarray] = []
         self.n = dict.fromkeys(("agreed", "found", "kept", "strict_found", "strict_kept", "reference_boxes",
                                 "int8_boxes", "samples"), 0)
-        self.ratios: list[float] = []
-        self.pair_values: list[float] = []
-        self.cosines: list[float] = []
-        self.rel = 0.0
+        # per batch, by its place among the batches: what the measures average (so they come out the same, to the
+        # last bit, in whatever order the batches are added), and what it lost
+        self.parts: dict[int, dict] = {}
+        self.losses: dict[int, float] = {}
+        self.cosine_sum, self.rel = 0.0, 0.0
 
     def room(self, r_out) -> dict[str, int]:
         """The most a reference batch can add to each count: its samples, its FP32 boxes at the card's threshold
@@ -250,20 +250,23 @@ class Tally:
         return {"samples": _rows(r_out), "reference_boxes": sum(len(r) for r in self.detections(r_out)),
                 "relaxed_boxes": sum(len(r) for r in self.relaxed(r_out))}
 
-    def add(self, r_out, q_out) -> None:
-        """Fold in one batch: the reference's outputs and INT8's."""
-        n = self.n
+    def add(self, r_out, q_out, at: int | None = None) -> None:
+        """Fold in one batch: the reference's outputs and INT8's; ``at``: its place among the batches (default: after
+        those added so far)."""
+        n, before = self.n, dict(self.n)
+        at = len(self.parts) if at is None else at
+        part = self.parts[at] = {"p": [], "q": [], "ratios": [], "pairs": [], "cosines": []}
         n["samples"] += _rows(r_out)
         if self.task == "classification":
-            self.p.append(self.to_p(r_out))
-            self.q.append(self.to_p(q_out))
-            n["agreed"] += int(np.sum(self.p[-1].argmax(axis=1) == self.q[-1].argmax(axis=1)))
+            p, q = self.to_p(r_out), self.to_p(q_out)
+            part["p"], part["q"] = [p], [q]
+            n["agreed"] += int(np.sum(p.argmax(axis=1) == q.argmax(axis=1)))
         elif self.task in BOX_TASKS:
             rows = zip(self.detections(r_out), self.detections(q_out), self.relaxed(r_out), self.relaxed(q_out))
             for row, (r, q, r_low, q_low) in enumerate(rows):
                 m, rs = match_detections(r_low, q)  # INT8 boxes that FP32 also sees
                 n["kept"] += m
-                self.ratios += rs
+                part["ratios"] += rs
                 n["found"] += match_detections(q_low, r)[0]  # FP32 boxes that INT8 also sees
                 n["strict_kept"] += match_detections(r, q)[0]  # both at the card's threshold, as a user sees them
                 n["strict_found"] += match_detections(q, r)[0]
@@ -271,14 +274,29 @@ class Tally:
                 n["int8_boxes"] += len(q)
                 if self.task in PAIR_MEASURE:  # the task's own measure, of the boxes both runs kept
                     both = (self.masks(r_out, row, r), self.masks(q_out, row, q)) if self.masks is not None else (None, None)
-                    self.pair_values += pair_measure(self.task, r, q, match_pairs(r, q), *both)
+                    part["pairs"] += pair_measure(self.task, r, q, match_pairs(r, q), *both)
         else:
             for a, b in zip(_values(r_out), _values(q_out)):
                 a = np.asarray(a, dtype=np.float64).reshape(len(a), -1)
                 b = np.asarray(b, dtype=np.float64).reshape(len(b), -1)
                 den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-                self.cosines.extend(np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-300), 1.0).tolist())
+                part["cosines"] += np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-300), 1.0).tolist()
                 self.rel = max(self.rel, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12)))
+            self.cosine_sum += math.fsum(part["cosines"])
+        self.losses[at] = self._loss({k: n[k] - before[k] for k in n}, part)
+
+    def _loss(self, d: dict[str, int], part: dict) -> float:
+        """What one batch (its counts ``d``) lost: top-1 disagreements; FP32 boxes missed and INT8 boxes extra, as the
+        check matches and at the threshold; or 1 - cosine, summed."""
+        if self.task == "classification":
+            return float(d["samples"] - d["agreed"])
+        if self.task in BOX_TASKS:
+            return float(2 * (d["reference_boxes"] + d["int8_boxes"]) - d["found"] - d["strict_found"] - d["kept"]
+                         - d["strict_kept"])
+        return math.fsum(1.0 - c for c in part["cosines"])
+
+    def _joined(self, key: str) -> list:
+        return [v for at in sorted(self.parts) for v in self.parts[at][key]]
 
     def cannot_meet(self, tolerance: Mapping, room: Mapping[str, int]) -> bool:
         """Whether no outputs of the batches still to come (``room``: the sum of their :meth:`room`) can bring the
@@ -295,17 +313,17 @@ class Tally:
                     "precision": (n["kept"] + low, n["int8_boxes"] + low),  # more perfect INT8 boxes only raise it
                     "strict_precision": (n["strict_kept"] + ref, n["int8_boxes"] + ref)}
         else:
-            total = len(self.cosines) + room["samples"]
-            top = (sum(self.cosines) + room["samples"] * (1.0 + 1e-9)) / total if total else 1.0
-            return "cosine" in tolerance and top < float(tolerance["cosine"])
+            total = sum(len(part["cosines"]) for part in self.parts.values()) + room["samples"]
+            top = (self.cosine_sum + room["samples"] * (1.0 + 1e-9)) / total if total else 1.0
+            return "cosine" in tolerance and top < float(tolerance["cosine"]) - 1e-12  # a mean's last bit decides nothing
         return any(not holds(hits, count, tolerance[k]) for k, (hits, count) in best.items() if k in tolerance)
 
     def measures(self) -> dict[str, float]:
         """The measures of every batch folded in (:func:`compare_outputs`'s)."""
         n = self.n
         if self.task == "classification":
-            p = np.concatenate(self.p) if self.p else np.zeros((0, 1))
-            q = np.concatenate(self.q) if self.q else np.zeros((0, 1))
+            p = np.concatenate(self._joined("p")) if self.parts else np.zeros((0, 1))
+            q = np.concatenate(self._joined("q")) if self.parts else np.zeros((0, 1))
             top = p.argmax(axis=1)
             rows = np.arange(len(p))
             agreed = int(np.sum(top == q.argmax(axis=1)))
@@ -313,7 +331,7 @@ class Tally:
                     "mean_abs_dp": float(np.mean(np.abs(p[rows, top] - q[rows, top]))), "samples": int(len(p)),
                     "bounds": {"agreement": wilson(agreed, len(p))}}
         if self.task in BOX_TASKS:
-            ref_n, test_n, ratios = n["reference_boxes"], n["int8_boxes"], self.ratios
+            ref_n, test_n, ratios, pairs = n["reference_boxes"], n["int8_boxes"], self._joined("ratios"), self._joined("pairs")
             found, kept, strict_found, strict_kept = n["found"], n["kept"], n["strict_found"], n["strict_kept"]
             out = {"recall": found / ref_n if ref_n else 1.0, "precision": kept / test_n if test_n else 1.0,
                    "score_ratio": float(np.mean(ratios)) if ratios else (1.0 if not ref_n else 0.0),
@@ -324,12 +342,13 @@ class Tally:
                    "bounds": {"recall": wilson(found, ref_n), "precision": wilson(kept, test_n),
                               "score_ratio": mean_bound(ratios), "strict_recall": wilson(strict_found, ref_n),
                               "strict_precision": wilson(strict_kept, test_n)}}
-            if self.task in PAIR_MEASURE and self.pair_values:
-                out[PAIR_MEASURE[self.task]] = float(np.mean(self.pair_values))
-                out["bounds"][PAIR_MEASURE[self.task]] = mean_bound(self.pair_values)
+            if self.task in PAIR_MEASURE and pairs:
+                out[PAIR_MEASURE[self.task]] = float(np.mean(pairs))
+                out["bounds"][PAIR_MEASURE[self.task]] = mean_bound(pairs)
             return out
-        return {"cosine": float(np.mean(self.cosines)) if self.cosines else 1.0, "max_rel_error": self.rel,
-                "samples": n["samples"], "bounds": {"cosine": mean_bound(self.cosines)}}
+        cosines = self._joined("cosines")
+        return {"cosine": float(np.mean(cosines)) if cosines else 1.0, "max_rel_error": self.rel,
+                "samples": n["samples"], "bounds": {"cosine": mean_bound(cosines)}}
 
 
 def meets(measures: Mapping, tolerance: Mapping) -> bool:
