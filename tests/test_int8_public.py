@@ -3,7 +3,7 @@
 A calibration set whose held-out part has too few FP32 boxes gives an inconclusive check. YOLOv8n, the classifier
 and DBNet each meet their bounds GPU-only and under c4, judged by ``bench/bench_int8_public.py``'s own code on its
 own sets (1,000 calibration scenes and 100 evaluation images; 1,280 and 2,000 lines; 150 and 40 pages), without
-its cold-build bound, which is the machine's speed: these six builds take 25-130 s each on 2 cores. DBNet's FP16
+its cold-build bound, which is the machine's speed: these six builds took 32-161 s each in a 2-core CI run. DBNet's FP16
 engine matches FP32 (its BatchNorm variance beyond FP16's range is folded before converting).
 """
 

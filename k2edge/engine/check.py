@@ -240,7 +240,7 @@ class Tally:
         # last bit, in whatever order the batches are added), and what it lost
         self.parts: dict[int, dict] = {}
         self.losses: dict[int, float] = {}
-        self.cosine_sum, self.rel = 0.0, 0.0
+        self.cosine_sum, self.cosine_count, self.rel = 0.0, 0, 0.0
 
     def room(self, r_out) -> dict[str, int]:
         """The most a reference batch can add to each count: its samples, its FP32 boxes at the card's threshold
@@ -283,6 +283,7 @@ class Tally:
                 part["cosines"] += np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-300), 1.0).tolist()
                 self.rel = max(self.rel, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12)))
             self.cosine_sum += math.fsum(part["cosines"])
+            self.cosine_count += len(part["cosines"])
         self.losses[at] = self._loss({k: n[k] - before[k] for k in n}, part)
 
     def _loss(self, d: dict[str, int], part: dict) -> float:
@@ -313,7 +314,7 @@ class Tally:
                     "precision": (n["kept"] + low, n["int8_boxes"] + low),  # more perfect INT8 boxes only raise it
                     "strict_precision": (n["strict_kept"] + ref, n["int8_boxes"] + ref)}
         else:
-            total = sum(len(part["cosines"]) for part in self.parts.values()) + room["samples"]
+            total = self.cosine_count + room["samples"]
             top = (self.cosine_sum + room["samples"] * (1.0 + 1e-9)) / total if total else 1.0
             return "cosine" in tolerance and top < float(tolerance["cosine"]) - 1e-12  # a mean's last bit decides nothing
         return any(not holds(hits, count, tolerance[k]) for k, (hits, count) in best.items() if k in tolerance)
@@ -324,9 +325,8 @@ class Tally:
         if self.task == "classification":
             p = np.concatenate(self._joined("p")) if self.parts else np.zeros((0, 1))
             q = np.concatenate(self._joined("q")) if self.parts else np.zeros((0, 1))
-            top = p.argmax(axis=1)
+            top, agreed = p.argmax(axis=1), n["agreed"]
             rows = np.arange(len(p))
-            agreed = int(np.sum(top == q.argmax(axis=1)))
             return {"agreement": agreed / len(p) if len(p) else 1.0, "agreed": agreed,
                     "mean_abs_dp": float(np.mean(np.abs(p[rows, top] - q[rows, top]))), "samples": int(len(p)),
                     "bounds": {"agreement": wilson(agreed, len(p))}}
@@ -349,6 +349,16 @@ class Tally:
         cosines = self._joined("cosines")
         return {"cosine": float(np.mean(cosines)) if cosines else 1.0, "max_rel_error": self.rel,
                 "samples": n["samples"], "bounds": {"cosine": mean_bound(cosines)}}
+
+
+def rooms_after(rooms: Sequence[Mapping[str, int]]) -> list[dict[str, int]]:
+    """Per batch of ``rooms`` (each a :meth:`Tally.room`, in the order measured), what the batches after it can still
+    add to each count: the ``room`` :meth:`Tally.cannot_meet` takes after that batch (after the last: nothing)."""
+    out, left = [], {k: 0 for k in (rooms[0] if rooms else {})}
+    for room in reversed(rooms):
+        out.append(dict(left))
+        left = {k: left[k] + room[k] for k in left}
+    return out[::-1]
 
 
 def meets(measures: Mapping, tolerance: Mapping) -> bool:

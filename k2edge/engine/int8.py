@@ -41,7 +41,8 @@ from ..model.ingest import NormalisedModel
 from ..tasks.preprocess import Preprocess
 from .cache import EngineCache, digest
 from .calibration import TensorStatistics, runs, session
-from .check import COUNTED, Int8Check, Tally, meets, min_check, relaxed, resolvable, tolerance_for, verdict
+from .check import (COUNTED, Int8Check, Tally, meets, min_check, relaxed, resolvable, rooms_after, tolerance_for,
+                    verdict)
 from .fallback import (SENSITIVITY_SAMPLES, OutputProbe, int8_alone_costs, rank, rank_by_cost_per_flop, search_budget,
                        sensitivity, smallest_prefix)
 from .quantize import (AUTO, MAX_CALIBRATION_SAMPLES, QUANT_VERSION, SEARCH, QuantArtefacts, QuantSettings,
@@ -138,14 +139,8 @@ class CheckRunner:
         self.order = list(range(len(self.staged)))  # the order the batches are measured in
         self.reference = [out for _, out in self._outputs(model.model)]
         self.rooms = [self._tally().room(r) for r in self.reference]
-        self.room_after = self._room_after()
+        self.room_after = rooms_after(self.rooms)  # per place in the order
         self.ordered = False
-
-    def _room_after(self) -> list[dict[str, int]]:
-        """Per place in :attr:`order`, what the batches after it can still add to each count (after the last:
-        nothing)."""
-        rooms = [self.rooms[i] for i in self.order]
-        return [{k: sum(r[k] for r in rooms[at + 1:]) for k in rooms[at]} for at in range(len(rooms))]
 
     def _outputs(self, model: onnx.ModelProto) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """``model``'s outputs on each check batch in :attr:`order`, with the batch's index; named, real rows only."""
@@ -188,7 +183,7 @@ class CheckRunner:
             losses += [tally.losses[i] for i in range(len(self.staged))]
         if not self.ordered:
             self.order = sorted(range(len(self.staged)), key=lambda i: -losses[i])  # stable: ties in the set's order
-            self.room_after, self.ordered = self._room_after(), True
+            self.room_after, self.ordered = rooms_after([self.rooms[i] for i in self.order]), True
         return _worst(per_model)
 
 
