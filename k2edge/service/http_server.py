@@ -62,23 +62,30 @@ class BoundedHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self._headers_in = threading.Lock()  # held by whichever comes first: the headers, or the deadline
+        # "waiting" for the first request's headers, then whichever comes first: "in" (they are; a keep-alive
+        # connection's later requests stay in) or "cut" (the deadline passed)
+        self._headers, self._headers_lock = "waiting", threading.Lock()
         self._deadline = threading.Timer(self.request_deadline, self._cut)
         self._deadline.daemon = True
         self._deadline.start()
 
     def _cut(self) -> None:
         """The deadline passed before the request's headers were in: the connection is closed under the reader."""
-        if self._headers_in.acquire(blocking=False):
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self._headers_lock:
+            if self._headers != "waiting":
+                return
+            self._headers = "cut"
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def parse_request(self) -> bool:
         parsed = super().parse_request()  # reads the headers
-        if not self._headers_in.acquire(blocking=False):
-            return False  # cut while they came in: not answered
+        with self._headers_lock:
+            if self._headers == "cut":
+                return False  # cut while they came in: not answered
+            self._headers = "in"
         self._deadline.cancel()
         return parsed
 
