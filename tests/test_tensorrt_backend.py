@@ -557,13 +557,15 @@ def test_selftest_exits_2_without_tensorrt():
 
 def test_selftest_against_the_double(trt, cache_dir, capsys):
     """The self-test builds the profiles, compares with ONNX Runtime and prints the table; a mismatch exits 1."""
-    rc = _selftest().main(["--profiles", "c5,c6", "--samples", "6", "--cache", str(cache_dir), "--skip-streams"])
+    rc = _selftest().main(["--profiles", "c5,c6", "--samples", "6", "--cache", str(cache_dir), "--skip-streams",
+                           "--skip-pycuda-tests"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "gpu:fp16 dla0:fp16 dla1:fp16" in out and "as planned" in out and "p50 ms" in out
     for check in ("direct-io", "chw32-cuts", "batch-profiles", "event-flags"):
         assert f"check {check}: ok" in out, out
-    rc = _selftest().main(["--profiles", "c2", "--samples", "6", "--cache", str(cache_dir), "--tolerance", "0", "--skip-streams"])
+    rc = _selftest().main(["--profiles", "c2", "--samples", "6", "--cache", str(cache_dir), "--tolerance", "0", "--skip-streams",
+                           "--skip-pycuda-tests"])
     out = capsys.readouterr().out
     assert rc == 1 and "MISMATCH" in out
     # per INT8 profile: the INT8 share TensorRT built (the double's inspector reports each layer's input data type)
@@ -797,6 +799,13 @@ def test_nothing_the_rules_accept_is_refused_by_the_dla_table():
         for node, support in zip(g.node, support_table(nm.graph)):
             if support.ok:
                 assert dla_capable(_NodeView(node, shapes, consts)), (name, node.name, node.op_type)
+
+
+def test_selftest_pycuda_check_fails_where_the_gpu_tests_only_skip():
+    """Without pycuda and a CUDA device the checkout's gpu tests skip: the device check says so and fails."""
+    name, ok, detail = _selftest().pycuda_claims_check()
+    assert name == "pycuda-claims" and not ok
+    assert "skipped" in detail and "needs pycuda and a CUDA device" in detail, detail
 
 
 def test_selftest_stream_check_says_what_it_needs():
