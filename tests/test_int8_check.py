@@ -10,7 +10,7 @@ import pytest
 from k2edge import BuildError, Engine, load_profile
 from k2edge.engine.check import Int8Check, compare_outputs, match_detections, meets, tolerance_for
 from k2edge.tasks.detection import Detections
-from test_cli import MODEL, ROOT, k2edge
+from test_cli import MODEL, ROOT, assert_one_line_error, k2edge
 
 GPU_CHAIN = {"edge_runtime": {"offload_ratio": 1.0, "precision_fallback": ["int8", "fp16"]}}
 
@@ -399,6 +399,24 @@ def test_calibration_set_errors_and_warnings(tmp_path, caplog):
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "fewer than 32" in text and "near-identical" in text
     assert engine.info.int8_check.source == "in-sample" and engine.info.int8_check.samples == 10
+
+
+def test_a_tensor_set_that_does_not_fit_the_model_is_refused_before_calibrating(tmp_path):
+    """A check set of the wrong shape is refused with its name before the calibration runs (it used to fail
+    only after it, with no name); so are such a calibration set and an evaluation set."""
+    good, wrong = tmp_path / "good.npz", tmp_path / "wrong.npz"
+    np.savez(good, x=np.random.default_rng(0).random((40, 1, 32, 32), np.float32))
+    np.savez(wrong, x=np.zeros((5, 3, 7, 7), np.float32))
+    for calib, check, role in ((good, wrong, "check set"), (wrong, None, "calibration set")):
+        proc = k2edge("build", str(MODEL), "-p", "c2", "--calib", str(calib), *(["--check", str(check)] if check else []),
+                      "--cache", str(tmp_path / "cache"), check=False)
+        assert_one_line_error(proc, f"{role} {wrong}: samples of shape (3, 7, 7) do not fit", "(1, 32, 32)")
+    labelled = tmp_path / "labelled.npz"  # eval and pareto-sweep name the set too, before measuring anything
+    np.savez(labelled, x=np.zeros((5, 3, 7, 7), np.float32), y=np.zeros(5, np.int64))
+    for command in (("eval", str(MODEL), "-p", "cpu-dev"), ("pareto-sweep", str(MODEL), "--profiles", "cpu-dev",
+                                                             "--out", str(tmp_path / "sweep"))):
+        proc = k2edge(*command, "--dataset", str(labelled), "--cache", str(tmp_path / "cache"), check=False)
+        assert_one_line_error(proc, f"evaluation set {labelled}: samples of shape (3, 7, 7) do not fit")
 
 
 def test_coco_json_is_a_calibration_set(tmp_path):

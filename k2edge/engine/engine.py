@@ -277,13 +277,16 @@ class Engine:
                     f"profile {profile.name or ''} runs layers in INT8 and needs a calibration set: "
                     f"pass --calib DIR|FILE.npz (an ImageFolder directory or an .npz with 'x')"
                 )
-            from ..model.datasets import open_calibration
+            from ..model.datasets import check_fits, open_calibration
 
+            sample_shape = normalised.graph.shape(normalised.graph.inputs[0])[1:]
             dataset = calib if isinstance(calib, Dataset) else open_calibration(calib, label_names)
+            check_fits(dataset, sample_shape, "calibration set")
             calib_source = dataset.source
             checking = None
             if check is not None:
                 checking = check if isinstance(check, Dataset) else open_calibration(check, label_names)
+                check_fits(checking, sample_shape, "check set")
             from ..tasks import TaskDecoder
             from .int8 import decide_int8
 

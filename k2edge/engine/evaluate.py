@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 
 from ..errors import InferenceError
-from ..model.datasets import CocoDataset, Dataset, is_coco, open_coco, open_labelled
+from ..model.datasets import CocoDataset, Dataset, check_fits, is_coco, open_coco, open_labelled
 
 __all__ = ["open_eval_set", "run_detector", "evaluate_detector", "evaluate_instances", "evaluate_classifier"]
 
@@ -35,7 +35,9 @@ def open_eval_set(engine, path, limit: int | None = None) -> Dataset | CocoDatas
     if is_coco(path):
         raise DatasetError(f"{path}: COCO annotations evaluate detectors; this model's task is {engine.card.task!r} "
                            "(give it a card with task = \"detection\" if it is one)")
-    return open_labelled(path, engine.labels, limit)
+    dataset = open_labelled(path, engine.labels, limit)
+    check_fits(dataset, tuple(engine.input_shape)[1:], "evaluation set")
+    return dataset
 
 
 EVAL_SCORE_THRESHOLD = 0.001

@@ -319,6 +319,24 @@ def open_calibration(path: str | os.PathLike, labels: Sequence[str] | None = Non
     return dataset
 
 
+def check_fits(dataset: Dataset, sample_shape: tuple[int, ...], role: str) -> None:
+    """Refuse a tensor set whose samples cannot feed the model, before any work is done on it (a calibration that
+    takes minutes must not end in this). Images (and uint8 arrays, which are images) are resized when staged.
+
+    Args:
+        sample_shape: one sample of the model's input, the batch axis left out.
+        role: what the set is for, in the message (``calibration set``, ``check set``).
+
+    Raises:
+        DatasetError: one message naming the set, its sample shape and the model's.
+    """
+    x = dataset.samples
+    static = all(isinstance(d, int) and d > 0 for d in sample_shape)
+    if static and isinstance(x, np.ndarray) and x.dtype != np.uint8 and tuple(x.shape[1:]) != tuple(sample_shape):
+        raise DatasetError(f"{role} {dataset.source}: samples of shape {tuple(x.shape[1:])} do not fit the model's "
+                           f"input, one sample of which is {tuple(sample_shape)}")
+
+
 def _unreadable_images(paths) -> list[str]:
     """Paths whose header Pillow cannot read (cheap: ``Image.open`` reads only the header)."""
     from PIL import Image, UnidentifiedImageError

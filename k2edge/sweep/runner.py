@@ -80,14 +80,16 @@ def _open_eval(spec: SweepSpec):
     from ..engine.cache import EngineCache
     from ..config.resolve import load_labels, model_card
     from ..engine.engine import load_model
-    from ..model.datasets import open_coco, open_labelled
+    from ..model.datasets import check_fits, open_coco, open_labelled
 
     loaded = load_model(spec.model, EngineCache(spec.cache_dir), 1, spec.input_shapes, spec.card)
     card = model_card(loaded.path, loaded.normalised, loaded.card)
     labels = load_labels(loaded.path, loaded.normalised, None, card)
     if card.task in ("detection", "segmentation", "pose"):
         return open_coco(spec.dataset, labels, spec.settings.limit)
-    return open_labelled(spec.dataset, labels, spec.settings.limit)
+    dataset = open_labelled(spec.dataset, labels, spec.settings.limit)
+    check_fits(dataset, loaded.normalised.graph.shape(loaded.normalised.graph.inputs[0])[1:], "evaluation set")
+    return dataset
 
 
 def _reason(exc: BaseException) -> str:
