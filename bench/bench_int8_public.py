@@ -99,11 +99,18 @@ def outputs(engine, paths: list[Path]) -> list[dict]:
     return out
 
 
+_REFERENCE: dict = {}  # (engine key, images) -> FP32's outputs: a model's profiles are judged against one run
+
+
 def figure(name: str, fp32, int8, paths: list[Path]) -> dict:
     """The model's figure against FP32 on the evaluation set."""
     from k2edge.engine.check import compare_outputs
 
-    ref, got = outputs(fp32, paths), outputs(int8, paths)
+    key = (fp32.describe()["engine_key"], tuple(paths))
+    if key not in _REFERENCE:
+        _REFERENCE.clear()
+        _REFERENCE[key] = outputs(fp32, paths)
+    ref, got = _REFERENCE[key], outputs(int8, paths)
     if name == "yolov8n":
         from k2edge.tasks import TaskDecoder
 
@@ -136,17 +143,23 @@ def make_sets(spec: dict, dest: Path, n_calib: int, n_eval: int) -> list[Path]:
     return sorted(spec["eval"](dest / "eval", n_eval).rglob("*.jpg"))
 
 
-def run_one(name: str, spec: dict, profile_key: str, tmp: Path, eval_paths: list[Path]) -> dict:
+def run_one(name: str, spec: dict, profile_key: str, tmp: Path, eval_paths: list[Path], cache: Path | None = None,
+            rebuild: bool = True) -> dict:
+    """One model under one profile: its cold build (into an empty cache of its own unless ``cache`` is given: the
+    tests share one per model, whose profiles then share the calibration statistics and FP32's outputs), its
+    rebuild (unless ``rebuild`` is false: ``rebuild_s`` is then None) and its figure."""
     from k2edge import Engine
 
-    cache = tmp / f"cache-{name}-{profile_key}"
+    cache = cache or tmp / f"cache-{name}-{profile_key}"
     started, cpu = time.perf_counter(), time.process_time()
     before = load()
     engine = Engine.build(spec["model"], PROFILES[profile_key], calib=spec["calib_dir"], card=spec["card"], cache_dir=cache)
     cold, cold_cpu = time.perf_counter() - started, time.process_time() - cpu
-    started = time.perf_counter()
-    Engine.build(spec["model"], PROFILES[profile_key], calib=spec["calib_dir"], card=spec["card"], cache_dir=cache)
-    warm = time.perf_counter() - started
+    warm = None
+    if rebuild:
+        started = time.perf_counter()
+        Engine.build(spec["model"], PROFILES[profile_key], calib=spec["calib_dir"], card=spec["card"], cache_dir=cache)
+        warm = round(time.perf_counter() - started, 2)
     fp32 = Engine.build(spec["model"], "cpu-dev", card=spec["card"], cache_dir=cache)
     shares = engine.plan.precision_flops["model"]
     check = engine.info.int8_check
@@ -154,7 +167,7 @@ def run_one(name: str, spec: dict, profile_key: str, tmp: Path, eval_paths: list
            "fp32_share": shares["fp32"], "fallback": len(check.fallback), "check": check.status,
            "check_judged": check.power[1], "check_count": check.power[0], "calibration": check.calibration,
            "check_line": check.line(), "cold_build_s": round(cold, 1), "cold_build_cpu_s": round(cold_cpu, 1),
-           "rebuild_s": round(warm, 2),
+           "rebuild_s": warm,
            "load_before": before, "load_after": load(), **figure(name, fp32, engine, eval_paths)}
     print(json.dumps(row), flush=True)
     return row

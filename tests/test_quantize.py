@@ -247,6 +247,28 @@ def test_streaming_statistics_max_and_percentile():
     assert stats._state["t"].hist.shape == (BINS,)
 
 
+def test_statistics_saved_and_loaded_are_the_same(tmp_path):
+    """What the cache keeps is what was collected: every tensor's range, bin width and histogram (none for a tensor
+    that never saw a non-zero value), and the sample count; ranges from the loaded copy equal the original's."""
+    from k2edge.engine.calibration import TensorStatistics
+
+    rng = np.random.default_rng(1)
+    stats = TensorStatistics()
+    for _ in range(3):
+        stats.add({f"t{i}": (rng.standard_normal((2, 32)) * (i + 1)).astype(np.float32) for i in range(40)}
+                  | {"zeros": np.zeros((2, 8), np.float32)}, 2)
+    stats.save(tmp_path / "s.npz")
+    loaded = TensorStatistics.load(tmp_path / "s.npz")
+    assert loaded.samples == stats.samples == 6 and sorted(loaded._state) == sorted(stats._state)
+    for name, want in stats._state.items():
+        got = loaded._state[name]
+        assert (got.amax, got.width) == (want.amax, want.width), name
+        assert (got.hist is None) == (want.hist is None) and (want.hist is None or np.array_equal(got.hist, want.hist))
+    assert loaded._state["zeros"].hist is None
+    for method in ("max", "percentile"):
+        assert loaded.ranges(method, 99.9) == stats.ranges(method, 99.9)
+
+
 def test_card_overrides_the_profile_calibration():
     from k2edge.config.card import ModelCard
     from k2edge.engine.quantize import QuantSettings, quant_settings

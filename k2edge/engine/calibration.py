@@ -146,13 +146,15 @@ class TensorStatistics:
 
     @classmethod
     def load(cls, path: Path) -> "TensorStatistics":
-        with np.load(path) as z:
+        with np.load(path) as z:  # each z[key] reads and decompresses that array again: once each
             stats = cls(histogram="hist" in z)
             stats.samples = int(z["samples"])
-            for i, name in enumerate(z["names"].tolist()):
-                hist = z["hist"][i].astype(np.int64) if stats.histogram else None
-                width = float(z["width"][i])
-                stats._state[name] = _TensorState(float(z["amax"][i]), width, hist if width > 0 else None)
+            names, amax, width = z["names"].tolist(), z["amax"], z["width"]
+            hists = z["hist"].astype(np.int64) if stats.histogram else None
+        for i, name in enumerate(names):
+            w = float(width[i])
+            hist = hists[i] if hists is not None and w > 0 else None
+            stats._state[name] = _TensorState(float(amax[i]), w, hist)
         return stats
 
 
