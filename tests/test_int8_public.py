@@ -4,8 +4,8 @@ A calibration set whose held-out part has too few FP32 boxes gives an inconclusi
 and DBNet each meet their bounds GPU-only and under c4, judged by ``bench/bench_int8_public.py``'s own code on its
 own sets (1,000 calibration scenes and 100 evaluation images; 1,280 and 2,000 lines; 150 and 40 pages), without
 its cold-build bound, which is the machine's speed. Each model's two profiles share one cache, so the second finds
-the first's calibration statistics. DBNet's FP16
-engine matches FP32 (its BatchNorm variance beyond FP16's range is folded before converting).
+the first's calibration statistics. DBNet's FP16 engine matches FP32 (its BatchNorm variance beyond FP16's range is
+folded before converting).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from k2edge.engine.trt_cuda import primary_context, pushed, release_primary_cont
 class Driver:
     """A ``pycuda.driver``, the double's or the real one, and how to read its primary context."""
 
-    def __init__(self, name: str, drv, active, release_leaked):
-        self.name, self.drv = name, drv
+    def __init__(self, drv, active, release_leaked):
+        self.drv = drv
         self.active = active  # () -> bool: is device 0's primary context retained by anyone?
         self.release_leaked = release_leaked  # () -> None: drop one retain a detach left behind
 
@@ -37,7 +37,7 @@ def _double_driver():
     def release_leaked():
         double.primary_retains -= 1
 
-    return double, Driver("double", double.driver, lambda: double.primary_retains > 0, release_leaked)
+    return double, Driver(double.driver, lambda: double.primary_retains > 0, release_leaked)
 
 
 def _real_driver():
@@ -62,7 +62,7 @@ def _real_driver():
         release = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
         assert release(device) == 0
 
-    return Driver("real", drv, active, release_leaked)
+    return Driver(drv, active, release_leaked)
 
 
 @pytest.fixture(params=["double", pytest.param("real", marks=pytest.mark.gpu)])
