@@ -353,3 +353,26 @@ def test_serve_refuses_a_state_dir_it_cannot_use(tmp_path):
         proc = k2edge("serve", "--config", str(cfg), check=False)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines()[-1] == f"k2edge serve: error: service.state_dir '{state}' {fragment}", proc.stderr
+
+
+def test_debug_shows_the_traceback_before_or_after_the_command():
+    missing = ["infer", "models/digits/nothere.onnx", "-p", "c2", "x.jpg"]
+    assert_one_line_error(k2edge(*missing, check=False), "model file 'models/digits/nothere.onnx' does not exist")
+    for args in (["--debug", *missing], [*missing, "--debug"]):
+        proc = k2edge(*args, check=False)
+        assert proc.returncode == 1 and "Traceback" in proc.stderr and "ModelError" in proc.stderr, (args, proc.stderr)
+
+
+def test_request_sends_what_it_is_given_for_the_daemon_to_judge(run_daemon, broker, tmp_path):
+    """0 is a value (the daemon refuses it, naming the field), not "leave it out"; a timeout names where it asked."""
+    run_daemon()
+    np.save(tmp_path / "x.npy", np.zeros((1, 32, 32), np.float32))
+    base = ["request", "--broker", f"127.0.0.1:{broker.port}", "--model", "digits", str(tmp_path / "x.npy")]
+    for flag, field in (("--top-k", "top_k"), ("--deadline-ms", "deadline_ms")):
+        proc = k2edge(*base, "--device", "t1", flag, "0", check=False)
+        assert proc.returncode == 1 and "the daemon answered error bad_request" in proc.stderr, proc.stderr
+        assert field in proc.stderr, proc.stderr
+    assert k2edge(*base, "--device", "t1", "--top-k", "2", "--json").returncode == 0
+    proc = k2edge(*base, "--device", "nobody", "--timeout", "1", check=False)
+    assert_one_line_error(proc, "no answer to k2edge/nobody/infer/digits within 1 s")
+    assert_one_line_error(k2edge(*base, "--raw", check=False), "--raw sends a JPEG or PNG as it is")

@@ -28,15 +28,15 @@ def build_payload(path: str, prompt=None, top_k=None, deadline_ms=None, allow_cl
     fields = {"id": request_id}
     if attempt:
         fields["attempt"] = attempt
-    if prompt:
-        fields["prompt"] = prompt
-    if top_k:
-        fields["top_k"] = top_k
-    if deadline_ms:
-        fields["deadline_ms"] = deadline_ms
+    # every value given is sent, 0 and "" too: the daemon's checks answer for them (bad_request, naming the field)
+    for name, value in (("prompt", prompt), ("top_k", top_k), ("deadline_ms", deadline_ms)):
+        if value is not None:
+            fields[name] = value
     if not allow_cloud:
         fields["allow_cloud"] = False
     if p.suffix.lower() == ".npy":
+        if raw:
+            raise InputError("--raw sends a JPEG or PNG as it is; a .npy tensor goes as JSON (leave out --raw)")
         import numpy as np
 
         from ..readfile import load_numpy
@@ -177,14 +177,15 @@ class RequestClient:
             self._corr_mid[corr] = info.mid
         return corr, t0
 
-    def wait(self, corr: bytes, timeout: float) -> tuple[dict, float]:
-        """The answer for ``corr`` and when it arrived."""
+    def wait(self, corr: bytes, timeout: float, topic: str | None = None) -> tuple[dict, float]:
+        """The answer for ``corr`` and when it arrived; ``topic``: where the request went (named when none comes)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._answers.get(corr):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise K2EdgeError(f"no answer within {timeout:g} s (is the daemon running and serving this model?)")
+                    sent = f" to {topic}" if topic else ""
+                    raise K2EdgeError(f"no answer{sent} within {timeout:g} s (is the daemon running and serving this model?)")
                 self._cond.wait(left)
             return self._answers[corr].pop(0)
 
@@ -214,7 +215,7 @@ class RequestClient:
     def request(self, topic, payload, content_type="application/json", user_properties=None, timeout=10.0,
                 deadline_ms: float | None = None):
         corr, t0 = self.send(topic, payload, content_type, user_properties, deadline_ms=deadline_ms)
-        body, t1 = self.wait(corr, timeout)
+        body, t1 = self.wait(corr, timeout, topic)
         return body, (t1 - t0) * 1e3
 
 

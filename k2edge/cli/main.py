@@ -40,14 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="k2edge", description="Edge inference runtime for NVIDIA Jetson Orin (GPU + DLA).")
     parser.add_argument("--version", action="version", version=f"k2edge {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what each step does")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    _add_common(parser)
+    # the same flags after the command (`k2edge infer ... --debug`); unset there, they leave the top level's value
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for mod in _command_modules():
-        p = sub.add_parser(mod.COMMAND, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(mod.COMMAND, help=mod.HELP, description=mod.HELP, parents=[common])
         mod.register(p)
         p.set_defaults(run=mod.run)
     return parser
+
+
+def _add_common(parser: argparse.ArgumentParser, **kw) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what each step does", **kw)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors", **kw)
 
 
 def main(argv: list[str] | None = None) -> int:
