@@ -125,7 +125,8 @@ def test_hostile_requests_through_the_daemon_get_their_codes_and_it_keeps_servin
 @pytest.mark.slow
 def test_id_less_requests_are_each_answered_and_a_late_id_still_finds_its_topic(served):
     """Three requests without an id sharing correlation data get three answers; an unknown-model request whose
-    id comes after 4 kB of prompt is answered on {prefix}/result/{id}, not on the errors topic."""
+    id comes after 4 kB of prompt is answered on {prefix}/result/{id}, not on the errors topic; a request with neither
+    an id nor a Response Topic is answered on the errors topic."""
     from mqtt_support import SAMPLES, TOPIC
 
     d, client = served
@@ -141,6 +142,9 @@ def test_id_less_requests_are_each_answered_and_a_late_id_still_finds_its_topic(
     a = next(b for t, b in client.other if t == "k2edge/t1/result/deep-id")
     assert a["error"]["code"] == "unknown_model"
     assert not any(t.endswith("/errors") for t, _ in client.other)
+    client.publish(TOPIC, body, reply=False)  # neither an id nor a Response Topic: nowhere but the errors topic
+    client.wait_for(lambda c: any(t == "k2edge/t1/errors" for t, _ in c.other))
+    assert [b["status"] for t, b in client.other if t == "k2edge/t1/errors"] == ["ok"]
 
 
 def _rss_mib(pid: int) -> float:

@@ -27,7 +27,8 @@ def result_topic(prefix: str, request_id: str) -> str:
 
 
 def errors_topic(prefix: str) -> str:
-    """Where an error goes when a request gives neither a Response Topic nor a usable id."""
+    """Where the answer goes when a request gives neither a Response Topic nor a usable id (an error, mostly: a payload
+    whose id cannot be read; also the answer to a well-formed request that gave neither)."""
     return f"{prefix}/errors"
 
 
