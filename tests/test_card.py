@@ -81,11 +81,13 @@ def test_bad_values_are_refused_with_the_key_path(tmp_path, edit, message):
     assert str(exc.value).startswith(f"{path}: ") and message in str(exc.value), str(exc.value)
 
 
-def test_grey_card_with_three_means_is_refused(tmp_path):
-    """color L takes one mean/std value, not three."""
-    path = _write(tmp_path / "card.toml", '[input]\ncolor = "L"\nmean = [0.1, 0.2, 0.3]\n')
-    with pytest.raises(CardError, match=r"input.mean: color L has 1 channel\(s\); give 1 value, got 3"):
+@pytest.mark.parametrize("key", ["mean", "std"])
+def test_grey_card_with_three_means_is_refused(tmp_path, key):
+    """color L takes one mean/std value, not three; the message reads as every other card error (no "(top level)")."""
+    path = _write(tmp_path / "card.toml", f'[input]\ncolor = "L"\n{key} = [0.1, 0.2, 0.3]\n')
+    with pytest.raises(CardError) as exc:
         load_card(path)
+    assert str(exc.value) == f"{path}: input.{key}: color L has 1 channel(s); give 1 value, got 3"
 
 
 def test_not_toml_and_missing_file(tmp_path):
@@ -202,3 +204,88 @@ def test_engine_layers_the_daemon_table_over_the_card_beside_the_model(tmp_path)
     assert engine.labels[3] == "digit 3"
     rows = engine.top_k(np.array([[0.1, 0.7, 0.2] + [0.0] * 7]), 1)
     assert rows[0][0] == {"index": 1, "label": "digit 1", "score": 0.7}  # taken as probabilities, no softmax
+
+
+DETECTOR = ROOT / "models" / "detector"
+
+
+def _detector_card(tmp_path: Path, extra: str = "", labels: str | None = None) -> Path:
+    """The demo detector's own card (and labels) copied to tmp_path, edited."""
+    (tmp_path / "labels.txt").write_text(labels if labels is not None else (DETECTOR / "labels.txt").read_text())
+    return _write(tmp_path / "det.card.toml", (DETECTOR / "card.toml").read_text() + extra)
+
+
+def test_card_show_names_the_card_for_a_table_it_sets(tmp_path):
+    """card show marks [quantization] tolerance, an inline table the card sets, with the card, not '# default'."""
+    from test_cli import k2edge
+
+    card = _detector_card(tmp_path, '\n[quantization]\ntolerance = { recall = 0.9, precision = 0.95, score_ratio = 0.8 }\n')
+    shown = k2edge("card", "show", str(DETECTOR / "model.onnx"), "--card", str(card)).stdout
+    assert f"tolerance = {{ recall = 0.9, precision = 0.95, score_ratio = 0.8 }}  # {card}" in shown.splitlines()
+    assert 'float_head = "decoding"  # default' in shown.splitlines()
+    sources = json.loads(k2edge("card", "show", str(DETECTOR / "model.onnx"), "--card", str(card), "--json").stdout)["sources"]
+    assert sources["quantization.tolerance.recall"] == str(card)
+
+
+def test_a_table_set_by_two_layers_names_each_keys_source():
+    """An inline table whose keys come from different layers names each key's source."""
+    from k2edge.cli.card_cmd import _with_sources
+
+    toml = "[quantization]\ntolerance = { recall = 0.9, precision = 0.95 }\nmethod = \"max\"\n"
+    sources = {"quantization.tolerance.recall": "card.toml", "quantization.tolerance.precision": "daemon config"}
+    assert _with_sources(toml, sources).splitlines()[1:] == [
+        "tolerance = { recall = 0.9, precision = 0.95 }  # recall: card.toml; precision: daemon config",
+        'method = "max"  # default']
+
+
+def _hint(stdout: str) -> list[str]:
+    import shlex
+
+    command = shlex.split(stdout.strip().rsplit("check it with ", 1)[1])
+    assert command[:3] == ["k2edge", "card", "show"], command
+    return command[1:]
+
+
+def test_card_init_hint_shows_the_card_it_wrote(tmp_path):
+    """The command card init ends with shows the card written: with --card for --out FILE, or when a
+    <stem>.card.toml beside the model would be found first; bare for the card.toml that card show finds."""
+    import shutil
+
+    from test_cli import k2edge
+
+    model = tmp_path / "my model" / "model.onnx"  # a space: the hint is quoted for the shell
+    model.parent.mkdir()
+    shutil.copy(ROOT / "models" / "digits" / "model.onnx", model)
+    elsewhere = tmp_path / "cards" / "digits.toml"
+    elsewhere.parent.mkdir()
+    beside = model.with_name("card.toml")
+    for out, bare in ((elsewhere, False), (beside, True)):
+        hint = _hint(k2edge("card", "init", str(model), "--out", str(out)).stdout)
+        assert ("--card" not in hint) == bare, hint
+        assert k2edge(*hint).stdout.splitlines()[0] == f"# {out}"
+    beside.unlink()
+    _write(model.with_name("model.card.toml"), 'task = "classification"\n')  # found before card.toml
+    hint = _hint(k2edge("card", "init", str(model)).stdout)
+    assert hint[-2:] == ["--card", str(beside)]
+    assert k2edge(*hint).stdout.splitlines()[0] == f"# {beside}"
+
+
+def test_a_yolov8_output_read_as_yolov5_blames_the_format_not_the_labels(tmp_path):
+    """format = "yolov5" on the demo detector (YOLOv8's [N, 4 + 10, 525]) names the shape and both layouts, not
+    "10 label(s) for a detector of 520 class(es)"; labels that fit neither format are still blamed."""
+    from test_cli import assert_one_line_error, k2edge
+
+    model = str(DETECTOR / "model.onnx")
+    card = _detector_card(tmp_path)
+    _write(card, card.read_text().replace('format = "yolov8"', 'format = "yolov5"'))
+    proc = k2edge("card", "show", model, "--card", str(card), check=False)
+    assert_one_line_error(proc, f"{card}: detection.format: output 'output0' [1, 14, 525] looks like yolov8, not yolov5: "
+                                "yolov8 is [N, 4 + classes, anchors] (10 class(es), as the 10 label(s)), "
+                                "yolov5 is [N, anchors, 5 + classes] (520 class(es)); set format = \"yolov8\"")
+    assert "label(s) for a detector" not in proc.stderr
+    _write(tmp_path / "labels.txt", "a\nb\nc\n")
+    assert_one_line_error(k2edge("card", "show", model, "--card", str(card), check=False),
+                          "labels: 3 label(s) for a detector of 520 class(es) (output 'output0' [1, 14, 525])")
+    _write(card, card.read_text().replace('format = "yolov5"', 'format = "yolov8"'))
+    assert_one_line_error(k2edge("card", "show", model, "--card", str(card), check=False),
+                          "labels: 3 label(s) for a detector of 10 class(es)")

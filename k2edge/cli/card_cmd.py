@@ -52,6 +52,20 @@ def _metadata_names(metadata: dict) -> tuple[str, ...]:
         raise CardError(str(exc)) from None
 
 
+def _source_of(key: str, sources: dict[str, str]) -> str:
+    """Where the value of ``key`` comes from; an inline table (``tolerance = { recall = 0.9 }``) is sourced key by
+    key, so it names its one source, or each of its keys' when the layers that set it differ."""
+    if key in sources:
+        return sources[key]
+    # a table-valued key has no default of its own per key (it is unset as a whole): every key it shows was set
+    inner = {k[len(key) + 1:]: s for k, s in sources.items() if k.startswith(key + ".")}
+    if not inner:
+        return "default"
+    if len(set(inner.values())) == 1:
+        return next(iter(inner.values()))
+    return "; ".join(f"{k}: {s}" for k, s in inner.items())
+
+
 def _with_sources(toml: str, sources: dict[str, str]) -> str:
     """The card's TOML with ``# <source>`` after each value someone set (the rest are defaults)."""
     lines, table = [], ""
@@ -60,7 +74,7 @@ def _with_sources(toml: str, sources: dict[str, str]) -> str:
             table = line[1:-1] + "."
         key = line.split(" = ", 1)[0] if " = " in line and not line.startswith("#") else None
         if key is not None:
-            line = f"{line}  # {sources.get(table + key, 'default')}"
+            line = f"{line}  # {_source_of(table + key, sources)}"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -110,5 +124,19 @@ def run(args) -> int:
         out.write_text(text)
     except OSError as exc:
         raise K2EdgeError(f"cannot write {out} ({exc.strerror or exc})") from None
-    print(f"wrote {out}: {why}{note}; check it with k2edge card show {args.model}")
+    print(f"wrote {out}: {why}{note}; check it with {_show_command(model, out, args.input_shape)}")
     return 0
+
+
+def _show_command(model: Path, card: Path, input_shapes: list) -> str:
+    """The ``card show`` command that shows ``card``: bare when it is the card found beside the model, else with
+    ``--card`` (a ``<stem>.card.toml`` beside the model wins over a ``card.toml`` written there), and with the
+    ``--input-shape`` values ``card init`` was given."""
+    import shlex
+
+    from ..config.card import find_card
+
+    found = find_card(model)
+    flag = "" if found is not None and found.resolve() == card.resolve() else f" --card {shlex.quote(str(card))}"
+    shapes = "".join(f" --input-shape {shlex.quote(name + '=' + 'x'.join(map(str, dims)))}" for name, dims in input_shapes)
+    return f"k2edge card show {shlex.quote(str(model))}{flag}{shapes}"

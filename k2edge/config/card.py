@@ -99,6 +99,10 @@ def _finite(v: float) -> float:
     return v
 
 
+def _channels(color: str | None) -> int | None:
+    return None if color is None else (1 if color == "L" else 3)
+
+
 class InputSpec(_Strict):
     """How an image becomes the model input.
 
@@ -168,11 +172,17 @@ class InputSpec(_Strict):
             _finite(float(x))
         if info.field_name == "std" and any(x <= 0 for x in v):
             raise ValueError(f"every value must be > 0 (it divides), got {list(v)}")
+        # checked here rather than on the card, so the error is located at input.mean / input.std
+        color = info.data.get("color")  # validated before mean and std (declared above them); absent if invalid
+        ch = _channels(color)
+        if ch is not None and len(v) not in (1, ch):
+            raise ValueError(f"color {color} has {ch} channel(s); give {'1 value' if ch == 1 else f'1 or {ch} values'}, "
+                             f"got {len(v)}")
         return tuple(float(x) for x in v)
 
     @property
     def channels(self) -> int | None:
-        return None if self.color is None else (1 if self.color == "L" else 3)
+        return _channels(self.color)
 
 
 class ClassificationSpec(_Strict):
@@ -287,16 +297,6 @@ class ModelCard(_Strict):
     pose: PoseSpec = Field(default_factory=PoseSpec)
     quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
     source: str | None = Field(None, exclude=True, description="where the card came from, for messages")
-
-    @model_validator(mode="after")
-    def _channels(self):
-        ch = self.input.channels
-        for key in ("mean", "std"):
-            values = getattr(self.input, key)
-            if ch is not None and len(values) not in (1, ch):
-                raise ValueError(f"input.{key}: color {self.input.color} has {ch} channel(s); give "
-                                 f"{'1 value' if ch == 1 else f'1 or {ch} values'}, got {len(values)}")
-        return self
 
     @property
     def labels_path(self) -> Path | None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config.card import BOX_TASKS, CardError, ModelCard
 from .classification import probabilities, top_k
-from .detection import Detections, decode, layout_classes
+from .detection import Detections, decode, layout_classes, layout_text
 from .preprocess import Geometry
 from .tensor import encode_outputs
 
@@ -39,7 +39,8 @@ class TaskDecoder:
 
     Raises:
         CardError: the card names an output the model lacks, or a detection output does not fit
-            its format, or the labels disagree with the classes.
+            its format, or the labels disagree with the classes (naming the format instead when the labels
+            fit another format's reading of the output).
     """
 
     def __init__(self, card: ModelCard, labels: Sequence[str], outputs: Mapping[str, tuple]) -> None:
@@ -79,9 +80,28 @@ class TaskDecoder:
             except ValueError as exc:
                 raise CardError(f"{where}: detection.format: output {self.output!r}: {exc}") from None
             if self.labels and self.classes and len(self.labels) != self.classes:
+                self._check_format(outputs[self.output], where)
                 what = "detector" if card.task == "detection" else f"{card.task} model"
                 raise CardError(f"{where}: labels: {len(self.labels)} label(s) for a {what} of {self.classes} "
                                 f"class(es) (output {self.output!r} {list(outputs[self.output])})")
+
+    def _check_format(self, shape, where: str) -> None:
+        """Labels that disagree with the card's format but match another format's reading of the output blame the
+        format: a YOLOv8 output [1, 14, 525] read as yolov5 holds 520 classes, not the labels' 10."""
+        fmt = self.card.detection.format
+        for other in ("yolov8", "yolov5"):
+            if other == fmt:
+                continue
+            try:
+                classes = layout_classes(shape, other, self.extra)
+            except ValueError:
+                continue
+            if classes == len(self.labels):
+                raise CardError(
+                    f"{where}: detection.format: output {self.output!r} {list(shape)} looks like {other}, not {fmt}: "
+                    f"{other} is {layout_text(other, self.extra)} ({classes} class(es), as the {len(self.labels)} "
+                    f"label(s)), {fmt} is {layout_text(fmt, self.extra)} ({self.classes} class(es)); "
+                    f"set format = \"{other}\"")
 
     def _check_classes(self, shape, where: str) -> None:
         """A classifier's output is [N, classes] (trailing 1s allowed: [N, classes, 1, 1]), as many as the labels."""

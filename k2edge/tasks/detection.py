@@ -28,7 +28,7 @@ import numpy as np
 from ..config.card import DetectionSpec
 from .preprocess import Geometry
 
-__all__ = ["Detections", "candidates", "decode", "decode_one", "layout_classes", "nms"]
+__all__ = ["Detections", "candidates", "decode", "decode_one", "layout_classes", "layout_text", "nms"]
 
 # Above this many candidates NMS works box by box instead of building the n x n IoU matrix
 # (measured: the matrix wins at a few hundred candidates, loses 5x at 1,000).
@@ -60,6 +60,14 @@ class Detections:
                 for b, s, c in zip(self.boxes, self.scores, self.classes)]
 
 
+def layout_text(fmt: str, extra: int = 0) -> str:
+    """The output shape ``fmt`` expects, as messages write it: ``[N, 4 + classes + 32, anchors]`` (yolov8, 32
+    mask coefficients); yolov5 carries no extra values."""
+    plus = f" + {extra}" if extra else ""
+    return {"yolov8": f"[N, 4 + classes{plus}, anchors]", "yolov5": "[N, anchors, 5 + classes]",
+            "end2end": f"[N, boxes, 6{plus}]"}[fmt]
+
+
 def layout_classes(shape: Sequence, fmt: str, extra: int = 0) -> int:
     """The class count an output of ``shape`` holds in layout ``fmt`` with ``extra`` values per box
     after the class scores (mask coefficients, keypoints, an angle).
@@ -75,13 +83,13 @@ def layout_classes(shape: Sequence, fmt: str, extra: int = 0) -> int:
     plus = f" + {extra}" if extra else ""
     if fmt == "end2end":
         if dims[2] != 6 + extra:
-            raise ValueError(f"end2end layout is [N, boxes, 6{plus}] (x1 y1 x2 y2 score class{plus and ' ...'}); "
+            raise ValueError(f"end2end layout is {layout_text(fmt, extra)} (x1 y1 x2 y2 score class{plus and ' ...'}); "
                              f"shape {list(shape)} has {dims[2]} columns")
         return 0  # the class count is not in the shape
     if fmt == "yolov8":
         classes = dims[1] - 4 - extra
         if classes < 1:
-            raise ValueError(f"yolov8 layout is [N, 4 + classes{plus}, anchors]; shape {list(shape)} has {dims[1]} rows")
+            raise ValueError(f"yolov8 layout is {layout_text(fmt, extra)}; shape {list(shape)} has {dims[1]} rows")
         if dims[1] > dims[2]:
             raise ValueError(f"yolov8 layout is [N, 4 + classes, anchors] (anchors last, usually thousands); shape "
                              f"{list(shape)} has more rows than anchors: is it [N, anchors, 5 + classes] (format = \"yolov5\")?")
@@ -89,7 +97,7 @@ def layout_classes(shape: Sequence, fmt: str, extra: int = 0) -> int:
     if fmt == "yolov5":
         classes = dims[2] - 5
         if classes < 1:
-            raise ValueError(f"yolov5 layout is [N, anchors, 5 + classes]; shape {list(shape)} has {dims[2]} columns")
+            raise ValueError(f"yolov5 layout is {layout_text(fmt)}; shape {list(shape)} has {dims[2]} columns")
         return classes
     raise ValueError(f"unknown detection format {fmt!r}")
 
