@@ -270,7 +270,8 @@ def test_files_that_cannot_be_read_are_down_at_once(tmp_path):
             c.mux(p)
         for p in s.encode():
             c.mux(p)
-    for name, why in (("missing.mp4", "no such file"), ("junk.mp4", "cannot open"), ("audio.mka", "no video stream")):
+    for name, why in (("missing.mp4", "no such file"), ("junk.mp4", "not a video PyAV can open ("),
+                      ("audio.mka", "no video stream")):
         rec = Recorder()
         r = StreamReader("a", parse_source((tmp_path / name).as_uri()), rec)
         r.start()
@@ -303,12 +304,14 @@ def test_gstreamer_sources_without_gi_are_refused_with_one_message():
         pytest.skip("python3-gi is importable here: the refusal cannot be seen")
     except ImportError:
         pass
-    for uri in ("csi://0", "gst:videotestsrc ! appsink name=sink"):
+    for uri in ("csi://0", "gst:videotestsrc ! appsink name=sink", "rtsp://cam/x"):
         rec = Recorder()
         r = StreamReader("a", parse_source(uri), rec, backend="gstreamer")
         r.start()
         rec.wait(lambda: r.state == "down", 10)
         assert "python3-gi" in r.last_error
+        # PyAV is the way out only for what PyAV reads: an RTSP camera, not a CSI camera or a pipeline
+        assert ('backend = "pyav"' in r.last_error) == uri.startswith("rtsp"), r.last_error
 
 
 # k2edge watch ----------------------------------------------------------------------------------------
@@ -369,6 +372,118 @@ def test_watch_refuses_bad_sources_in_one_line(tmp_path):
         out = _watch(*args, timeout=60)
         assert out.returncode in (1, 2) and "Traceback" not in out.stderr and "hunter2" not in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def _daemon_latency_keys(tmp_path) -> list:
+    """The keys of ``latency_ms`` in what the daemon publishes for a frame: one frame through StreamPath's stage and
+    finish (a model double that finds nothing), its published payload read back."""
+    import json
+    from types import SimpleNamespace
+
+    from k2edge.service.event_store import EventStore
+    from k2edge.service.stream_path import StreamPath
+    from k2edge.streams.reader import Frame
+    from k2edge.streams.stream import Stream, StreamFrame
+
+    class Publisher:  # the transport, connected, its detections kept
+        def __init__(self):
+            self.connected, self.sent = threading.Event(), []
+            self.connected.set()
+
+        def publish(self, topic, payload, qos=0, **kw):
+            self.sent.append(json.loads(payload))
+
+    class Preprocess:
+        def stage_mapped(self, image):  # the sample, and its geometry (the frame's size)
+            return np.zeros((1, 3, 8, 8), np.float32), SimpleNamespace(width=image.shape[1], height=image.shape[0])
+
+    class Served:  # a served model: its card's staging, and no detection in any frame
+        name, version, preprocess = "boxes", None, Preprocess()
+
+        def results(self, outputs, geometries, counts):
+            return [({"detections": []}, None) for _ in geometries]
+
+    publisher = Publisher()
+    path = StreamPath([], "k2edge/t1", publisher, EventStore(tmp_path / "events.sqlite"), {})
+    stream = Stream("cam", "boxes", StreamReader("cam", parse_source("file:///nowhere.mp4"), Recorder()))
+    now = time.monotonic()
+    frame = Frame(0, 0.0, time.time(), now, now, np.zeros((48, 64, 3), np.uint8))
+    staged = path.stage(Served(), [StreamFrame(stream, frame, now)])
+    path.finish(Served(), staged, [None], time.perf_counter())
+    path.close()
+    (body,) = publisher.sent
+    return list(body["latency_ms"])
+
+
+def test_watch_frame_lines_are_the_daemons_payload_and_all_come_before_stream_ended(tmp_path):
+    """A short file, plain and --json: a line per frame, in order, every one before the stream_ended line (the last
+    line); a --json frame line has the daemon's payload keys, latency_ms's the same as the daemon publishes."""
+    import json
+
+    clip = _video(tmp_path / "clip.mp4", frames=12, fps=15)
+    text = _watch(clip, timeout=120)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert [ln.split()[1] for ln in lines if ln.startswith("frame ")] == [str(i) for i in range(12)], lines
+    assert lines[-1].strip() == "event stream_ended" and sum("stream_ended" in ln for ln in lines) == 1, lines
+    out = _watch(clip, "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    frames = [x for x in lines if "frame" in x]
+    assert [f["frame"] for f in frames] == list(range(12))
+    assert lines[-1]["event"] == "stream_ended" and sum(x.get("event") == "stream_ended" for x in lines) == 1, lines
+    assert all(set(f) == {"stream", "frame", "pts", "captured_at", "model", "model_version", "detections", "latency_ms"}
+               for f in frames)
+    daemon = _daemon_latency_keys(tmp_path)
+    assert all(list(f["latency_ms"]) == daemon for f in frames), (frames[0]["latency_ms"], daemon)
+    assert all(f["latency_ms"]["batch"] == 1 for f in frames)  # watch runs one frame a batch
+
+
+def test_watch_a_file_that_is_not_a_video_is_one_line_naming_it_once(tmp_path):
+    """A text file given as the source: exit 1, nothing on stdout (no stream_down), one line on stderr (no log
+    warning) that names the file as given, once, and why; --json the same."""
+    labels = tmp_path / "labels.txt"
+    labels.write_text("person\ncar\n")
+    for extra in ((), ("--json",)):
+        out = _watch(labels, *extra, timeout=60)
+        assert out.returncode == 1 and out.stdout == "", (out.stdout, out.stderr)
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith(f"k2edge watch: error: {labels}: not a video PyAV can open ("), line
+        assert line.count("labels.txt") == 1, line
+
+
+def test_watch_a_csi_camera_off_a_jetson_says_what_reads_one():
+    """csi://0 where GStreamer's python3-gi is missing: one line saying a CSI camera is read by nvarguscamerasrc on a
+    Jetson and why not here, not the advice to use PyAV (which cannot read one, and watch has no backend flag)."""
+    from pathlib import Path
+
+    try:
+        import gi  # noqa: F401
+        pytest.skip("python3-gi is importable here: the refusal cannot be seen")
+    except ImportError:
+        pass
+    out = _watch("csi://0", "--connect-timeout", "5", timeout=60)
+    assert out.returncode == 1 and out.stdout == "", (out.stdout, out.stderr)
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("k2edge watch: error: csi://0: a CSI camera is read by GStreamer's nvarguscamerasrc"), line
+    here = "this venv cannot import python3-gi" if Path("/etc/nv_tegra_release").exists() else "this machine is not a Jetson"
+    assert here in line, line
+    assert "pyav" not in line.lower(), line
+
+
+def test_watch_help_says_its_default_profile():
+    """watch, unlike infer, build and eval, runs without -p: its --help says on what (cpu-dev)."""
+    import os
+    import subprocess
+    import sys
+
+    from mqtt_support import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "k2edge", "watch", "--help"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60, env={**os.environ, "COLUMNS": "200"})  # wide: the help on one line each
+    assert out.returncode == 0, out.stderr
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.strip().startswith("--profile P")]
+    assert "default: cpu-dev" in line, line
 
 
 def test_watch_gives_up_on_a_camera_that_never_answers_and_on_a_file_without_frames(tmp_path):

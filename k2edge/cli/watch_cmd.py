@@ -1,4 +1,10 @@
-"""``k2edge watch MODEL SOURCE``: one video source through a detector, with the daemon's reader and tracker."""
+"""``k2edge watch MODEL SOURCE``: one video source through a detector, with the daemon's reader and tracker.
+
+A frame line is the daemon's detections payload, ``latency_ms`` included (one frame a batch: ``batch`` is 1); a
+file's ``stream_ended`` comes after its last frame's line, as the daemon publishes it (:meth:`Stream.defer_end
+<k2edge.streams.stream.Stream.defer_end>`). A source that cannot be opened is one error line, exit status 1: the
+reader's state changes are watch's own lines (events, that error), not log warnings as well (``-v`` shows them).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ HELP = "run a detector on a video file, RTSP camera or V4L2 device: tracked dete
 ORDER = 45
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -31,6 +38,9 @@ def register(p) -> None:
                    "v4l2:///dev/video0, csi://0 (Jetson), gst:<pipeline>")
     add_build(p, profile_required=False)
     p.set_defaults(profile="cpu-dev")
+    for action in p._actions:  # add_build's --profile, which watch alone does not require
+        if action.dest == "profile":
+            action.help += "; default: cpu-dev (one lane, FP32, no calibration)"
     p.add_argument("--fps", type=positive_float, metavar="N", help="frames to process per second (of video, for a file); "
                    "default: every frame")
     p.add_argument("--realtime", action="store_true",
@@ -70,11 +80,14 @@ class _Listener:
         event = state_event(old, new, reason)
         if self.stream is not None:
             self.stream.on_state(old, new, reason)
-        with self._lock:
-            if event is not None:
+        if new == "down" and old != "up":
+            event = None  # a source that could not be (re)opened: the run ends on it, in its one error line
+        elif event is not None and new == "ended" and self.stream is not None \
+                and self.stream.defer_end(([event], reader.last_index)):
+            event = None  # behind the frames read before the end: the main loop hands it on after the last one
+        if event is not None:
+            with self._lock:
                 self.events.append(event)
-        if event is None and reason:  # a reopen that failed: not an event (it was down already), but say why
-            print(f"watch: {new}: {reason}", file=sys.stderr, flush=True)
         self.wake.set()
 
     def drain(self) -> list[dict]:
@@ -84,6 +97,9 @@ class _Listener:
 
 
 def _source(text: str):
+    """The source ``text`` names; a plain path is shown as given (it holds no credentials), not as its URI."""
+    from dataclasses import replace
+
     from ..streams.source import parse_source
 
     if "://" not in text and not text.startswith("gst:"):
@@ -92,7 +108,7 @@ def _source(text: str):
             raise InputError(f"source {text!r} is a directory; give a video file or a URI such as rtsp://host/path")
         if not path.is_file():
             raise InputError(f"source {text!r}: no such file (give a file path or a URI such as rtsp://host/path)")
-        text = path.resolve().as_uri()
+        return replace(parse_source(path.resolve().as_uri()), shown=text)
     try:
         return parse_source(text)
     except ValueError as exc:
@@ -118,6 +134,17 @@ def _configured_stream(args) -> tuple[list, list, float, tuple]:
 
 
 def run(args) -> int:
+    reader_log = logging.getLogger("k2edge.streams.reader")
+    level = reader_log.level
+    if not getattr(args, "verbose", False):
+        reader_log.setLevel(logging.ERROR)  # its state warnings: watch prints each as an event or its error line
+    try:
+        return _watch(args)
+    finally:
+        reader_log.setLevel(level)
+
+
+def _watch(args) -> int:
     from ..streams.payload import detections_payload, event_payload
     from ..streams.reader import StreamReader
     from ..streams.source import backend_for
@@ -202,7 +229,7 @@ def run(args) -> int:
                 detections = engine.answers(outputs, 1, geometries, 1)[0]["detections"]
                 tracked = stream.track(item, detections)
                 latency = {"wait": (item.taken - item.frame.captured) * 1e3, "stage": (t1 - t0) * 1e3,
-                           "infer": (t2 - t1) * 1e3, "age": (time.monotonic() - item.frame.captured) * 1e3}
+                           "infer": (t2 - t1) * 1e3, "batch": 1, "age": (time.monotonic() - item.frame.captured) * 1e3}
                 body = detections_payload(STREAM, item.frame, model, None, tracked.detections, latency)
                 frames += 1
                 if args.json:
@@ -212,6 +239,9 @@ def run(args) -> int:
                     say(f"frame {body['frame']} pts {body['pts']:.3f}: {len(body['detections'])} detection(s)"
                         + (f": {dets}" if dets else ""))
                 emit(tracked.events, item.frame.index, tracked.escalations)
+                ended = stream.conclude(item)  # a file's stream_ended, when it waited for this frame
+                if ended is not None:
+                    emit(*ended)
                 if out is not None:
                     writer = writer or _Writer(out, args.fps or reader.source_fps or 25.0, item.frame.image.shape)
                     writer.write(item.frame.image, tracked.detections, stream.zones, stream.lines)
@@ -220,12 +250,16 @@ def run(args) -> int:
         finally:
             reader.stop(2.0)
             emit(listener.drain(), reader.last_index)
+            ended = stream.take_end()  # interrupted with the file's last frame unprocessed: its end, announced now
+            if ended is not None:
+                emit(*ended)
             if writer is not None:
                 writer.close()
             if cloud is not None:
                 cloud.finish(args.cloud_wait)
-    if reader.state == "down":
-        raise InputError(f"source {spec.shown!r}: {reader.last_error}")
+    if reader.state == "down":  # the backend's reason names the source, unless it is about this machine
+        why = reader.last_error or "cannot be read"
+        raise InputError(why if why.startswith(spec.shown) else f"{spec.shown}: {why}")
     if gave_up:
         raise InputError(f"source {spec.shown!r}: no frame in {args.connect_timeout:g} s, given up "
                          f"({reader.last_error or 'connected, nothing decoded'}; --connect-timeout 0 keeps trying)")

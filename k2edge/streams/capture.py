@@ -85,6 +85,8 @@ class PyAVCapture:
         except av.error.ExitError:  # FFmpeg's interrupt: the open timeout
             raise SourceError(f"{spec.shown}: cannot open: no answer within {open_timeout_s:g} s") from None
         except av.error.FFmpegError as exc:
+            if spec.kind == "file" and not isinstance(exc, OSError):  # read, and no format FFmpeg knows (not a refusal)
+                raise SourceError(f"{spec.shown}: not a video PyAV can open ({_reason(exc)})", permanent=True) from None
             raise SourceError(f"{spec.shown}: cannot open: {_reason(exc)}", permanent=spec.kind == "file") from None
         except OSError as exc:
             raise SourceError(f"{spec.shown}: cannot open: {exc.strerror or exc}", permanent=spec.kind == "file") from None
@@ -163,6 +165,20 @@ def gst_pipeline(spec: SourceSpec) -> str:
             f"video/x-raw,format=BGRx ! videoconvert ! video/x-raw,format=RGB ! {sink}")
 
 
+def _without_gi(spec: SourceSpec) -> str:
+    """Why ``spec`` cannot be read where python3-gi is missing, and what would read it: PyAV only for the kinds it
+    reads (a ``backend = "gstreamer"`` stream); a CSI camera only on a Jetson."""
+    if spec.kind == "csi":
+        from ..engine.probe import l4t_release
+
+        where = ("this machine is not a Jetson" if l4t_release() is None
+                 else "this venv cannot import python3-gi (make it with --system-site-packages)")
+        return f"{spec.shown}: a CSI camera is read by GStreamer's nvarguscamerasrc through JetPack's python3-gi; {where}"
+    need = ("the GStreamer backend needs python3-gi with GStreamer 1.0 (JetPack has it; make the venv with "
+            "--system-site-packages)")
+    return need if spec.kind == "gst" else need + '; on other machines use backend = "pyav"'
+
+
 class GstCapture:
     """GStreamer through JetPack's ``python3-gi`` (make the venv with ``--system-site-packages``).
     Checked on a Jetson by ``tools/jetson-selftest``; refused with one message where ``gi`` is missing."""
@@ -174,8 +190,7 @@ class GstCapture:
             gi.require_version("Gst", "1.0")
             from gi.repository import Gst
         except (ImportError, ValueError):
-            raise SourceError("the GStreamer backend needs python3-gi with GStreamer 1.0 (JetPack has it; make the venv "
-                              "with --system-site-packages); on other machines use backend = \"pyav\"", permanent=True) from None
+            raise SourceError(_without_gi(spec), permanent=True) from None
         Gst.init(None)
         self._gst, self.corrupt, self.fps, self._shown = Gst, 0, None, spec.shown
         self._read_ns = int(read_timeout_s * 1e9)
