@@ -216,6 +216,11 @@ def test_config_example_loads_and_resolves_paths():
     ('[thermal]\nsoft_c = false\n[[models]]\nname = "a"\nonnx = "m"', "thermal.soft_c: must be a number, not false"),
     # where the file was read from is recorded by k2edge, never a key of the file
     ('source = "elsewhere.toml"\n[[models]]\nname = "a"\nonnx = "m"', "source: unknown key"),
+    # a profile is found and read when the config is, before the daemon starts anything
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c99"', "models.0.profile: profile 'c99' not found"),
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\n[models.escalation]\nwarm_profile = "c99"',
+     "models.0.escalation.warm_profile: profile 'c99' not found"),
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "bad.json"', "models.0.profile: profile file"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:

@@ -344,8 +344,25 @@ def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
         cfg = DaemonConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{p}: {describe_validation_error(exc, model_keys(DaemonConfig))}") from None
+    _check_profiles(cfg, p)
     cfg._source = p
     return cfg
+
+
+def _check_profiles(cfg: DaemonConfig, path: Path) -> None:
+    """Every profile a model names is found and valid, before anything starts; the error names the key."""
+    from ..errors import ProfileError
+    from ..profile import load_profile
+
+    for i, m in enumerate(cfg.models):
+        named = (("profile", m.profile if m.onnx is not None or m.profile_set else None),  # a bundle brings its own
+                 ("escalation.warm_profile", m.escalation.warm_profile))
+        for key, profile in named:
+            if profile:
+                try:
+                    load_profile(profile)
+                except ProfileError as exc:
+                    raise ConfigError(f"{path}: models.{i}.{key}: {exc}") from None
 
 
 def state_dir(cfg: DaemonConfig) -> Path:
