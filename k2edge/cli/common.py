@@ -107,9 +107,12 @@ def input_shapes_of(args, batch_size: int = 1) -> dict | None:
     return input_shapes(load_onnx(args.model)[0], card_file(Path(args.model), args.card), batch_size)
 
 
-def add_build(p: argparse.ArgumentParser, profile_required: bool = True) -> None:
-    p.add_argument("--profile", "-p", required=profile_required, metavar="P",
-                   help="profile file or name (c1..c6, cpu-dev)")
+def add_build(p: argparse.ArgumentParser, default_profile: tuple[str, str] | None = None) -> None:
+    """The build options; ``--profile`` is required unless ``default_profile`` gives (name, what it is)."""
+    default = f"; default: {default_profile[0]} ({default_profile[1]})" if default_profile else ""
+    p.add_argument("--profile", "-p", required=default_profile is None, metavar="P",
+                   default=default_profile[0] if default_profile else None,
+                   help=f"profile file or name (c1..c6, cpu-dev){default}")
     p.add_argument("--calib", metavar="DATA", help="calibration set for INT8: ImageFolder directory or .npz "
                    "(default: calib/ or calib.npz beside the model)")
     p.add_argument("--check", metavar="DATA", help="run the INT8 accuracy check on this set (images folder, .npz "

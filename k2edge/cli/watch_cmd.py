@@ -36,11 +36,7 @@ def register(p) -> None:
     add_model(p)
     p.add_argument("source", metavar="SOURCE", help="file:///path.mp4 (or a plain path), rtsp://[user:pass@]host[:port]/path, "
                    "v4l2:///dev/video0, csi://0 (Jetson), gst:<pipeline>")
-    add_build(p, profile_required=False)
-    p.set_defaults(profile="cpu-dev")
-    for action in p._actions:  # add_build's --profile, which watch alone does not require
-        if action.dest == "profile":
-            action.help += "; default: cpu-dev (one lane, FP32, no calibration)"
+    add_build(p, default_profile=("cpu-dev", "one lane, FP32, no calibration"))
     p.add_argument("--fps", type=positive_float, metavar="N", help="frames to process per second (of video, for a file); "
                    "default: every frame")
     p.add_argument("--realtime", action="store_true",
