@@ -395,6 +395,15 @@ def test_policy_reasons_codes_and_profiles():
     assert prompt_local.action == "local"
 
 
+def test_a_reason_shows_the_threshold_as_set_and_a_confidence_that_differs_from_it():
+    """0.9999 is not printed as 1.000, nor a confidence just under it as the threshold itself."""
+    fine = EscalationSettings(threshold=0.9999)
+    d = decide(EscalationRequest("m"), local([0.95, 0.05]), "normal", settings=fine)
+    assert d.reason == "confidence 0.9500 (max_softmax) < threshold 0.9999", d.reason
+    close = decide(EscalationRequest("m"), local([0.99989, 0.00011]), "normal", settings=fine)
+    assert close.reason == "confidence 0.99989 (max_softmax) < threshold 0.99990", close.reason
+
+
 def test_warm_escalates_low_confidence_sooner():
     """0.75 passes the 0.6 threshold in normal but not the warm threshold (halfway to 1: 0.8)."""
     mid = local([0.75, 0.2])

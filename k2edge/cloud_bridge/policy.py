@@ -155,11 +155,12 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
         measure = s.measure
         conf = local.confidence(measure)
         thr = s.effective_warm_threshold if state == "warm" else s.threshold
-        bar = f"{'warm ' if state == 'warm' else ''}threshold {thr:.3f}"
+        shown_conf, shown_thr = _shown(conf, thr)
+        bar = f"{'warm ' if state == 'warm' else ''}threshold {shown_thr}"
         numbers = {"confidence": conf, "threshold": thr, "measure": measure}
         if conf >= thr:
-            return Decision("local", f"confidence {conf:.3f} ({measure}) >= {bar}", **numbers, **base)
-        why = f"confidence {conf:.3f} ({measure}) < {bar}"
+            return Decision("local", f"confidence {shown_conf} ({measure}) >= {bar}", **numbers, **base)
+        why = f"confidence {shown_conf} ({measure}) < {bar}"
     numbers = {"confidence": conf, "threshold": thr, "measure": measure}
     no_local_work = not request.has_local_model or state == "critical"
 
@@ -180,6 +181,16 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
         code = "cloud_unavailable" if not request.has_local_model else "busy"
         return Decision("refuse", f"{why}, and {cloud_why}", escalate=True, error_code=code, **numbers, **base)
     return Decision("local", f"{why}; {cloud_why}: answered locally", degraded=True, escalate=True, **numbers, **base)
+
+
+def _shown(confidence: float, threshold: float) -> tuple[str, str]:
+    """A confidence and its threshold as a reason prints them: three decimals, more where the threshold has more
+    (0.9999, not 1.000) or where the two would otherwise read the same (up to six)."""
+    for places in range(3, 7):
+        c, t = f"{confidence:.{places}f}", f"{threshold:.{places}f}"
+        if abs(float(t) - threshold) < 1e-12 and (c != t or confidence == threshold):
+            break
+    return c, t
 
 
 def reason_kind(reason: str | None) -> str:
