@@ -41,9 +41,14 @@ def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | Non
         return load_card(card)
     found = find_card(model_path)
     if found is not None:
-        log.info("using the model card beside the model: %s", found)
+        if str(found) not in _announced:  # once a process: the daemon loads a model for each of its profiles
+            _announced.add(str(found))
+            log.info("using the model card beside the model: %s", found)
         return load_card(found)
     return None
+
+
+_announced: set[str] = set()
 
 
 def input_shapes(model: "onnx.ModelProto", card: ModelCard | None, batch_size: int, given: InputShapes | None = None,
