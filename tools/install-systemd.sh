@@ -113,7 +113,9 @@ else
     sed "s|/opt/k2edge/venv|$PREFIX/venv|g; s|/opt/k2edge/README.md|$PREFIX/README.md|; s|/opt/k2edge/bundles|$PREFIX/bundles|; s|^User=k2edge|User=$SVC_USER|; s|^Group=k2edge|Group=$GROUP|" \
         "$REPO/systemd/k2edge.service" > /etc/systemd/system/k2edge.service
 fi
-if [ -d /run/systemd/system ]; then
+if [ "$DRY" = 1 ]; then
+    echo "dry run: nothing was installed (the lines above are what would be done)"
+elif [ -d /run/systemd/system ]; then
     run systemctl daemon-reload
     if [ "$START" = 1 ]; then run systemctl enable --now k2edge.service; else run systemctl enable k2edge.service; fi
     echo "installed; follow it with: journalctl -u k2edge -f"
