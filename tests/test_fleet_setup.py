@@ -94,6 +94,7 @@ def test_installer_dry_run_lists_the_trust_and_state_directories(tmp_path):
     assert f"install -m 0640 -o root -g k2edge {key} /etc/k2edge/trust/k2edge.pub" in out
     assert "install -d -m 0750 -o k2edge -g k2edge /var/lib/k2edge /var/lib/k2edge/models" in out
     assert f"install -d -m 0750 -o root -g k2edge {tmp_path / 'opt'}/bundles" in out
+    assert f"-m pip install -q {ROOT}[streams]" in out or f"-m pip install -q {ROOT}[jetson,streams]" in out, out
     assert out.rstrip().endswith("dry run: nothing was installed (the lines above are what would be done)")
     assert "the unit is installed" not in out and "installed;" not in out
     bad = subprocess.run(["bash", str(ROOT / "tools" / "install-systemd.sh"), "--dry-run", "--trust", str(ROOT / "README.md")],

@@ -59,8 +59,9 @@ else
     # the service user must be able to run the interpreter: prefer the system one over a per-user build
     PY=${PYTHON:-$(command -v /usr/bin/python3 || command -v python3)}
     "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "install-systemd: Python 3.10+ needed ($PY)" >&2; exit 1; }
-    extras=""
-    [ -e /etc/nv_tegra_release ] && extras="[jetson]"
+    # streams: PyAV and scipy (the tracker), for [[streams]]; on a Jetson also pycuda and jetson-stats
+    extras="[streams]"
+    [ -e /etc/nv_tegra_release ] && extras="[jetson,streams]"
     id "$SVC_USER" >/dev/null 2>&1 || run useradd --system --home-dir /var/lib/k2edge --shell /usr/sbin/nologin "$SVC_USER"
 fi
 if id "$SVC_USER" >/dev/null 2>&1; then GROUP=$(id -gn "$SVC_USER"); else GROUP=$SVC_USER; fi
