@@ -27,7 +27,8 @@ def evaluate(engine, dataset, progress: Progress | None = None) -> dict:
 
 
 def run(args) -> int:
-    from ..engine.evaluate import evaluate_detector, evaluate_instances, open_eval_set
+    from ..engine.evaluate import (EVAL_MAX_DETECTIONS, EVAL_SCORE_THRESHOLD, evaluate_detector, evaluate_instances,
+                                   open_eval_set)
     from ..errors import InputError
 
     if args.limit is not None and args.limit < 1:
@@ -57,7 +58,8 @@ def run(args) -> int:
         what = {"segmentation": "mask ", "pose": "keypoint "}.get(task, "")
         boxes = f"; boxes mAP@0.5 {result['box_map50']:.4f}, mAP@0.5:0.95 {result['box_map']:.4f}" if what else ""
         print(f"{what}mAP@0.5 {result['map50']:.4f}, mAP@0.5:0.95 {result['map']:.4f}{boxes} ({result['images']} images, "
-              f"{result['detections']} detections) with profile {result['profile']} on {', '.join(result['lanes'])}; "
+              f"{result['detections']} detections scored, as COCO mAP counts them: score >= {EVAL_SCORE_THRESHOLD:g}, up to "
+              f"{EVAL_MAX_DETECTIONS} an image, not the card's thresholds) with profile {result['profile']} on {', '.join(result['lanes'])}; "
               f"{result['throughput_per_s']:.0f} images/s")
     else:
         print(f"top-1 {result['top1']:.4f} ({result['correct']}/{result['samples']}) with profile {result['profile']} "
