@@ -238,7 +238,7 @@ def _curve(args) -> int:
           f"confidence by {args.measure}; the cloud is assumed to answer every escalated request correctly")
     body = []
     for p in points:
-        thr = "-" if p.threshold is None else f"{p.threshold:.6g}"
+        thr = "-" if p.threshold is None else f"{p.threshold:.6f}"
         if p.threshold is not None and p.escalated == info["samples"]:
             thr = f"{thr} (all)"
         body.append([f"{p.share * 100:.0f} %", p.escalated, f"{p.accuracy * 100:.2f} %",
