@@ -101,6 +101,8 @@ def test_profiles_commands(tmp_path):
     listing = k2edge("profiles", "list").stdout
     for name in ("c1", "c2", "c3", "c4", "c5", "c6", "cpu-dev"):
         assert name in listing
+    c1 = next(line for line in listing.splitlines() if line.startswith("c1 "))
+    assert c1.rstrip().endswith("(its file has none)"), c1  # the design's seed, verbatim: no description key
     shown = json.loads(k2edge("profiles", "show", "c1").stdout)
     assert shown["edge_runtime"]["offload_ratio"] == 0.35 and shown["edge_runtime"]["batch_size"] == 1
     bad = tmp_path / "bad.json"

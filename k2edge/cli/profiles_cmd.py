@@ -54,7 +54,7 @@ def run(args) -> int:
             er = p.edge_runtime
             found.append({"name": p.name, "path": str(path), **p.to_dict()})
             rows.append([p.name, er.tensorrt_partition, f"{er.offload_ratio:.2f}", ",".join(er.precision_fallback),
-                         "on" if er.dma_prefetch else "off", p.description or ""])
+                         "on" if er.dma_prefetch else "off", p.description or "(its file has none)"])
     if args.json:
         print_json(found)
     else:
