@@ -25,8 +25,7 @@ def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list
         ctx = err.get("ctx") or {}
         got = err.get("input")
         if kind == "extra_forbidden":
-            where = tuple(err["loc"][:-1])
-            known = (known_keys or {}).get(where)
+            known = _known(known_keys, tuple(err["loc"][:-1]))
             hint = f" (known keys: {', '.join(known)})" if known else ""
             parts.append(f"{loc}: unknown key{hint}")
         elif kind == "missing":
@@ -43,10 +42,27 @@ def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list
 
 
 def model_keys(model_cls, prefix: tuple = ()) -> dict[tuple, list[str]]:
-    """Map each nested model's location to its field names (for 'unknown key' hints)."""
+    """Map each nested model's location to its field names (for 'unknown key' hints): a table that may be left out
+    (``CloudSettings | None``) or repeated (``list[ModelConfig]``, its items at ``*``) included."""
     keys = {prefix: list(model_cls.model_fields)}
     for name, field in model_cls.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and hasattr(ann, "model_fields"):
-            keys.update(model_keys(ann, prefix + (name,)))
+        for cls, repeated in _models_in(field.annotation):
+            keys.update(model_keys(cls, prefix + ((name, "*") if repeated else (name,))))
     return keys
+
+
+def _models_in(ann, repeated: bool = False):
+    """(model class, whether it sits in a list or tuple) for each pydantic model an annotation holds."""
+    import typing
+
+    if isinstance(ann, type) and hasattr(ann, "model_fields"):
+        yield ann, repeated
+        return
+    origin = typing.get_origin(ann)
+    for arg in typing.get_args(ann):
+        if arg is not Ellipsis:
+            yield from _models_in(arg, repeated or origin in (list, tuple))
+
+
+def _known(known_keys: dict[tuple, list[str]] | None, where: tuple) -> list[str] | None:
+    return (known_keys or {}).get(tuple("*" if isinstance(p, int) else p for p in where))
