@@ -178,6 +178,28 @@ def test_newest_frame_only_when_the_taker_is_slow(tmp_path):
         assert f.index >= newest
 
 
+@pytest.mark.parametrize("pace, fps", [("realtime", None), ("every", None), ("every", 5)])
+def test_a_stream_is_up_before_its_first_frame_can_be_taken(tmp_path, pace, fps):
+    """Whoever takes frames hears "up" first (watch printed frame 0 before stream_up): when the listener is told, no
+    frame waits yet, whatever the pace."""
+
+    class Watcher(Recorder):
+        waiting_when_up = None
+
+        def on_state(self, reader, old, new, reason):
+            if new == "up":
+                self.waiting_when_up = reader.ready()
+            super().on_state(reader, old, new, reason)
+
+    path = _video(tmp_path / "a.mp4", frames=6, fps=30)
+    rec = Watcher()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace=pace, fps=fps)
+    r.start()
+    got = _drain(r, rec)
+    r.stop(2.0)
+    assert got and rec.waiting_when_up is False, (len(got), rec.waiting_when_up)
+
+
 @pytest.mark.parametrize("taker_s", [0.2, 0.0])
 def test_a_slow_taker_lets_the_decoder_skip_non_reference_frames(tmp_path, taker_s):
     """A taker using a sixth of a 30 fps file's frames (0.2 s a frame): after a second the decoder skips its

@@ -349,10 +349,8 @@ class StreamReader:
                 elif self.pace != "every" and not self._limit_gate.keep(t):
                     self.shed += 1  # the thermal limit
                     frame = None
-                if frame is not None and self.pace != "every":
-                    if self._frame is not None:
-                        self.dropped += 1  # never processed: replaced by a newer one
-                    self._frame = frame
+                if frame is not None and self.pace != "every" and not first:
+                    self._place(frame)
             if skipping is not None:
                 cap.skip_nonref(skipping)
                 skipped_here = skipped_here or skipping
@@ -361,6 +359,11 @@ class StreamReader:
                 if self.state == "reconnecting":
                     self.reconnects += 1
                 self._set_state("up", None)
+                if frame is not None and self.pace != "every":  # up first: no one takes a frame of a stream not yet up
+                    with self._cond:
+                        if not self._current(gen):
+                            return
+                        self._place(frame)
             if frame is not None and self.pace == "every":  # up first: a stream paused from its start is up
                 with self._cond:
                     self._cond.wait_for(lambda: self._frame is None or not self._current(gen))
@@ -369,6 +372,12 @@ class StreamReader:
                     self._frame = frame
             if frame is not None:
                 self._tell(self.listener.on_frame, self)
+
+    def _place(self, frame: Frame) -> None:
+        """The newest frame waits to be taken (the lock held); the one it replaces was never processed."""
+        if self._frame is not None:
+            self.dropped += 1
+        self._frame = frame
 
     def _slot(self, gen: int) -> bool:
         """Pace ``every`` under a thermal limit (the lock held): wait for the limit's next slot on the wall clock
