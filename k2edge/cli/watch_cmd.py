@@ -141,7 +141,7 @@ def run(args) -> int:
 
 
 def _watch(args) -> int:
-    from ..streams.payload import detections_payload, event_payload
+    from ..streams.payload import detections_payload, event_payload, frame_latency
     from ..streams.reader import StreamReader
     from ..streams.source import backend_for
     from ..streams.stream import Stream
@@ -224,8 +224,8 @@ def _watch(args) -> int:
                 t2 = time.perf_counter()
                 detections = engine.answers(outputs, 1, geometries, 1)[0]["detections"]
                 tracked = stream.track(item, detections)
-                latency = {"wait": (item.taken - item.frame.captured) * 1e3, "stage": (t1 - t0) * 1e3,
-                           "infer": (t2 - t1) * 1e3, "batch": 1, "age": (time.monotonic() - item.frame.captured) * 1e3}
+                latency = frame_latency(item.taken - item.frame.captured, t1 - t0, t2 - t1, 1,
+                                        time.monotonic() - item.frame.captured)
                 body = detections_payload(STREAM, item.frame, model, None, tracked.detections, latency)
                 frames += 1
                 if args.json:

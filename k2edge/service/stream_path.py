@@ -46,7 +46,7 @@ from ..deadline import clock
 from ..errors import InputError
 from ..streams.evidence import EvidenceWorker, MediaStore, render_snapshot
 from ..streams.evidence.clips import ClipInfo, PacketRing
-from ..streams.payload import detections_payload, event_payload
+from ..streams.payload import detections_payload, event_payload, frame_latency
 from ..streams.reader import Frame, StreamReader, state_event
 from ..streams.source import backend_for, parse_source
 from ..streams.stream import Stream, StreamFrame
@@ -222,7 +222,7 @@ class StreamPath:
                 continue
             if not (f.stream.snapshots or f.stream.watched or f.stream.rules):
                 f.frame.picture = None  # the pixels are in the sample now (a snapshot or a viewer needs them later)
-            f.timings["stage"] = (clock() - t0) * 1e3
+            f.stage_s = clock() - t0
             staged.append(f)
         return staged
 
@@ -256,10 +256,8 @@ class StreamPath:
                 continue  # released as failed by finish()
             fragment, _ = result
             tracked = s.track(f, fragment["detections"])
-            latency = {"wait": (f.taken - f.frame.captured) * 1e3, **f.timings, "infer": (now - started) * 1e3,
-                       "batch": len(frames)}
             age = time.monotonic() - f.frame.captured
-            latency["age"] = age * 1e3
+            latency = frame_latency(f.taken - f.frame.captured, f.stage_s, now - started, len(frames), age)
             body = detections_payload(s.name, f.frame, rt.name, rt.version, tracked.detections, latency)
             if self.publisher.connected.is_set():  # QoS 0: while the broker is away there is no one to tell
                 self.publisher.publish(topics.stream_detections_topic(self.prefix, s.name), json.dumps(body).encode(), qos=0)

@@ -18,6 +18,13 @@ def detections_payload(stream: str, frame: Frame, model: str, model_version: str
             "latency_ms": {k: round(v, 3) for k, v in latency_ms.items()}}
 
 
+def frame_latency(wait_s: float, stage_s: float | None, infer_s: float, batch: int, age_s: float) -> dict:
+    """A detections payload's ``latency_ms``, the daemon's and ``k2edge watch``'s alike: ``wait`` (decoded to taken),
+    ``stage``, ``infer`` (the batch's run), ``batch`` (frames in it), ``age`` (decoded to answered)."""
+    ms = {"wait": wait_s * 1e3, "stage": None if stage_s is None else stage_s * 1e3, "infer": infer_s * 1e3}
+    return {**{k: v for k, v in ms.items() if v is not None}, "batch": batch, "age": age_s * 1e3}
+
+
 def event_payload(stream: str, event: dict, frame: int | None, at: float | None = None) -> dict:
     """One event: ``{"event_id", "event", "stream", "time", "frame", ...}`` plus the event's own keys
     (``track_id``, ``label``, ``zone`` | ``line``, ``direction``; ``reason`` for ``stream_down`` and an

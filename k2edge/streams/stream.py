@@ -56,7 +56,7 @@ class StreamFrame:
     taken: float  # monotonic
     sample: np.ndarray | None = None
     geometry: object = None
-    timings: dict = field(default_factory=dict)
+    stage_s: float | None = None  # how long staging it took (the daemon's batch; watch stages its own)
     finished: bool = False  # released: the stream may take its next frame
     concluded: bool = False  # its detections and events are handed on (see Stream.conclude)
 
