@@ -216,6 +216,7 @@ def test_config_example_loads_and_resolves_paths():
     ('[thermal]\nsoft_c = false\n[[models]]\nname = "a"\nonnx = "m"', "thermal.soft_c: must be a number, not false"),
     # where the file was read from is recorded by k2edge, never a key of the file
     ('source = "elsewhere.toml"\n[[models]]\nname = "a"\nonnx = "m"', "source: unknown key"),
+    ('board = "foo"\n[[models]]\nname = "a"\nonnx = "m"', "board: must be one of 'orin-agx', 'orin-nx-16', "),
     # the known keys of a table that may be left out, and of a repeated one's items
     ('[tracing]\nsampler = 1\n[[models]]\nname = "a"\nonnx = "m"', "tracing.sampler: unknown key (known keys: endpoint, "),
     ('[[models]]\nname = "a"\nonnx = "m"\nturbo = 1', "models.0.turbo: unknown key (known keys: name, onnx, bundle, "),

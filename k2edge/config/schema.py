@@ -230,7 +230,8 @@ class DaemonConfig(_Strict):
     """The whole file."""
 
     device_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0])
-    board: str | None = Field(None, description="orin-agx | orin-nx-16 | orin-nx-8 | orin-nano; default: detected")
+    board: str | None = Field(None, description="orin-agx | orin-nx-16 | orin-nx-8 | orin-nano; default: detected, else "
+                                                "orin-agx")
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
@@ -246,6 +247,15 @@ class DaemonConfig(_Strict):
                                                                 "read at start (a change takes effect at the next start)")
     storage: StorageSettings = Field(default_factory=StorageSettings)
     _source: Path | None = PrivateAttr(None)  # not a key of the file: load_config records where it read it
+
+    @field_validator("board")
+    @classmethod
+    def _board(cls, v):
+        from ..dla.boards import BOARDS
+
+        if v is not None and v not in BOARDS:
+            raise ValueError(f"must be one of {', '.join(repr(b) for b in BOARDS)}, got {v!r}")
+        return v
 
     @field_validator("device_id")
     @classmethod
