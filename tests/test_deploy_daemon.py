@@ -441,10 +441,12 @@ def test_a_bare_onnx_is_refused_at_start_unless_unsigned_models_are_allowed(tmp_
 
 
 def test_the_readmes_broker_acls_let_operators_deploy_and_nobody_else(tmp_path, keys, releases):
-    """mosquitto with the README's acl_file: the device (username = device id) takes a deploy from fleet-ops,
-    answering on fleet-ops/replies/...; another login may not publish to models/deploy."""
+    """mosquitto with docs/fleet.md's acl_file: the device (username = device id) takes a deploy from fleet-ops,
+    answering on fleet-ops/replies/...; another login may not publish to models/deploy; an application's request to
+    the group's pool is answered (mosquitto acknowledges a subscription its ACL does not cover, then delivers
+    nothing: the pool's topic must be readable)."""
     pw = tmp_path / "passwd"
-    secrets = {"t1": "device-secret", "fleet-ops": "ops-secret", "mallory": "m-secret"}
+    secrets = {"t1": "device-secret", "fleet-ops": "ops-secret", "mallory": "m-secret", "app": "app-secret"}
     for i, (user, secret) in enumerate(secrets.items()):
         subprocess.run(["mosquitto_passwd", *(["-c"] if i == 0 else []), "-b", str(pw), user, secret], check=True,
                        capture_output=True)
@@ -452,11 +454,12 @@ def test_the_readmes_broker_acls_let_operators_deploy_and_nobody_else(tmp_path, 
     acl = tmp_path / "acl"
     acl.write_text("pattern readwrite k2edge/%u/#\n\n"
                    "user t1\ntopic read k2edge/group/line-3/models/deploy\ntopic read k2edge/group/line-3/models/rollback\n"
-                   "topic write fleet-ops/replies/#\n\n"
+                   "topic write fleet-ops/replies/#\ntopic read k2edge/pool/infer/#\ntopic write apps/replies/#\n\n"
                    "user fleet-ops\ntopic write k2edge/+/models/deploy\ntopic write k2edge/+/models/rollback\n"
                    "topic write k2edge/group/+/models/deploy\ntopic write k2edge/group/+/models/rollback\n"
                    "topic read k2edge/+/audit\ntopic read k2edge/+/status\ntopic read fleet-ops/replies/#\n\n"
-                   "user mallory\ntopic read mallory/#\n")
+                   "user mallory\ntopic read mallory/#\n\n"
+                   "user app\ntopic write k2edge/pool/infer/#\ntopic read apps/replies/#\n")
     secured = Broker(tmp_path / "secured", extra_conf=f"message_size_limit {LIMIT + 65536}\n")
     secured.conf.write_text(secured.conf.read_text().replace("allow_anonymous true",
                                                              f"allow_anonymous false\npassword_file {pw}\nacl_file {acl}"))
@@ -488,7 +491,19 @@ def test_the_readmes_broker_acls_let_operators_deploy_and_nobody_else(tmp_path, 
         assert undo.returncode == 1 and "the broker refused the message (Not authorized)" in undo.stderr, undo.stderr
         status = [s for s in watcher.statuses if s.get("device") == "t1"][-1]
         assert status["models"][0]["model_version"] == "1.0.0"  # mallory changed nothing
+        app = Client(secured.port)
+        app.reply_topic = "apps/replies/line-3"
+        app.c.username_pw_set("app", secrets["app"])
+        app.connect()
+        corr = app.publish("k2edge/pool/infer/digits", image_request(SAMPLES[0], rid="pooled"))
+        try:
+            app.wait_for(lambda c: any(k == corr for _, k in c.answers), 60)
+        except TimeoutError:
+            raise AssertionError("the pool's request was not answered: " + daemon.output()[-3000:]) from None
+        assert app.answers[0][0]["status"] == "ok" and app.answers[0][0]["device"] == "t1"
+        app.close()
         assert daemon.terminate() == 0
+        assert "refused the subscription" not in daemon.output(), daemon.output()[-3000:]
         watcher.close()
     finally:
         secured.stop()

@@ -123,3 +123,59 @@ def test_answers_awaiting_acknowledgement_widen_the_read_by_as_many_at_most(held
     for _ in range(answers):
         assert delivered.acquire(timeout=30), "an answer was never acknowledged"
     assert holder.most <= holder.hold - 1 + answers, f"read {holder.most} requests at once with room for {holder.hold}"
+
+
+def _dynsec_broker(tmp_path, user: str, password: str, may_subscribe: str):
+    """mosquitto with its dynamic-security plugin: ``user`` may subscribe to ``may_subscribe`` and nothing else, and
+    a subscription outside it is refused in the SUBACK (Not authorized) -- as EMQX or HiveMQ refuse one, where
+    mosquitto's acl_file acknowledges it and then delivers nothing."""
+    import base64
+    import glob
+    import hashlib
+    import json
+    import os
+
+    from mqtt_support import Broker
+
+    plugin = next(iter(glob.glob("/usr/lib/*/mosquitto_dynamic_security.so")), None)
+    if plugin is None:
+        pytest.skip("mosquitto's dynamic-security plugin is not installed")
+    salt = os.urandom(12)
+    state = {
+        "clients": [{"username": user, "salt": base64.b64encode(salt).decode(), "iterations": 101,
+                     "password": base64.b64encode(hashlib.pbkdf2_hmac("sha512", password.encode(), salt, 101, 64)).decode(),
+                     "roles": [{"rolename": "device"}]}],
+        "roles": [{"rolename": "device", "acls": [{"acltype": "subscribePattern", "topic": may_subscribe, "allow": True},
+                                                  {"acltype": "publishClientSend", "topic": "#", "allow": True}]}],
+        "defaultACLAccess": {"publishClientSend": False, "publishClientReceive": True, "subscribe": False,
+                             "unsubscribe": True},
+    }
+    (tmp_path / "dynsec.json").write_text(json.dumps(state))
+    broker = Broker(tmp_path / "dynsec", extra_conf=f"plugin {plugin}\nplugin_opt_config_file {tmp_path / 'dynsec.json'}\n")
+    broker.conf.write_text(broker.conf.read_text().replace("allow_anonymous true", "allow_anonymous false"))
+    return broker.start()
+
+
+def test_a_subscription_the_broker_refuses_is_named_in_the_log(tmp_path, caplog):
+    """The login may take its own requests but not the fleet pool's: the daemon says which subscription was refused
+    and why, and serves the rest."""
+    import logging
+
+    from k2edge.config.schema import load_config
+    from k2edge.service.transport import MqttTransport
+
+    broker = _dynsec_broker(tmp_path, "t1", "device-secret", "k2edge/t1/#")
+    (tmp_path / "t1.pw").write_text("device-secret\n")
+    cfg = load_config(write_config(tmp_path / "t.toml", broker.port, [DIGITS],
+                                   mqtt_extra={"username": "t1", "password_file": str(tmp_path / "t1.pw")}))
+    transport = MqttTransport(cfg, "requests", [TOPIC, "$share/line-3/k2edge/pool/infer/+"])
+    try:
+        with caplog.at_level(logging.ERROR, logger="k2edge.service.transport"):
+            transport.start(Holder(hold=4))
+            assert transport.subscribed.wait(30), "the transport's subscriptions were not acknowledged"
+        refused = [r.getMessage() for r in caplog.records if "refused the subscription" in r.getMessage()]
+        assert refused == ["the broker refused the subscription to $share/line-3/k2edge/pool/infer/+ (Not authorized); "
+                           "check the login's ACL"], refused
+    finally:
+        transport.stop()
+        broker.stop()

@@ -175,7 +175,7 @@ class MqttTransport:
         self.handler: Handler | None = None
         self.connected = threading.Event()
         self.subscribed = threading.Event()  # the broker acknowledged every subscription of this connection
-        self._awaiting_suback: set[int] = set()
+        self._awaiting_suback: dict[int, str] = {}  # mid -> topic of each subscription not yet acknowledged
         self.connections = 0  # successful connects so far (a watcher sees a reconnect it slept through)
         self._stop = threading.Event()
         self._closing = False
@@ -433,7 +433,7 @@ class MqttTransport:
         self._broker_receive_max = min(getattr(properties, "ReceiveMaximum", None) or 65535, self.cfg.mqtt.max_inflight)
         self.acks.new_connection()
         self.subscribed.clear()
-        self._awaiting_suback = {client.subscribe(topic, qos=self.cfg.mqtt.qos)[1] for topic in self.subscriptions}
+        self._awaiting_suback = {client.subscribe(topic, qos=self.cfg.mqtt.qos)[1]: topic for topic in self.subscriptions}
         self.connections += 1
         self.connected.set()
         log.info("connected to %s:%d (%s, session present: %s)", self.cfg.mqtt.host, self.cfg.mqtt.port, self.role,
@@ -442,7 +442,10 @@ class MqttTransport:
             self._on_subscribed()
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
-        self._awaiting_suback.discard(mid)
+        topic = self._awaiting_suback.pop(mid, None)
+        refused = [rc for rc in reason_codes if rc.is_failure]
+        if topic is not None and refused:  # nothing will come on it: say so, not a silent daemon
+            log.error("the broker refused the subscription to %s (%s); check the login's ACL", topic, refused[0])
         if not self._awaiting_suback and not self.subscribed.is_set():
             self._on_subscribed()
 
