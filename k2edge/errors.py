@@ -49,6 +49,14 @@ class BuildError(K2EdgeError):
     """An engine could not be built (missing calibration data, backend failure, ...)."""
 
 
+class Int8CheckRefused(BuildError):
+    """Engines built, refused by ``[trust] require_int8_check``: their INT8 ``check`` did not pass."""
+
+    def __init__(self, message: str, check) -> None:
+        super().__init__(message)
+        self.check = check
+
+
 class InputError(K2EdgeError):
     """An input tensor or image does not fit the model."""
 

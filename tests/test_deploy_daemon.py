@@ -626,3 +626,21 @@ def test_a_bundle_whose_int8_check_fails_is_not_deployed(tmp_path, broker, keys,
                                                                                  ("build", "failed", "1.4.0")]
     assert "FAILED tolerance" in daemon.output()
     client.close()
+
+
+def test_require_int8_check_answers_a_deploy_with_the_check_that_refused_it(tmp_path, broker, keys, releases):
+    """[trust] require_int8_check: 1.1.0 (c2; digits' 40 held-out samples make its check inconclusive) is answered
+    failed with check int8_check and the check itself, as a failed check is, not as a build that failed; 1.0.0
+    (cpu-dev: no INT8, no check) keeps serving."""
+    cfg = _config(tmp_path, broker, keys, releases["1.0.0"], trust={"keys": [str(keys["pub"])], "require_int8_check": True})
+    _daemon(cfg, tmp_path, broker)
+    client = Client(broker.port).connect()
+    proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", "--timeout", "240", "--json",
+                   str(releases["1.1.0"]))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    body = json.loads(proc.stdout)
+    assert (body["status"], body["check"], body["model_version"]) == ("failed", "int8_check", "1.0.0"), body
+    assert body["int8_check"]["status"] == "inconclusive", body["int8_check"]
+    assert "require_int8_check: the INT8 check is inconclusive" in body["reason"] and "1.0.0 keeps running" in body["reason"]
+    assert _ask(client, "still-old")["model_version"] == "1.0.0"
+    client.close()

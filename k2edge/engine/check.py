@@ -530,10 +530,12 @@ def _round(v):
     return round(float(v), 6) if isinstance(v, float) else v
 
 
-def refusal(checks: Sequence["Int8Check | None"]) -> str | None:
-    """Why engines with these checks are refused where a passed check is required (None: none is refused; an
+def refused(checks: Sequence["Int8Check | None"]) -> "Int8Check | None":
+    """The first of these checks that refuses its engines where a passed check is required (None: none does; an
     engine without INT8 layers has no check and is not refused)."""
-    bad = next((c for c in checks if c is not None and not c.passed), None)
-    if bad is None:
-        return None
-    return f"[trust] require_int8_check: the INT8 check is {bad.status}: {bad.line()}"
+    return next((c for c in checks if c is not None and not c.passed), None)
+
+
+def refusal(check: "Int8Check") -> str:
+    """Why ``check`` (:func:`refused`) refuses its engines."""
+    return f"[trust] require_int8_check: the INT8 check is {check.status}: {check.line()}"

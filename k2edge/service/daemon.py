@@ -29,8 +29,8 @@ from pathlib import Path
 from .. import __version__, tracing
 from ..config.schema import ConfigError, DaemonConfig, read_secret, state_dir
 from ..durable import make_dir
-from ..engine.check import refusal
-from ..errors import BuildError
+from ..engine.check import refusal, refused
+from ..errors import Int8CheckRefused
 from ..streams.evidence import MediaStore
 from ..telemetry import thermal_sampler
 from . import topics
@@ -234,9 +234,9 @@ class Daemon:
         rt = ModelRuntime(m, s.max_batch, self._board, s.cache_dir, version=version, threads_per_lane=s.threads_per_lane)
         self._escalation_for(rt)
         if self.cfg.trust is not None and self.cfg.trust.require_int8_check:
-            why = refusal([e.info.int8_check for e in (rt.normal[1], *((rt.warm[1],) if rt.warm else ()))])
-            if why:
-                raise BuildError(f"model {m.name}{f' {version}' if version else ''}: {why}")
+            bad = refused([e.info.int8_check for e in (rt.normal[1], *((rt.warm[1],) if rt.warm else ()))])
+            if bad is not None:
+                raise Int8CheckRefused(f"model {m.name}{f' {version}' if version else ''}: {refusal(bad)}", bad)
         rt.activate()
         return rt
 

@@ -44,7 +44,7 @@ from ..bundle import AuditLog, BundleResult, Limits, ModelStore, audit_record, l
 from ..bundle.audit import AUDIT_NAME
 from ..config.card import ModelCard, find_card
 from ..config.schema import ConfigError, DaemonConfig, ModelConfig
-from ..errors import K2EdgeError, first_line
+from ..errors import Int8CheckRefused, K2EdgeError, first_line
 from . import topics
 from .deploy_protocol import (DEPLOYED, FAILED, REFUSED, ROLLED_BACK, ControlError, answer_body, message_digest,
                               parse_deploy, parse_rollback)
@@ -431,6 +431,11 @@ class ModelLifecycle:
         self._set_progress("building", kind=action, model=name, version=version)
         try:
             rt = self.host.build_runtime(version_config(self.cfg.model(name), paths), version)
+        except Int8CheckRefused as exc:  # built, and refused by [trust] require_int8_check: answered as a failed check
+            result = BundleResult(FAILED, f"{first_line(exc)}; {running.version or 'the running model'} keeps running",
+                                  name, version)
+            self.audit(result, "build", source)
+            return {**self._answer_body(FAILED, name, version, result.detail, "int8_check"), "int8_check": exc.check.to_dict()}
         except Exception as exc:  # K2EdgeError from the engine, or anything a backend raises
             if not isinstance(exc, K2EdgeError):
                 log.exception("model %s %s: building the engines failed", name, version)
