@@ -55,8 +55,13 @@ def test_the_token_once_in_the_url_sets_a_cookie_and_bearer_and_basic_work(app):
 
 def test_bad_requests_get_one_clear_json_error(app):
     auth = {"Authorization": "Bearer s3cret-token"}
-    status, _, body = _get(app + "/api/events?limit=many", auth)
-    assert status == 400 and json.loads(body) == {"error": "limit must be a whole number"}
+    for limit in ("many", "0", "-5", "201", "9" * 5000):
+        status, _, body = _get(app + f"/api/events?limit={limit}", auth)
+        assert status == 400, (limit, status)
+        assert json.loads(body)["error"].startswith("limit must be a whole number from 1 to 200, got "), body[:120]
+    assert _get(app + "/api/events?limit=200", auth)[0] == 200
+    status, _, body = _get(app + "/api/events?stream=nope", auth)
+    assert status == 404 and json.loads(body) == {"error": "stream 'nope': no such stream, and no events stored for it"}
     status, _, body = _get(app + "/streams/nope/frame.jpg", auth)
     assert status == 404 and json.loads(body) == {"error": "stream 'nope': no such stream"}
     status, _, body = _get(app + "/events/../../etc/passwd/snapshot.jpg", auth)
@@ -156,3 +161,50 @@ def test_a_silent_client_is_let_go_and_connections_past_the_bound_are_closed_una
         assert status == 200
     finally:
         view.stop()
+
+
+def test_other_methods_and_malformed_requests_get_json_and_head_gets_the_headers(app):
+    """POST (or any method but GET and HEAD) is 405 with Allow; http.server's own refusals are JSON too; HEAD answers
+    as GET without the body."""
+    import socket
+
+    auth = {"Authorization": "Bearer s3cret-token"}
+    req = urllib.request.Request(app + "/api/streams", data=b"{}", headers=auth, method="POST")
+    try:
+        urllib.request.urlopen(req, timeout=10)
+        raise AssertionError("POST was answered")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 405 and exc.headers["Allow"] == "GET, HEAD"
+        assert json.loads(exc.read()) == {"error": "method POST is not allowed: this server answers GET and HEAD"}
+    head = urllib.request.Request(app + "/api/streams", headers=auth, method="HEAD")
+    with urllib.request.urlopen(head, timeout=10) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"] == "application/json" and resp.read() == b""
+        assert int(resp.headers["Content-Length"]) == len(b"{}")
+    host, port = app.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GARBAGE\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    # a request line without a version is HTTP/0.9's: answered with the body alone, no status line or headers
+    assert json.loads(answer) == {"error": "Bad request syntax ('GARBAGE')"}, answer
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"BREW / HTTP/1.1\r\n\r\n")  # a method http.server has no do_ for
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.0 501") and b"Content-Type: application/json" in head_part, answer
+    assert json.loads(body) == {"error": "Unsupported method ('BREW')"} and b"Python" not in head_part, answer
+
+
+def test_an_empty_credential_is_no_credential(app):
+    """The scheme is case-insensitive; an empty bearer token or password never matches, and an empty secret is
+    refused outright (the config refuses an empty token_file or password_file too: test_service)."""
+    assert _get(app + "/api/streams", {"Authorization": "bearer s3cret-token"})[0] == 200
+    assert _get(app + "/api/streams", {"Authorization": "Bearer "})[0] == 401
+    assert _get(app + "/api/streams", {"Authorization": "Basic " + base64.b64encode(b"u:").decode()})[0] == 401
+    assert _get(app + "/api/streams", {"Cookie": "k2edge_token="})[0] == 401
+    for kw in ({"token": ""}, {"password": ""}):
+        with pytest.raises(ValueError, match="empty"):
+            LiveView(None, **kw)

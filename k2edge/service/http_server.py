@@ -10,6 +10,7 @@ have not all arrived within :data:`REQUEST_DEADLINE_S` (a client that trickles a
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,6 +58,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
     (a query may hold a token)."""
 
     server_version = "k2edge"
+    sys_version = ""  # the Server header names no Python version
     timeout = REQUEST_TIMEOUT_S
     request_deadline = REQUEST_DEADLINE_S
 
@@ -95,6 +97,29 @@ class BoundedHandler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args) -> None:
         pass
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, an unknown method, headers too large) as JSON
+        ``{"error"}``, like every other answer of these servers, not its HTML page."""
+        try:
+            short, _ = self.responses[code]
+        except KeyError:
+            short = "error"
+        self.close_connection = True
+        body = json.dumps({"error": message or short}).encode()
+        self.send_response(code, message)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Connection", "close")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+            self.wfile.write(body)
+
+    def _not_allowed(self) -> None:
+        self.send_body(405, json.dumps({"error": f"method {self.command} is not allowed: this server answers GET and "
+                                                 "HEAD"}).encode(), "application/json", {"Allow": "GET, HEAD"})
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed  # noqa: N815 (http.server's names)
 
     def send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None,
                   head: bool = False) -> None:

@@ -5,6 +5,7 @@ PAGE = r"""<!doctype html>
 <head>
 <meta charset="utf-8">
 <title>k2edge: streams</title>
+<link rel="icon" href="data:,">
 <style>
  body { font-family: system-ui, sans-serif; margin: 1rem; background: #f6f6f4; color: #222; }
  h1 { font-size: 1.3rem; } h2 { font-size: 1.1rem; margin: 0 0 .4rem; }

@@ -5,12 +5,14 @@ JPEG for scripts; ``/metrics`` beside them.
 =====================================  ==========================================================
 ``GET /``                              the page (no build step, no external files)
 ``GET /api/streams``                   the status' ``streams`` object
-``GET /api/events?stream=&limit=``     the newest events (stored payloads), newest first
+``GET /api/events?stream=&limit=``     the newest events (stored payloads), newest first (limit 1..200, default 50)
 ``GET /streams/{name}/frame.jpg``      the newest processed frame, drawn (``X-Frame-Index``: its index)
 ``GET /events/{event_id}/snapshot.jpg``  the event's snapshot
 ``GET /events/{event_id}/clip.mp4``    the event's clip (404 while there is none)
 ``GET /metrics``                       Prometheus (when ``[metrics]`` is on)
 =====================================  ==========================================================
+
+``HEAD`` answers as ``GET`` without the body; any other method is 405. Every error is JSON ``{"error"}``.
 
 Frames are drawn and encoded only while someone watches: a frame request marks the stream watched
 for a few seconds (:meth:`Stream.watch <k2edge.streams.stream.Stream.watch>`), the model's thread then
@@ -56,6 +58,8 @@ class LiveView:
     """
 
     def __init__(self, streams, metrics=None, token: str | None = None, password: str | None = None) -> None:
+        if token == "" or password == "":
+            raise ValueError("an empty token or password would let an empty one in")
         self.streams, self.metrics = streams, metrics
         self.token, self.password = token, password
         self._server: BoundedHTTPServer | None = None
@@ -100,31 +104,40 @@ class LiveView:
         """(allowed, a token to set as a cookie) for a request's headers and query."""
         if self.token is None and self.password is None:
             return True, None
-        auth = headers.get("Authorization", "")
+        scheme, _, credentials = headers.get("Authorization", "").strip().partition(" ")
+        scheme, credentials = scheme.lower(), credentials.strip()  # a scheme is case-insensitive (RFC 9110 11.1)
         if self.token is not None:
             given = query.get("token", [None])[0]
             if given is not None and hmac.compare_digest(given.encode(), self.token.encode()):
                 return True, given
-            if auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].strip().encode(), self.token.encode()):
+            if scheme == "bearer" and hmac.compare_digest(credentials.encode(), self.token.encode()):
                 return True, None
             for part in headers.get("Cookie", "").split(";"):
                 name, _, value = part.strip().partition("=")
                 if name == _COOKIE and hmac.compare_digest(value.encode(), self.token.encode()):
                     return True, None
-        if self.password is not None and auth.startswith("Basic "):
+        if self.password is not None and scheme == "basic":
             try:
-                _, _, given = base64.b64decode(auth[6:].strip()).decode().partition(":")
+                _, _, given = base64.b64decode(credentials).decode().partition(":")
             except (binascii.Error, ValueError):
                 return False, None
             if hmac.compare_digest(given.encode(), self.password.encode()):
                 return True, None
         return False, None
 
+    def knows(self, name: str) -> bool:
+        return self.streams is not None and name in self.streams.streams
+
     def streams_json(self) -> dict:
         return self.streams.status() if self.streams is not None else {}
 
     def events_json(self, stream: str | None, limit: int) -> list[dict]:
         return self.streams.events.recent(limit, stream) if self.streams is not None else []
+
+    def ended(self, name: str) -> bool:
+        """The stream's source played to its end (a file): no frame comes any more."""
+        stream = self.streams.streams.get(name) if self.streams is not None else None
+        return stream is not None and stream.reader.state == "ended"
 
     def frame_jpeg(self, name: str) -> tuple[int, bytes] | None:
         """The stream's newest processed frame, drawn and encoded (once per frame), or None (no such stream,
@@ -161,6 +174,11 @@ class LiveView:
 
 class _Handler(BoundedHandler):
     app: LiveView
+    head = False  # answering a HEAD: the GET's status and headers, no body
+
+    def do_HEAD(self) -> None:  # noqa: N802 (http.server's name)
+        self.head = True
+        self.do_GET()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         try:
@@ -186,18 +204,27 @@ class _Handler(BoundedHandler):
         if parts == ["api", "streams"]:
             return self._json(self.app.streams_json(), headers=headers)
         if parts == ["api", "events"]:
-            try:
-                limit = min(EVENTS_LIMIT, max(1, int(query.get("limit", ["50"])[0])))
-            except ValueError:
-                return self._json({"error": "limit must be a whole number"}, HTTPStatus.BAD_REQUEST)
-            return self._json(self.app.events_json(query.get("stream", [None])[0], limit), headers=headers)
+            raw = query.get("limit", ["50"])[0]
+            if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and 1 <= int(raw) <= EVENTS_LIMIT):
+                return self._json({"error": f"limit must be a whole number from 1 to {EVENTS_LIMIT}, got {raw[:20]!r}"},
+                                  HTTPStatus.BAD_REQUEST)
+            stream = query.get("stream", [None])[0]
+            events = self.app.events_json(stream, int(raw))
+            if stream is not None and not events and not self.app.knows(stream):
+                return self._json({"error": f"stream {stream[:80]!r}: no such stream, and no events stored for it"},
+                                  HTTPStatus.NOT_FOUND)
+            return self._json(events, headers=headers)
         if len(parts) == 3 and parts[0] == "streams" and parts[2] == "frame.jpg":
             drawn = self.app.frame_jpeg(parts[1])
             if drawn is None:
-                known = self.app.streams is not None and parts[1] in self.app.streams.streams
-                return self._json({"error": f"stream {parts[1]!r}: " + ("no processed frame yet (it is kept from now on)"
-                                                                        if known else "no such stream")},
-                                  HTTPStatus.SERVICE_UNAVAILABLE if known else HTTPStatus.NOT_FOUND)
+                if not self.app.knows(parts[1]):
+                    return self._json({"error": f"stream {parts[1]!r}: no such stream"}, HTTPStatus.NOT_FOUND)
+                if self.app.ended(parts[1]):
+                    return self._json({"error": f"stream {parts[1]!r}: its source played to its end before anyone "
+                                                "asked for a frame (frames are kept only while someone watches)"},
+                                      HTTPStatus.NOT_FOUND)
+                return self._json({"error": f"stream {parts[1]!r}: no processed frame yet (it is kept from now on)"},
+                                  HTTPStatus.SERVICE_UNAVAILABLE)
             return self._send(HTTPStatus.OK, drawn[1], "image/jpeg", {"X-Frame-Index": str(drawn[0]),
                                                                      "Cache-Control": "no-store", **headers})
         if len(parts) == 3 and parts[0] == "events" and parts[2] in ("snapshot.jpg", "clip.mp4"):
@@ -216,4 +243,4 @@ class _Handler(BoundedHandler):
         self._send(status, json.dumps(body).encode(), "application/json", headers or {})
 
     def _send(self, status: HTTPStatus, data: bytes, content_type: str, headers: dict | None = None) -> None:
-        self.send_body(status, data, content_type, headers)
+        self.send_body(status, data, content_type, headers, head=self.head)
