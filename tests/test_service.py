@@ -217,6 +217,18 @@ def test_config_example_loads_and_resolves_paths():
     # where the file was read from is recorded by k2edge, never a key of the file
     ('source = "elsewhere.toml"\n[[models]]\nname = "a"\nonnx = "m"', "source: unknown key"),
     ('board = "foo"\n[[models]]\nname = "a"\nonnx = "m"', "board: must be one of 'orin-agx', 'orin-nx-16', "),
+    # streams: each refusal names its key, none is "(top level)"
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[streams]]\nname = "s"\nsource = "file:///x.mp4"\nmodel = "nosuch"',
+     "streams.0.model: 'nosuch' is not a model served here (stream 's'); served: ['a']"),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[streams]]\nname = "s"\nsource = "file:///x.mp4"\nmodel = "a"\n[[streams]]\nname = "s"\nsource = "file:///y.mp4"\nmodel = "a"',
+     "k.toml: streams: stream names must be unique, repeated: ['s']"),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[streams]]\nname = "s"\nsource = "gst:videotestsrc ! appsink name=sink"\nmodel = "a"\nbackend = "pyav"',
+     "streams.0: source 'gst:videotestsrc ! appsink name=sink': gst sources are read by GStreamer (backend = \"gstreamer\")"),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[streams]]\nname = "s"\nsource = "csi://0"\nmodel = "a"\nbackend = "pyav"', "streams.0: source 'csi://0': csi sources"),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[streams]]\nname = "s"\nsource = "file://clip.mp4"\nmodel = "a"',
+     "streams.0.source: source 'file://clip.mp4': file:// takes an absolute path, file:///absolute/path.mp4"),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[streams]]\nname = "s"\nsource = "file:///x.mp4"\nmodel = "a"\n[[streams.zones]]\nname = "z"\npoints = [[0, 0], [10, 0], [10, 0], [0, 10]]',
+     "zone 'z' repeats the point [10.0, 0.0] (an edge of no length)"),
     # the known keys of a table that may be left out, and of a repeated one's items
     ('[tracing]\nsampler = 1\n[[models]]\nname = "a"\nonnx = "m"', "tracing.sampler: unknown key (known keys: endpoint, "),
     ('[[models]]\nname = "a"\nonnx = "m"\nturbo = 1', "models.0.turbo: unknown key (known keys: name, onnx, bundle, "),
@@ -266,8 +278,13 @@ def test_secrets_from_file_and_credential(tmp_path, monkeypatch):
     (tmp_path / "latin").write_bytes("hünter2".encode("latin-1"))
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         read_secret(tmp_path / "latin", what="mqtt password")
-    os.mkfifo(tmp_path / "pipe")  # no writer: read as empty at once, not waited on
-    assert read_secret(tmp_path / "pipe", what="mqtt password") == ""
+    os.mkfifo(tmp_path / "pipe")  # no writer: read as empty at once, not waited on -- and an empty secret is refused
+    with pytest.raises(ConfigError, match=r"mqtt password: .*pipe' is empty; put the secret in it"):
+        read_secret(tmp_path / "pipe", what="mqtt password")
+    for blank in ("", "\n", "  \n"):  # an empty token would let an empty Authorization header in
+        (tmp_path / "token").write_text(blank)
+        with pytest.raises(ConfigError, match="http.token_file: .* is empty"):
+            read_secret(tmp_path / "token", what="http.token_file")
     with pytest.raises(ConfigError, match=r"mqtt password: cannot read .*a directory, not a file"):
         read_secret(tmp_path, what="mqtt password")
 

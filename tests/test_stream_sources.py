@@ -105,7 +105,7 @@ def test_streams_config_errors_name_the_field(tmp_path):
     assert "streams.0.name" in load('[[streams]]\nname = "a/b"\nsource = "file:///x.mp4"\nmodel = "boxes"\n')
     msg = load('[[streams]]\nname = "a"\nsource = "rtsp://u:hunter2@/x"\nmodel = "boxes"\n')
     assert "streams.0.source" in msg and "hunter2" not in msg
-    assert "not served here" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "cats"\n')
+    assert "streams.0.model: 'cats' is not a model served here" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "cats"\n')
     assert "streams.0.fps" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\nfps = 0\n')
     assert "at least 3" in load('[[streams]]\nname = "a"\nsource = "file:///x.mp4"\nmodel = "boxes"\n'
                                 '[[streams.zones]]\nname = "z"\npoints = [[0, 0], [1, 1]]\n')

@@ -282,11 +282,12 @@ class DaemonConfig(_Strict):
         names = [s.name for s in self.streams]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise ValueError(f"stream names must be unique, repeated: {dup}")
+            raise ValueError(f"streams: stream names must be unique, repeated: {dup}")
         served = {m.name for m in self.models}
         for i, s in enumerate(self.streams):
             if s.model not in served:
-                raise ValueError(f"stream {s.name!r}: model {s.model!r} is not served here; served: {sorted(served)}")
+                raise ValueError(f"streams.{i}.model: {s.model!r} is not a model served here (stream {s.name!r}); "
+                                 f"served: {sorted(served)}")
             if s.escalation and self.cloud is None:
                 raise ValueError(f"streams.{i}.escalation: rules need a [cloud] table (the K2 server to ask)")
         return self
@@ -388,7 +389,8 @@ def read_secret(path: Path | None = None, credential: str | None = None, what: s
     """A secret from a file or a systemd credential; stripped of the trailing newline.
 
     Raises:
-        ConfigError: the file or credential is missing (the message names where, never the value).
+        ConfigError: the file or credential is missing or empty (an empty token would let an empty one in: the
+            message names where, never the value).
     """
     if credential:
         directory = os.environ.get("CREDENTIALS_DIRECTORY")
@@ -399,8 +401,11 @@ def read_secret(path: Path | None = None, credential: str | None = None, what: s
     if path is None:
         return None
     try:
-        return read_small(path, MAX_SECRET_BYTES).decode("utf-8").rstrip("\r\n")
+        secret = read_small(path, MAX_SECRET_BYTES).decode("utf-8").rstrip("\r\n")
     except OSError as exc:
         raise ConfigError(f"{what}: cannot read {str(path)!r} ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
+    if not secret.strip():
+        raise ConfigError(f"{what}: {str(path)!r} is empty; put the secret in it")
+    return secret

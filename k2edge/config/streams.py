@@ -118,10 +118,12 @@ class StreamConfig(_Strict):
 
     @model_validator(mode="after")
     def _pace(self):
-        from ..streams.source import parse_source
+        from ..streams.source import backend_for, parse_source
 
-        if self.pace == "every" and parse_source(self.source).live:
+        spec = parse_source(self.source)
+        if self.pace == "every" and spec.live:
             raise ValueError('pace = "every" is for file:// sources: a live source cannot wait for the model')
+        backend_for(spec, self.backend)  # raises ValueError: this backend cannot read this kind of source
         return self
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list
     parts = []
     errors = exc.errors()
     for err in errors:
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in err["loc"])
         kind = err["type"]
         if kind == "too_short" and any(e["loc"][:len(err["loc"])] == err["loc"] and len(e["loc"]) > len(err["loc"])
                                        for e in errors):
@@ -32,8 +32,8 @@ def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list
             parts.append(f"{loc}: required")
         elif kind in _RANGE_WORDS:
             parts.append(f"{loc}: {_RANGE_WORDS[kind].format(**ctx)}, got {got!r}")
-        elif kind == "value_error":
-            parts.append(f"{loc}: {ctx.get('error', err['msg'])}")
+        elif kind == "value_error":  # a check of the whole file or table names its keys itself
+            parts.append(f"{loc}: {ctx.get('error', err['msg'])}" if loc else str(ctx.get("error", err["msg"])))
         elif kind == "literal_error":
             parts.append(f"{loc}: must be one of {ctx.get('expected')}, got {got!r}")
         else:

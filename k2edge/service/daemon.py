@@ -102,7 +102,7 @@ class Daemon:
         self.metrics = self._start_metrics()
         if cfg.tracing is not None:
             tracing.configure(cfg.tracing, cfg.device_id)
-        http_secrets = self._http_secrets()
+        http_secrets, stream_passwords = self._http_secrets(), self._stream_passwords()
         self.stats = AnswerStats(self.metrics)
         self.book = AnswerBook(state, self.transport, retention_s=cfg.mqtt.session_expiry_s)
         self.replies = Replies(cfg, self.book, self.stats, self.thermal)
@@ -111,7 +111,7 @@ class Daemon:
         # the engines, then per model a batcher over its clients: requests first (deadlines), then frames
         runtimes = self._build_models(versions)
         wakeups = {name: threading.Condition() for name in runtimes}
-        self.streams = self._stream_path(runtimes, wakeups)
+        self.streams = self._stream_path(runtimes, wakeups, stream_passwords)
         self.http = self._start_http(*http_secrets)
         s = cfg.service
         backlog = Backlog(s.queue_size, 2 * s.queue_size + 64, self.transport)
@@ -172,9 +172,16 @@ class Daemon:
         h = self.cfg.http
         if h is None:
             return None, None
-        token = read_secret(h.token_file, what="http.token_file") if h.token_file else None
-        password = read_secret(h.password_file, what="http.password_file") if h.password_file else None
+        where = self.cfg.source or "config"
+        token = read_secret(h.token_file, what=f"{where}: http.token_file") if h.token_file else None
+        password = read_secret(h.password_file, what=f"{where}: http.password_file") if h.password_file else None
         return token, password
+
+    def _stream_passwords(self) -> dict[str, str]:
+        """Each enabled stream's password_file, read before the engines build (a missing file fails at once)."""
+        where = self.cfg.source or "config"
+        return {s.name: read_secret(s.password_file, what=f"{where}: streams.{i}.password_file")
+                for i, s in enumerate(self.cfg.streams) if s.enabled and s.password_file}
 
     def _start_http(self, token: str | None, password: str | None) -> LiveView | None:
         if self.cfg.http is None:
@@ -207,7 +214,7 @@ class Daemon:
         except ValueError as exc:
             raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
 
-    def _stream_path(self, runtimes: dict[str, ModelRuntime], wakeups: dict) -> StreamPath | None:
+    def _stream_path(self, runtimes: dict[str, ModelRuntime], wakeups: dict, passwords: dict[str, str]) -> StreamPath | None:
         """The enabled ``[[streams]]``, each checked against its model's task; None without any (and without
         events of an earlier run still waiting in the event store to be delivered)."""
         enabled = [s for s in self.cfg.streams if s.enabled]
@@ -220,7 +227,7 @@ class Daemon:
                 raise ConfigError(f"{self.cfg.source or 'config'}: streams.{i}: model {s.model!r} is a {task} model; "
                                   "streams take detection models (tracking needs boxes)")
         return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
-                          on_change=self.publish_status,
+                          on_change=self.publish_status, passwords=passwords,
                           media=MediaStore(store.parent / "media", self.cfg.storage.max_bytes,
                                            self.cfg.storage.max_age_days * 86400), cloud=self.escalation.bridge)
 

@@ -40,7 +40,6 @@ import threading
 import time
 
 from .. import tracing
-from ..config.schema import read_secret
 from ..config.streams import StreamConfig
 from ..deadline import clock
 from ..errors import InputError
@@ -73,11 +72,12 @@ class StreamPath:
         on_change: called (no arguments) when a stream's state changed: republish the status.
         media: where snapshots are written; None: no snapshots.
         cloud: the daemon's cloud bridge, for the streams' escalation rules (None: without [cloud]).
+        passwords: stream name -> the password its ``password_file`` holds (read by the daemon before the engines).
     """
 
     def __init__(self, configs: list[StreamConfig], prefix: str, publisher, events: EventStore,
                  wakeups: dict[str, threading.Condition], metrics=None, on_change=None,
-                 media: MediaStore | None = None, cloud=None) -> None:
+                 media: MediaStore | None = None, cloud=None, passwords: dict[str, str] | None = None) -> None:
         self.prefix, self.publisher, self.events, self.metrics = prefix, publisher, events, metrics
         self.media = media
         # clips being cut are written here, then moved into the media store; a crash's leftovers go at the start
@@ -90,8 +90,7 @@ class StreamPath:
         self._lock = threading.Lock()
         self._delivered: list[str] = []  # event ids the broker acknowledged, written to the store by tick()
         for c in configs:
-            password = read_secret(c.password_file, what=f"streams {c.name!r}: password_file") if c.password_file else None
-            spec = parse_source(c.source, password)
+            spec = parse_source(c.source, (passwords or {}).get(c.name))
             ring = PacketRing(self.spool, c.pre_s, c.post_s) if c.clips and media is not None else None
             reader = StreamReader(c.name, spec, self, backend=backend_for(spec, c.backend), pace=c.pace, fps=c.fps,
                                   loop=c.loop, read_timeout_s=c.read_timeout_s, reconnect_max_s=c.reconnect_max_s,

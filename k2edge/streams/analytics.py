@@ -62,6 +62,10 @@ class Zone:
         pts = tuple(_point(p, f"zone {self.name!r}") for p in self.points)
         if len(pts) < 3:
             raise ValueError(f"zone {self.name!r} needs at least 3 points, got {len(pts)}")
+        repeated = next((p for i, p in enumerate(pts) if p == pts[(i + 1) % len(pts)]), None)
+        if repeated is not None:
+            raise ValueError(f"zone {self.name!r} repeats the point {list(repeated)} (an edge of no length): give each "
+                             "corner once")
         crossing = _self_intersection(pts)
         if crossing is not None:
             i, j = crossing

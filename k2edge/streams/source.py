@@ -81,7 +81,10 @@ def parse_source(uri: str, password: str | None = None) -> SourceSpec:
                          "gst:<pipeline>")
     parts = urlsplit(uri)
     if scheme == "file":
-        path = unquote(parts.netloc + parts.path) if parts.netloc not in ("", "localhost") else unquote(parts.path)
+        if parts.netloc not in ("", "localhost"):  # file://clip.mp4: a path relative to wherever the daemon runs
+            raise ValueError(f"source {shown!r}: file:// takes an absolute path, file:///absolute/path.mp4 (three "
+                             "slashes)")
+        path = unquote(parts.path)
         if not path:
             raise ValueError(f"source {shown!r}: no file path (file:///absolute/path.mp4)")
         return SourceSpec("file", path, shown, False)
