@@ -88,6 +88,9 @@ def test_the_media_budget_removes_the_oldest_first_and_counts_what_went(tmp_path
     assert st["files"] == 10 and st["bytes"] == 10_000 and st["removed"] == {"budget": 20, "age": 0}
     with pytest.raises(ValueError, match="larger than the whole media budget"):
         store.write("f" * 32, "jpg", bytes(10_001))
+    st = store.status()  # refused, and said so: the budget is too small for this medium
+    assert st["failed"] == 1 and st["degraded"] == ("a 10001-byte medium is larger than the whole media budget "
+                                                    "([storage] max_bytes 10000)"), st
     # a new store over the same directory counts what is there (an earlier run's media)
     again = MediaStore(tmp_path / "media", max_bytes=5_000)
     again.write("e" * 32, "jpg", bytes(1000))
@@ -162,7 +165,7 @@ def test_a_clip_is_remuxed_from_the_ring_starting_at_a_keyframe_before_pre_s_and
     covered = {round(info.start_s + t - times[0], 3) for t in times}  # the clip's frames on the source's timeline
     assert {round(k / 15, 3) for k in range(15, 61)} <= covered  # 1.0 s .. 4.0 s: the event's frame (3.0 s) inside
     st = ring.status()
-    assert st["made"] == 1 and st["failed"] == 0 and st["ring_bytes"] > 0 and st["max_bytes"] == 32 * 1024 * 1024
+    assert st["cut"] == 1 and st["cut_failed"] == 0 and st["ring_bytes"] > 0 and st["max_bytes"] == 32 * 1024 * 1024
     assert max(spans) <= 1.5 + LAG_S + 1.0 + 1e-6  # pre_s, the lag allowed, one keyframe interval at most
 
 
@@ -189,7 +192,7 @@ def test_an_empty_ring_reports_nothing_held():
     from k2edge.streams.evidence.clips import PacketRing
 
     assert PacketRing("/nonexistent").status() == {"ring_bytes": 0, "ring_packets": 0, "ring_s": 0.0, "writing": 0, "waiting": 0,
-                                     "made": 0, "failed": 0, "max_bytes": 32 * 1024 * 1024}
+                                     "cut": 0, "cut_failed": 0, "max_bytes": 32 * 1024 * 1024}
 
 
 def test_a_clip_cut_in_the_spool_is_moved_into_the_store_within_its_budget(tmp_path):
@@ -205,3 +208,4 @@ def test_a_clip_cut_in_the_spool_is_moved_into_the_store_within_its_budget(tmp_p
     with pytest.raises(ValueError, match="larger than the whole media budget"):
         store.adopt("c" * 32, "mp4", spool / "big.mp4")
     assert not (spool / "big.mp4").exists()
+    assert store.status()["failed"] == 1 and "3001-byte medium" in store.status()["degraded"]

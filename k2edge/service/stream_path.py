@@ -352,6 +352,7 @@ class StreamPath:
                 body.update(clip=None, clip_error=f"no clip: {exc}")
         else:
             body.update(clip=None, clip_error=info.reason or "no clip")
+        stream.count_clip(body["clip"] is not None)
         self._store_and_publish(stream, [event_payload(stream.name, body, None)], {})
 
     def _publish_events(self, stream: Stream, events: list[dict], frame: int | None, no_snapshot: str | None = None,

@@ -144,6 +144,7 @@ class Stream:
         self._last_index: int | None = None       # and its index
         self._boxes: dict[int, list[float]] = {}  # track id -> its latest box (an event carries its track's box)
         self._snapshots = {"made": 0, "failed": 0}
+        self._clips = {"made": 0, "failed": 0}
         self._watched_until = 0.0  # monotonic: until then a live viewer wants the newest processed frame
         self._latest: tuple | None = None  # (frame index, RGB image, detections), kept only while watched
         self._down: tuple[float, float, str | None] | None = None  # (monotonic, unix, reason) it last went down
@@ -454,6 +455,12 @@ class Stream:
         with self._lock:
             self._snapshots["made" if made else "failed"] += 1
 
+    def count_clip(self, made: bool) -> None:
+        """One of its events got its clip into the media store (``made``), or a clip_ready without one (cut short of
+        packets, the queue full, the store refusing it: the event says why)."""
+        with self._lock:
+            self._clips["made" if made else "failed"] += 1
+
     def note_age(self, age_s: float, now: float | None = None) -> None:
         """A processed frame was ``age_s`` old when its results went out (for the status' percentiles)."""
         now = time.monotonic() if now is None else now
@@ -495,7 +502,7 @@ class Stream:
         """The stream's entry in the daemon's status."""
         fps_in, fps_processed = self.rates()
         with self._lock:
-            counts, snapshots = self._counts, dict(self._snapshots)
+            counts, snapshots, clips = self._counts, dict(self._snapshots), dict(self._clips)
             paused, limit = self.limit.paused, {**self.limit.to_dict(), "since": self._limit_since}
         r = self.reader
         state = "paused" if paused and r.state == "up" else r.state
@@ -506,4 +513,4 @@ class Stream:
                 "corrupt": r.corrupt, "reconnects": r.reconnects,
                 "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
                 "snapshots": snapshots if self.snapshots else None,
-                "clips": r.packets.status() if r.packets is not None else None}
+                "clips": {**r.packets.status(), **clips} if r.packets is not None else None}

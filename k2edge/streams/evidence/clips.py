@@ -142,7 +142,7 @@ class PacketRing:
         self._requests: list[tuple[str, float, Callable[[ClipInfo], None]]] = []
         self._writers: list[_ClipWriter] = []
         self._av = self._template = self._time_base = None
-        self.made = self.failed = 0
+        self.cut = self.cut_failed = 0  # clips cut in the spool, and asked for but not cut
 
     # the reader thread -----------------------------------------------------------------------------------
     def open(self, av, stream) -> None:
@@ -209,12 +209,12 @@ class PacketRing:
             self._requests.append((event_id, float(event_s), on_done))
 
     def status(self) -> dict:
-        """``{"ring_bytes", "ring_packets", "ring_s", "writing", "waiting", "made", "failed", "max_bytes"}``."""
+        """``{"ring_bytes", "ring_packets", "ring_s", "writing", "waiting", "cut", "cut_failed", "max_bytes"}``."""
         with self._lock:
             span = self._span()
             return {"ring_bytes": self._bytes, "ring_packets": len(self._packets), "ring_s": round(span, 3),
-                    "writing": len(self._writers), "waiting": len(self._requests), "made": self.made,
-                    "failed": self.failed, "max_bytes": self.max_bytes}
+                    "writing": len(self._writers), "waiting": len(self._requests), "cut": self.cut,
+                    "cut_failed": self.cut_failed, "max_bytes": self.max_bytes}
 
     # internals -----------------------------------------------------------------------------------------------
     def _seconds(self, p: _Packet) -> float | None:
@@ -288,9 +288,9 @@ class PacketRing:
 
         def counted(info: ClipInfo) -> None:
             if info.path is not None:
-                self.made += 1
+                self.cut += 1
             else:
-                self.failed += 1
+                self.cut_failed += 1
             told(info)
 
         w.on_done = counted

@@ -68,8 +68,7 @@ class MediaStore:
         """
         path = self.path_for(event_id, ext)
         if len(data) > self.max_bytes:
-            raise ValueError(f"a {len(data)}-byte medium is larger than the whole media budget ([storage] max_bytes "
-                             f"{self.max_bytes})")
+            raise self._too_large(len(data))
         tmp = path.with_suffix(f".{ext}.part")
         with self._lock:
             self._load()
@@ -98,6 +97,15 @@ class MediaStore:
             self._bytes += len(data)
         return path
 
+    def _too_large(self, size: int) -> ValueError:
+        """A medium the whole budget cannot hold: counted as failed, and :attr:`degraded` says so until a write
+        succeeds (the budget is set too small for this stream's snapshots or clips)."""
+        why = f"a {size}-byte medium is larger than the whole media budget ([storage] max_bytes {self.max_bytes})"
+        with self._lock:
+            self.failed += 1
+            self.degraded = why
+        return ValueError(why)
+
     def adopt(self, event_id: str, ext: str, source: Path) -> Path:
         """Move a medium written elsewhere on the same filesystem (a clip cut in the spool) into the store,
         flushed to disk first; the oldest media go to make room, as for :meth:`write`.
@@ -110,8 +118,7 @@ class MediaStore:
         try:
             size = os.path.getsize(source)
             if size > self.max_bytes:
-                raise ValueError(f"a {size}-byte medium is larger than the whole media budget ([storage] max_bytes "
-                                 f"{self.max_bytes})")
+                raise self._too_large(size)
             with self._lock:
                 self._load()
                 self._make_room(size)
