@@ -536,12 +536,13 @@ def _stream_with_zone(max_lost_s: float = 1.0):
     return Stream("cam", "boxes", reader, zones, [("door", (160, 0), (160, 240))], max_lost_s=max_lost_s)
 
 
-def _frame(stream, index: int, captured: float, label: str = "7"):
-    """Track one 320x240 frame captured at ``captured`` (monotonic) with one digit at (80, 100)."""
+def _frame(stream, index: int, captured: float, label: str = "7", loops: int = 0):
+    """Track one 320x240 frame captured at ``captured`` (monotonic) with one digit at (80, 100); ``loops``: the
+    looping file's pass it belongs to."""
     from k2edge.streams.reader import Frame
     from k2edge.streams.stream import StreamFrame
 
-    frame = Frame(index, index / 15, time.time(), captured, captured, np.zeros((240, 320, 3), np.uint8))
+    frame = Frame(index, index / 15, time.time(), captured, captured, np.zeros((240, 320, 3), np.uint8), loops)
     detections = [{"index": 7, "label": label, "score": 0.9, "box": [70.0, 80.0, 90.0, 100.0]}]
     return stream.track(StreamFrame(stream, frame, time.monotonic()), detections)
 
@@ -570,6 +571,39 @@ def test_a_files_stream_ended_waits_for_the_frames_read_before_it():
     assert stream.end_due() is end and stream.unconcluded == 0
     reader._frame = last  # the daemon stops with a frame never taken: the stop announces the end
     assert stream.defer_end(end) and stream.take_end() is end and stream.take_end() is None
+
+
+def test_a_looping_file_that_starts_again_ends_every_track():
+    """loop = true: the first frame of the file's next pass (whatever frames were dropped before it) ends every
+    track, with a reason, before it is tracked; the object at the same place is a new track. Frames of one pass
+    keep their tracks."""
+    s = _stream_with_zone(max_lost_s=30.0)
+    t0 = time.monotonic() - 50
+    for i in range(4):
+        tracked = _frame(s, i, t0 + i / 15)
+    assert tracked.detections[0]["track_id"] == 1 and tracked.events == []
+    again = _frame(s, 9, t0 + 9 / 15, loops=1)  # frames 4..8 dropped: the pass changed all the same
+    assert [(e["event"], e["track_id"]) for e in again.events] == [("zone_leave", 1)]
+    assert again.events[0]["reason"] == "the file started again (loop = true): every track ended"
+    assert again.detections[0]["track_id"] == 2
+    assert _frame(s, 10, t0 + 10 / 15, loops=1).detections[0]["track_id"] == 2
+
+
+def test_a_reader_counts_the_passes_of_a_looping_file(tmp_path):
+    """A looping file's frames carry the pass they belong to (Frame.loops), from 0."""
+    path = _video(tmp_path / "a.mp4", frames=5, fps=30)
+    rec = Recorder()
+    r = StreamReader("a", parse_source(path.as_uri()), rec, pace="every", loop=True)
+    r.start()
+    got, end = [], time.monotonic() + 30
+    while len(got) < 12 and time.monotonic() < end:
+        f = r.take()
+        if f is None:
+            time.sleep(0.005)
+            continue
+        got.append(f.loops)
+    r.stop(2.0)
+    assert got == [0] * 5 + [1] * 5 + [2] * 2, got
 
 
 def test_an_outage_longer_than_max_lost_ends_every_track_dated_when_the_stream_went_down():

@@ -71,6 +71,8 @@ class Frame:
             file's timeline continued across loops (a file read faster or slower than its rate).
         picture: the decoder's frame (converted to RGB only when :attr:`image` is first read: a
             frame replaced before it is processed is never converted), or an (H, W, 3) array.
+        loops: how often a looping file had started again before this frame (a frame of a new pass follows
+            one of the last: what was in view is not any more, whatever frames were dropped between).
     """
 
     index: int
@@ -79,6 +81,7 @@ class Frame:
     captured: float
     time: float
     picture: object
+    loops: int = 0
 
     @property
     def image(self) -> np.ndarray:
@@ -162,6 +165,7 @@ class StreamReader:
         self._next_index = 0
         self._last_frame = time.monotonic()
         self._media_end = None  # pace every: the file time after the last frame handed over (loops continue it)
+        self.loops = 0  # how often a looping file started again
         self._held = False  # pace every: waiting for the thermal limit's next slot (not a stall)
         self._fps_gate = FrameGate(fps or None)  # fps throttling (dropped)
         self._limit_gate = FrameGate()  # the thermal limit (shed)
@@ -267,6 +271,7 @@ class StreamReader:
                 if not self.spec.live:
                     if self.loop:
                         attempt = 0
+                        self.loops += 1
                         continue
                     self._set_state("ended", None)
                     return
@@ -336,7 +341,7 @@ class StreamReader:
                             self.skipped += gap
                     skipping = skip.decoded(now)
                 self._next_index += gap  # a skipped frame has its number too: on a file, index is its position
-                frame = Frame(self._next_index, pts, time.time(), now, t_track, picture)
+                frame = Frame(self._next_index, pts, time.time(), now, t_track, picture, self.loops)
                 self._next_index += 1
                 self.decoded += 1
                 self._last_frame = now
