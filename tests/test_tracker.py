@@ -295,8 +295,9 @@ def test_a_self_intersecting_zone_is_refused_naming_its_edges():
         Zone("bowtie", [(0, 0), (10, 10), (10, 0), (0, 10)])
     with pytest.raises(ValueError, match="intersects itself"):
         Zone("fold", [(0, 0), (10, 0), (5, 0), (5, 5)])  # an edge folding back onto the one before
-    with pytest.raises(ValueError, match="intersects itself"):
-        Zone("repeat", [(0, 0), (10, 0), (10, 0), (0, 10)])
+    with pytest.raises(ValueError, match=r"repeats the point \[10.0, 0.0\] \(an edge of no length\)"):
+        Zone("repeat", [(0, 0), (10, 0), (10, 0), (0, 10)])  # said as such, not as two edges meeting
+    assert len(Zone("closed", [(0, 0), (10, 0), (0, 10), (0, 0)]).points) == 3  # the first point again at the end
     Zone("concave", [(0, 0), (10, 0), (10, 10), (5, 3), (0, 10)])  # concave is fine
 
 

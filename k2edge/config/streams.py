@@ -28,7 +28,8 @@ class ZoneConfig(_Strict):
 
     name: str
     points: tuple[Point, ...] = Field(min_length=3, description="[[x, y], ...] in source pixels, at least 3, in order "
-                                      "around the area (edges that cross are refused)")
+                                      "around the area (edges that cross and repeated points are refused; the "
+                                      "first point again at the end is dropped)")
 
     @field_validator("name")
     @classmethod

@@ -60,6 +60,8 @@ class Zone:
         if not self.name:
             raise ValueError("a zone needs a name")
         pts = tuple(_point(p, f"zone {self.name!r}") for p in self.points)
+        if len(pts) > 3 and pts[0] == pts[-1]:
+            pts = pts[:-1]  # a closed ring (GeoJSON's way): the polygon closes itself anyway
         if len(pts) < 3:
             raise ValueError(f"zone {self.name!r} needs at least 3 points, got {len(pts)}")
         repeated = next((p for i, p in enumerate(pts) if p == pts[(i + 1) % len(pts)]), None)
