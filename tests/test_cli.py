@@ -167,6 +167,10 @@ def test_doctor_runs_here():
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "models"], ["input 'models' is a directory"]),
     (["request", "--broker", "127.0.0.1:1", "--model", "digits", "--retries", "-1", "x.jpg"],
      ["--retries: must be at least 0, got -1"]),
+    (["request", "--broker", "127.0.0.1:1", "--model", "digits", "--deadline-ms", "nan", "x.jpg"],
+     ["--deadline-ms: must be a finite number, got nan"]),
+    (["request", "--broker", "127.0.0.1:1", "--model", "digits", "--deadline-ms", "inf", "x.jpg"],
+     ["--deadline-ms: must be a finite number, got inf"]),
     (["watch", MODEL, "models"], ["source 'models' is a directory"]),
 ])
 def test_bad_input_is_one_line_exit_1(args, fragments):
@@ -360,7 +364,8 @@ def test_serve_refuses_a_state_dir_it_cannot_use(tmp_path):
 def test_debug_shows_the_traceback_before_or_after_the_command():
     missing = ["infer", "models/digits/nothere.onnx", "-p", "c2", "x.jpg"]
     assert_one_line_error(k2edge(*missing, check=False), "model file 'models/digits/nothere.onnx' does not exist")
-    for args in (["--debug", *missing], [*missing, "--debug"]):
+    nested = ["card", "show", "models/digits/nothere.onnx"]  # a command's own subcommand takes them too
+    for args in (["--debug", *missing], [*missing, "--debug"], [*nested, "--debug"], ["card", "--debug", *nested[1:]]):
         proc = k2edge(*args, check=False)
         assert proc.returncode == 1 and "Traceback" in proc.stderr and "ModelError" in proc.stderr, (args, proc.stderr)
 

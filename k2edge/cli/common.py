@@ -37,6 +37,17 @@ def _finite(text: str, zero_allowed: bool) -> float:
     return value
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: any finite number (what it may be beyond that is the receiver's to judge)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0 (a time in seconds, say)."""
     return _finite(text, zero_allowed=False)

@@ -29,24 +29,40 @@ def _command_modules():
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exits 1."""
+    """argparse that reports a usage error as one line and exits 1; every command under it, nested ones
+    (``card show``) included, also takes ``-v`` and ``--debug`` after its name."""
+
+    def __init__(self, *args, common: argparse.ArgumentParser | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._common = common
 
     def error(self, message: str):  # noqa: D401 - argparse API
         self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_subparsers(self, **kwargs):
+        action = super().add_subparsers(**kwargs)
+        add = action.add_parser
+
+        def add_parser(name, **kw):
+            return add(name, parents=[*kw.pop("parents", ()), self._common], common=self._common, **kw)
+
+        action.add_parser = add_parser
+        return action
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = _Parser(prog="k2edge", description="Edge inference runtime for NVIDIA Jetson Orin (GPU + DLA).")
-    parser.add_argument("--version", action="version", version=f"k2edge {__version__}")
-    _add_common(parser)
-    # the same flags after the command (`k2edge infer ... --debug`); unset there, they leave the top level's value
+    # the same flags after a command (`k2edge infer ... --debug`); unset there, they leave the top level's value
     common = argparse.ArgumentParser(add_help=False)
     _add_common(common, default=argparse.SUPPRESS)
+    parser = _Parser(prog="k2edge", description="Edge inference runtime for NVIDIA Jetson Orin (GPU + DLA).",
+                     common=common)
+    parser.add_argument("--version", action="version", version=f"k2edge {__version__}")
+    _add_common(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for mod in _command_modules():
-        p = sub.add_parser(mod.COMMAND, help=mod.HELP, description=mod.HELP, parents=[common])
+        p = sub.add_parser(mod.COMMAND, help=mod.HELP, description=mod.HELP)
         mod.register(p)
         p.set_defaults(run=mod.run)
     return parser

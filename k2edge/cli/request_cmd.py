@@ -7,7 +7,7 @@ import socket
 import sys
 
 from ..errors import K2EdgeError
-from .common import count, positive_float
+from .common import count, finite_float, positive_float
 
 COMMAND = "request"
 HELP = "send one request to a daemon over MQTT 5 and print its answer"
@@ -22,7 +22,7 @@ def register(p) -> None:
                    help="daemon's device id (default: this host's name)")
     p.add_argument("--prompt", metavar="TEXT", help="prompt for the cloud model")
     p.add_argument("--top-k", type=int, metavar="K")
-    p.add_argument("--deadline-ms", type=float, metavar="MS",
+    p.add_argument("--deadline-ms", type=finite_float, metavar="MS",
                    help="answer within MS or not at all; the message also expires at the broker (whole seconds)")
     p.add_argument("--retries", type=count(0), default=0, metavar="N",
                    help="retry up to N times after busy, deadline_exceeded or cloud_unavailable (each a new attempt)")
