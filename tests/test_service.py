@@ -232,16 +232,28 @@ def test_config_example_loads_and_resolves_paths():
     # the known keys of a table that may be left out, and of a repeated one's items
     ('[tracing]\nsampler = 1\n[[models]]\nname = "a"\nonnx = "m"', "tracing.sampler: unknown key (known keys: endpoint, "),
     ('[[models]]\nname = "a"\nonnx = "m"\nturbo = 1', "models.0.turbo: unknown key (known keys: name, onnx, bundle, "),
-    # a profile is found and read when the config is, before the daemon starts anything
-    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c99"', "models.0.profile: profile 'c99' not found"),
-    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\n[models.escalation]\nwarm_profile = "c99"',
-     "models.0.escalation.warm_profile: profile 'c99' not found"),
-    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "bad.json"', "models.0.profile: profile file"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(_write(tmp_path, text))
     assert fragment.replace("Value error, ", "") in str(err.value) and "hunter2" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c99"', "models.0.profile: profile 'c99' not found"),
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\n[models.escalation]\nwarm_profile = "c99"',
+     "models.0.escalation.warm_profile: profile 'c99' not found"),
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "bad.json"', "models.0.profile: profile file"),
+])
+def test_the_daemon_checks_every_profile_before_it_starts_anything(tmp_path, text, fragment):
+    """check_profiles (the daemon's first step) names the key; reading the config alone does not need the profiles
+    (watch --config and bundle verify --config read other keys, on a machine without the device's profiles)."""
+    from k2edge.config.schema import check_profiles
+
+    cfg = load_config(_write(tmp_path, text))
+    with pytest.raises(ConfigError) as err:
+        check_profiles(cfg)
+    assert str(err.value).startswith(str(tmp_path / "k.toml")) and fragment in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("broker, fragment", [

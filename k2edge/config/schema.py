@@ -355,15 +355,21 @@ def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
         cfg = DaemonConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{p}: {describe_validation_error(exc, model_keys(DaemonConfig))}") from None
-    _check_profiles(cfg, p)
     cfg._source = p
     return cfg
 
 
-def _check_profiles(cfg: DaemonConfig, path: Path) -> None:
-    """Every profile a model names is found and valid, before anything starts; the error names the key."""
+def check_profiles(cfg: DaemonConfig) -> None:
+    """Every profile a model names is found and valid (the daemon asks before it starts anything; commands that
+    read the config for other keys do not need the profiles on this machine); the error names the key.
+
+    Raises:
+        ConfigError: ``models.N.profile`` or ``models.N.escalation.warm_profile`` names no valid profile.
+    """
     from ..errors import ProfileError
     from ..profile import load_profile
+
+    path = cfg.source or "config"
 
     for i, m in enumerate(cfg.models):
         named = (("profile", m.profile if m.onnx is not None or m.profile_set else None),  # a bundle brings its own

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import __version__, tracing
-from ..config.schema import ConfigError, DaemonConfig, read_secret, state_dir
+from ..config.schema import ConfigError, DaemonConfig, check_profiles, read_secret, state_dir
 from ..durable import make_dir
 from ..engine.check import refusal, refused
 from ..errors import Int8CheckRefused
@@ -92,7 +92,8 @@ class Daemon:
     # run: build, start, serve, drain -----------------------------------------------------------------
     def run(self) -> int:
         cfg, state = self.cfg, _usable_state_dir(state_dir(self.cfg))
-        # the edges, checked before the (possibly long) engine builds: secrets, TLS files, the cloud key
+        # the edges, checked before the (possibly long) engine builds: profiles, secrets, TLS files, the cloud key
+        check_profiles(cfg)
         self.thermal = thermal_sampler(cfg.thermal, on_transition=self.on_thermal)
         # the state the status tells: set once the models and streams follow it (on_thermal), so that no status says
         # a new state beside the limits and profiles of the old one
