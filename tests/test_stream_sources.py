@@ -536,13 +536,13 @@ def _stream_with_zone(max_lost_s: float = 1.0):
     return Stream("cam", "boxes", reader, zones, [("door", (160, 0), (160, 240))], max_lost_s=max_lost_s)
 
 
-def _frame(stream, index: int, captured: float, label: str = "7", loops: int = 0):
-    """Track one 320x240 frame captured at ``captured`` (monotonic) with one digit at (80, 100); ``loops``: the
-    looping file's pass it belongs to."""
+def _frame(stream, index: int, captured: float, label: str = "7", restarts: int = 0):
+    """Track one 320x240 frame captured at ``captured`` (monotonic) with one digit at (80, 100); ``restarts``: the
+    file's pass it belongs to."""
     from k2edge.streams.reader import Frame
     from k2edge.streams.stream import StreamFrame
 
-    frame = Frame(index, index / 15, time.time(), captured, captured, np.zeros((240, 320, 3), np.uint8), loops)
+    frame = Frame(index, index / 15, time.time(), captured, captured, np.zeros((240, 320, 3), np.uint8), restarts)
     detections = [{"index": 7, "label": label, "score": 0.9, "box": [70.0, 80.0, 90.0, 100.0]}]
     return stream.track(StreamFrame(stream, frame, time.monotonic()), detections)
 
@@ -582,15 +582,18 @@ def test_a_looping_file_that_starts_again_ends_every_track():
     for i in range(4):
         tracked = _frame(s, i, t0 + i / 15)
     assert tracked.detections[0]["track_id"] == 1 and tracked.events == []
-    again = _frame(s, 9, t0 + 9 / 15, loops=1)  # frames 4..8 dropped: the pass changed all the same
+    again = _frame(s, 9, t0 + 9 / 15, restarts=1)  # frames 4..8 dropped: the pass changed all the same
     assert [(e["event"], e["track_id"]) for e in again.events] == [("zone_leave", 1)]
-    assert again.events[0]["reason"] == "the file started again (loop = true): every track ended"
+    assert again.events[0]["reason"] == "the file was read again from its start: every track ended"  # not looping
     assert again.detections[0]["track_id"] == 2
-    assert _frame(s, 10, t0 + 10 / 15, loops=1).detections[0]["track_id"] == 2
+    assert _frame(s, 10, t0 + 10 / 15, restarts=1).detections[0]["track_id"] == 2
+    s.reader.loop = True
+    assert _frame(s, 11, t0 + 11 / 15, restarts=2).events[0]["reason"] == ("the file started again (loop = true): "
+                                                                          "every track ended")
 
 
 def test_a_reader_counts_the_passes_of_a_looping_file(tmp_path):
-    """A looping file's frames carry the pass they belong to (Frame.loops), from 0."""
+    """A looping file's frames carry the pass they belong to (Frame.restarts), from 0."""
     path = _video(tmp_path / "a.mp4", frames=5, fps=30)
     rec = Recorder()
     r = StreamReader("a", parse_source(path.as_uri()), rec, pace="every", loop=True)
@@ -601,7 +604,7 @@ def test_a_reader_counts_the_passes_of_a_looping_file(tmp_path):
         if f is None:
             time.sleep(0.005)
             continue
-        got.append(f.loops)
+        got.append(f.restarts)
     r.stop(2.0)
     assert got == [0] * 5 + [1] * 5 + [2] * 2, got
 

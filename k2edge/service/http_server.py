@@ -20,6 +20,7 @@ __all__ = ["MAX_CONNECTIONS", "REQUEST_DEADLINE_S", "REQUEST_TIMEOUT_S", "Bounde
 REQUEST_TIMEOUT_S = 20.0  # each read or write
 REQUEST_DEADLINE_S = 30.0  # the request line and headers, all together
 MAX_CONNECTIONS = 64
+MAX_DISCARDED_BODY = 64 * 1024  # the body of a request refused unread (405) that is still read off the socket
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
@@ -116,6 +117,12 @@ class BoundedHandler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _not_allowed(self) -> None:
+        # a body left unread would reset the connection under the answer: read a small one, close after a large one
+        length = self.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) <= MAX_DISCARDED_BODY:
+            self.rfile.read(int(length))
+        elif length or self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
         self.send_body(405, json.dumps({"error": f"method {self.command} is not allowed: this server answers GET and "
                                                  "HEAD"}).encode(), "application/json", {"Allow": "GET, HEAD"})
 

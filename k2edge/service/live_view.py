@@ -12,7 +12,8 @@ JPEG for scripts; ``/metrics`` beside them.
 ``GET /metrics``                       Prometheus (when ``[metrics]`` is on)
 =====================================  ==========================================================
 
-``HEAD`` answers as ``GET`` without the body; any other method is 405. Every error is JSON ``{"error"}``.
+``HEAD`` answers as ``GET`` without the body; POST, PUT, DELETE, PATCH and OPTIONS are 405 (a method HTTP does not
+define, 501). Every error is JSON ``{"error"}``.
 
 Frames are drawn and encoded only while someone watches: a frame request marks the stream watched
 for a few seconds (:meth:`Stream.watch <k2edge.streams.stream.Stream.watch>`), the model's thread then

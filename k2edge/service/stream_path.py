@@ -307,8 +307,8 @@ class StreamPath:
             bodies.append(body)
             if not stream.snapshots:
                 continue
-            if e.get("reason"):  # an outage ended the track: the frame after it does not show it
-                body.update(snapshot=None, snapshot_error="no snapshot: the track ended while the stream was down")
+            if e.get("reason"):  # an outage or a file's restart ended the track: the frame after it does not show it
+                body.update(snapshot=None, snapshot_error=f"no snapshot: the track ended before this frame ({e['reason']})")
                 continue
             try:
                 snap = render_snapshot(image, e, stream.zones, stream.lines)
@@ -328,7 +328,7 @@ class StreamPath:
         ring = stream.reader.packets
         if ring is not None:
             for body, e in zip(bodies, events):
-                if not e.get("reason"):  # an outage's leaves: no frame, no clip
+                if not e.get("reason"):  # ended by an outage or a restart: not in this frame, no clip
                     ring.request(body["event_id"], pts, functools.partial(self._clip_done, stream))
 
     def _clip_done(self, stream: Stream, info: ClipInfo) -> None:
@@ -353,6 +353,8 @@ class StreamPath:
         else:
             body.update(clip=None, clip_error=info.reason or "no clip")
         stream.count_clip(body["clip"] is not None)
+        if stream.reader.state == "ended" and self.on_change is not None:
+            self.on_change()  # a file's last clips come after the status with its final counts: count them
         self._store_and_publish(stream, [event_payload(stream.name, body, None)], {})
 
     def _publish_events(self, stream: Stream, events: list[dict], frame: int | None, no_snapshot: str | None = None,

@@ -71,8 +71,9 @@ class Frame:
             file's timeline continued across loops (a file read faster or slower than its rate).
         picture: the decoder's frame (converted to RGB only when :attr:`image` is first read: a
             frame replaced before it is processed is never converted), or an (H, W, 3) array.
-        loops: how often a looping file had started again before this frame (a frame of a new pass follows
-            one of the last: what was in view is not any more, whatever frames were dropped between).
+        restarts: how often the file had been read from its start again before this frame (a loop, or a reopen
+            after a read error): a frame of a new pass follows one of the last, and what was in view is not any
+            more, whatever frames were dropped between. Always 0 on a live source.
     """
 
     index: int
@@ -81,7 +82,7 @@ class Frame:
     captured: float
     time: float
     picture: object
-    loops: int = 0
+    restarts: int = 0
 
     @property
     def image(self) -> np.ndarray:
@@ -165,7 +166,8 @@ class StreamReader:
         self._next_index = 0
         self._last_frame = time.monotonic()
         self._media_end = None  # pace every: the file time after the last frame handed over (loops continue it)
-        self.loops = 0  # how often a looping file started again
+        self.restarts = 0  # how often the file was read from its start again
+        self._opened = False  # a capture was opened once: the next one of a file starts it again
         self._held = False  # pace every: waiting for the thermal limit's next slot (not a stall)
         self._fps_gate = FrameGate(fps or None)  # fps throttling (dropped)
         self._limit_gate = FrameGate()  # the thermal limit (shed)
@@ -262,6 +264,9 @@ class StreamReader:
             try:
                 cap = self._open(self.spec, self.backend, self.open_timeout_s, self.read_timeout_s)
                 self._capture = cap
+                if not self.spec.live and self._opened:
+                    self.restarts += 1  # a file opened again reads from its start: a new pass
+                self._opened = True
                 self.source_fps = cap.fps or self.source_fps
                 if self.packets is not None and hasattr(cap, "tap"):
                     cap.tap(self.packets, lambda p, gen=gen: self._current(gen) and self.packets.add(p))
@@ -271,7 +276,6 @@ class StreamReader:
                 if not self.spec.live:
                     if self.loop:
                         attempt = 0
-                        self.loops += 1
                         continue
                     self._set_state("ended", None)
                     return
@@ -341,7 +345,7 @@ class StreamReader:
                             self.skipped += gap
                     skipping = skip.decoded(now)
                 self._next_index += gap  # a skipped frame has its number too: on a file, index is its position
-                frame = Frame(self._next_index, pts, time.time(), now, t_track, picture, self.loops)
+                frame = Frame(self._next_index, pts, time.time(), now, t_track, picture, self.restarts)
                 self._next_index += 1
                 self.decoded += 1
                 self._last_frame = now
@@ -368,7 +372,10 @@ class StreamReader:
                     with self._cond:
                         if not self._current(gen):
                             return
-                        self._place(frame)
+                        if self._limit_gate.max_fps == 0:
+                            self.shed += 1  # paused as it came up (told "up", the stream took its thermal limit)
+                        else:
+                            self._place(frame)
             if frame is not None and self.pace == "every":  # up first: a stream paused from its start is up
                 with self._cond:
                     self._cond.wait_for(lambda: self._frame is None or not self._current(gen))

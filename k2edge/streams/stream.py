@@ -158,7 +158,7 @@ class Stream:
         self._keep_crops = max((r.keeps_crops for r in self.rules), default=0)
         self._track_end = any(r.on == "track_end" for r in self.rules)
         self._outage_ended: list[int] = []  # tracks ended by an outage or a loop, until this frame's rules saw them
-        self._last_loops: int | None = None  # the last processed frame's Frame.loops
+        self._last_restarts: int | None = None  # the last processed frame's Frame.restarts
 
     # the line's feed ----------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -305,7 +305,7 @@ class Stream:
             captured = item.frame.captured
             if self.frame_size is None:
                 self._first_frame(item)
-            events = self._after_outage(captured) + self._after_loop(item.frame)
+            events = self._after_outage(captured) + self._after_restart(item.frame)
             boxes = np.asarray([d["box"] for d in detections], dtype=np.float64).reshape(-1, 4)
             scores = np.asarray([d["score"] for d in detections], dtype=np.float64)
             update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=item.frame.time)
@@ -415,18 +415,20 @@ class Stream:
             self._boxes.pop(tid, None)
         return [{**e, "time": down[1], "frame": self._last_index, "reason": reason} for e in events]
 
-    def _after_loop(self, frame) -> list[dict]:
-        """Every track ends when a looping file started again since the last processed frame: the objects at its
-        end are not those at its start (a track carried across would take another object's id)."""
-        last, self._last_loops = self._last_loops, frame.loops
-        if last is None or frame.loops == last:
+    def _after_restart(self, frame) -> list[dict]:
+        """Every track ends when the file was read from its start again since the last processed frame (a loop,
+        or a reopen after a read error): the objects at its end are not those at its start (a track carried
+        across would take another object's id)."""
+        last, self._last_restarts = self._last_restarts, frame.restarts
+        if last is None or frame.restarts == last:
             return []
         ended = self.tracker.end_all()
         self._outage_ended += ended
         events = self._with_boxes(self.analytics.update([], ended)) + self._track_ends(ended)
         for tid in ended:
             self._boxes.pop(tid, None)
-        reason = "the file started again (loop = true): every track ended"
+        why = "the file started again (loop = true)" if self.reader.loop else "the file was read again from its start"
+        reason = f"{why}: every track ended"
         return [{**e, "frame": self._last_index, "reason": reason} for e in events]
 
     def _with_boxes(self, events: list[dict]) -> list[dict]:
