@@ -211,6 +211,9 @@ def test_config_example_loads_and_resolves_paths():
     ('[mqtt]\nhost = "broker one"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.host: holds spaces"),
     # TOML's true, inf and nan are not numbers a setting can take (true was a max_batch of 1)
     ('[service]\nmax_batch = true\n[[models]]\nname = "a"\nonnx = "m"', "service.max_batch: must be a number, not true"),
+    ('[service]\nmax_batch = "8"\n[[models]]\nname = "a"\nonnx = "m"', "service.max_batch: must be a number, not the string '8'"),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[streams]]\nname = "s"\nsource = "file:///x.mp4"\nmodel = "a"\nfps = "5"',
+     "streams.0.fps: must be a number, not the string '5'"),
     ('[service]\ntelemetry_interval_s = inf\n[[models]]\nname = "a"\nonnx = "m"', "service.telemetry_interval_s: input should be a finite number"),
     ('[cloud]\ntimeout_s = nan\n[[models]]\nname = "a"\nonnx = "m"', "cloud.timeout_s: input should be a finite number"),
     ('[thermal]\nsoft_c = false\n[[models]]\nname = "a"\nonnx = "m"', "thermal.soft_c: must be a number, not false"),

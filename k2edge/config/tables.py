@@ -42,11 +42,14 @@ class Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_as_number(cls, v, info: ValidationInfo):
-        # pydantic takes true as 1 for an int or float field: `max_batch = true` would serve one request a batch
-        if isinstance(v, bool) and info.field_name is not None:
+        # pydantic takes true as 1 for an int or float field (`max_batch = true` would serve one request a batch), and
+        # "5" as 5 (a quoted number in the TOML is a mistake to say, not to guess at)
+        if isinstance(v, (bool, str)) and info.field_name is not None:
             kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
-            if kinds & {int, float} and not kinds & {bool, Any}:
+            if isinstance(v, bool) and kinds & {int, float} and not kinds & {bool, Any}:
                 _not_bool(v)
+            if isinstance(v, str) and kinds & {int, float} and not kinds & {str, Any}:
+                raise ValueError(f"must be a number, not the string {v[:40]!r}")
         return v
 
 
