@@ -198,6 +198,18 @@ def test_other_methods_and_malformed_requests_get_json_and_head_gets_the_headers
     assert json.loads(body) == {"error": "Unsupported method ('BREW')"} and b"Python" not in head_part, answer
 
 
+def test_a_disabled_stream_is_named_as_such():
+    view = LiveView(None, disabled=("gate",))
+    host, port = view.start("127.0.0.1", 0)
+    try:
+        for path in ("/streams/gate/frame.jpg", "/api/events?stream=gate"):
+            status, _, body = _get(f"http://{host}:{port}{path}")
+            assert status == 404 and "stream 'gate': disabled in the config (enabled = false)" in json.loads(body)["error"]
+        assert json.loads(_get(f"http://{host}:{port}/streams/other/frame.jpg")[2]) == {"error": "stream 'other': no such stream"}
+    finally:
+        view.stop()
+
+
 def test_an_empty_credential_is_no_credential(app):
     """The scheme is case-insensitive; an empty bearer token or password never matches, and an empty secret is
     refused outright (the config refuses an empty token_file or password_file too: test_service)."""

@@ -187,7 +187,8 @@ class Daemon:
     def _start_http(self, token: str | None, password: str | None) -> LiveView | None:
         if self.cfg.http is None:
             return None
-        view = LiveView(self.streams, self.metrics, token=token, password=password)
+        view = LiveView(self.streams, self.metrics, token=token, password=password,
+                        disabled=tuple(s.name for s in self.cfg.streams if not s.enabled))
         view.start(self.cfg.http.host, self.cfg.http.port)
         return view
 

@@ -56,12 +56,14 @@ class LiveView:
         metrics: the Prometheus exporter, or None.
         token: the bearer token, or None.
         password: the HTTP Basic password, or None.
+        disabled: the configured streams with ``enabled = false`` (named as such, not as unknown).
     """
 
-    def __init__(self, streams, metrics=None, token: str | None = None, password: str | None = None) -> None:
+    def __init__(self, streams, metrics=None, token: str | None = None, password: str | None = None,
+                 disabled: tuple[str, ...] = ()) -> None:
         if token == "" or password == "":
             raise ValueError("an empty token or password would let an empty one in")
-        self.streams, self.metrics = streams, metrics
+        self.streams, self.metrics, self.disabled = streams, metrics, frozenset(disabled)
         self.token, self.password = token, password
         self._server: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -128,6 +130,10 @@ class LiveView:
 
     def knows(self, name: str) -> bool:
         return self.streams is not None and name in self.streams.streams
+
+    def unknown(self, name: str) -> str:
+        """Why a stream this app does not serve is not here."""
+        return "disabled in the config (enabled = false)" if name in self.disabled else "no such stream"
 
     def streams_json(self) -> dict:
         return self.streams.status() if self.streams is not None else {}
@@ -212,14 +218,14 @@ class _Handler(BoundedHandler):
             stream = query.get("stream", [None])[0]
             events = self.app.events_json(stream, int(raw))
             if stream is not None and not events and not self.app.knows(stream):
-                return self._json({"error": f"stream {stream[:80]!r}: no such stream, and no events stored for it"},
-                                  HTTPStatus.NOT_FOUND)
+                return self._json({"error": f"stream {stream[:80]!r}: {self.app.unknown(stream)}, and no events stored "
+                                            "for it"}, HTTPStatus.NOT_FOUND)
             return self._json(events, headers=headers)
         if len(parts) == 3 and parts[0] == "streams" and parts[2] == "frame.jpg":
             drawn = self.app.frame_jpeg(parts[1])
             if drawn is None:
                 if not self.app.knows(parts[1]):
-                    return self._json({"error": f"stream {parts[1]!r}: no such stream"}, HTTPStatus.NOT_FOUND)
+                    return self._json({"error": f"stream {parts[1]!r}: {self.app.unknown(parts[1])}"}, HTTPStatus.NOT_FOUND)
                 if self.app.ended(parts[1]):
                     return self._json({"error": f"stream {parts[1]!r}: its source played to its end before anyone "
                                                 "asked for a frame (frames are kept only while someone watches)"},
