@@ -254,3 +254,32 @@ def test_fetch_checks_the_ca_the_size_and_the_hash(https, pki):
         with pytest.raises(FetchError) as err:
             call()
         assert err.value.status == status and fragment in err.value.detail, err.value.detail
+
+
+def test_the_cli_leaves_a_bundle_over_the_default_device_limit_to_the_devices(tmp_path):
+    """A 65 MiB bundle (past the 64 MiB a device takes by default, within what one may be set to take): deploy --url
+    reads it, hashes it and goes on to the broker (unreachable here), and bundle inspect shows it; neither refuses
+    it as too large for a device whose limit it does not know."""
+    import os
+    import sys
+
+    from bundles import small_model_dir
+
+    from k2edge.bundle import create_bundle
+
+    root = Path(__file__).resolve().parents[1]
+    model = small_model_dir(tmp_path / "big" / "digits")
+    import numpy as np
+
+    noise = np.random.default_rng(0).integers(0, 256, (68000, 32, 32), dtype=np.uint8)  # 66 MiB gzip cannot shrink
+    np.savez(model / "calib.npz", x=noise, y=np.zeros(len(noise), np.int64))
+    bundle = tmp_path / "digits-1.0.0.k2b"
+    create_bundle(model, bundle, version="1.0.0", profiles=["cpu-dev"])
+    assert bundle.stat().st_size > 64 << 20
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "k2edge", "deploy", str(bundle), "--broker", "127.0.0.1:1", "--device", "d",
+                           "--url", "https://h/b.k2b"], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert proc.returncode == 1 and "cannot reach the broker" in proc.stderr and "too_large" not in proc.stderr, proc.stderr
+    shown = subprocess.run([sys.executable, "-m", "k2edge", "bundle", "inspect", str(bundle)], capture_output=True,
+                           text=True, env=env, cwd=root, timeout=120)
+    assert shown.returncode == 0 and "digits" in shown.stdout and "too_large" not in shown.stdout, shown.stdout + shown.stderr

@@ -48,6 +48,13 @@ class Limits:
     max_files: int = 4096
 
     @classmethod
+    def most(cls) -> "Limits":
+        """The largest limits a device may be set to (an operator's tools read any bundle some device could take)."""
+        from ..config.deploy import MOST_BUNDLE_BYTES, MOST_FILES, MOST_UNPACKED_BYTES
+
+        return cls(MOST_BUNDLE_BYTES, MOST_UNPACKED_BYTES, MOST_FILES)
+
+    @classmethod
     def from_settings(cls, deploy) -> "Limits":
         """From the daemon config's ``[deploy]`` table (:class:`~k2edge.config.deploy.DeploySettings`)."""
         return cls(deploy.max_bundle_bytes, deploy.max_unpacked_bytes, deploy.max_files)

@@ -81,9 +81,10 @@ def _verify(args) -> int:
 
 
 def _inspect(args) -> int:
+    from ..bundle import Limits
     from ..bundle.inspect import inspect_bundle
 
-    info = inspect_bundle(args.bundle)
+    info = inspect_bundle(args.bundle, Limits.most())  # whether a device takes its size is the device's to say
     if args.json:
         print_json(info)
         return 0

@@ -12,6 +12,9 @@ from .tables import Strict as _Strict
 __all__ = ["DeploySettings", "TrustSettings"]
 
 MIB = 1 << 20
+# the most a device may be set to take ([deploy]'s upper bounds): what an operator's tools read a bundle with, the
+# device it goes to judging it by its own limits
+MOST_BUNDLE_BYTES, MOST_UNPACKED_BYTES, MOST_FILES = 2048 * MIB, 16384 * MIB, 1_000_000
 
 
 class TrustSettings(_Strict):
@@ -38,8 +41,8 @@ class TrustSettings(_Strict):
 class DeploySettings(_Strict):
     """Limits on a bundle and how bundles are fetched."""
 
-    max_bundle_bytes: int = Field(64 * MIB, ge=1024, le=2048 * MIB,
+    max_bundle_bytes: int = Field(64 * MIB, ge=1024, le=MOST_BUNDLE_BYTES,
                                   description="largest bundle accepted, as received (the broker's message_size_limit must allow it)")
-    max_unpacked_bytes: int = Field(256 * MIB, ge=1024, le=16384 * MIB, description="largest total of a bundle's files, unpacked")
-    max_files: int = Field(4096, ge=4, le=1_000_000, description="most members in a bundle, folders included")
+    max_unpacked_bytes: int = Field(256 * MIB, ge=1024, le=MOST_UNPACKED_BYTES, description="largest total of a bundle's files, unpacked")
+    max_files: int = Field(4096, ge=4, le=MOST_FILES, description="most members in a bundle, folders included")
     ca_file: Path | None = Field(None, description="CA bundle for fetching bundles over HTTPS from a private CA")
