@@ -612,6 +612,36 @@ def test_a_cloud_too_slow_for_the_deadline_is_not_even_asked(k2, tmp_path):
     bridge.close()
 
 
+def test_a_cloud_judged_too_slow_is_asked_again_once_in_a_while(k2, tmp_path, monkeypatch):
+    """The record of a slow cloud does not turn it away for good: one request a LATENCY_PROBE_S is asked anyway, and
+    a quick answer clears the record, so the next requests are asked again."""
+    import k2edge.cloud_bridge.bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "LATENCY_PROBE_S", 0.5)
+    bridge = make_bridge(k2, tmp_path)
+    k2.fallback = delay(0.4, "slow answer")
+    for i in range(5):
+        assert bridge.handle(BridgeRequest(f"w{i}", "digits"), UNSURE, 3.0, "normal").source == "cloud"
+    k2.fallback = delay(0.0, "quick again")
+    n = len(k2.chat_requests)
+    assert "median latency" in bridge.handle(BridgeRequest("first", "digits"), UNSURE, 0.3, "normal").reason
+    assert len(k2.chat_requests) == n  # turned away, as before; the probe's clock starts
+    time.sleep(0.6)
+    probe = bridge.handle(BridgeRequest("probe", "digits"), UNSURE, 0.3, "normal")  # asked, and quick
+    assert probe.source == "cloud" and probe.text == "quick again", probe.reason
+    n = len(k2.chat_requests)
+    after = bridge.handle(BridgeRequest("after", "digits"), UNSURE, 0.3, "normal")
+    assert after.source == "cloud" and len(k2.chat_requests) == n + 1  # the slow record is gone
+    k2.fallback = delay(0.4, "slow again")
+    for i in range(5):
+        bridge.handle(BridgeRequest(f"s{i}", "digits"), UNSURE, 3.0, "normal")
+    n = len(k2.chat_requests)
+    bridge.handle(BridgeRequest("probe2", "digits"), UNSURE, 0.3, "normal")  # asked: the probe (times out locally)
+    turned = bridge.handle(BridgeRequest("turned", "digits"), UNSURE, 0.3, "normal")
+    assert len(k2.chat_requests) == n + 1 and "median latency" in turned.reason  # one probe, then turned away
+    bridge.close()
+
+
 def test_no_edge_model_goes_to_the_cloud_and_fails_clearly_when_it_cannot(k2, tmp_path):
     """No edge model: the cloud answers; with the cloud down the error is cloud_unavailable or deadline_exceeded."""
     bridge = make_bridge(k2, tmp_path, max_retries=0)

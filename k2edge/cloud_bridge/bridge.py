@@ -30,6 +30,9 @@ __all__ = ["CloudBridge", "BridgeRequest", "Outcome", "LocalSource", "Publish", 
 LocalSource = Union[LocalResult, Callable[[], LocalResult], None]
 Publish = Callable[[str, Union[bytes, None], dict], None]
 Render = Callable[[OutboxItem, Union[CloudAnswer, CloudError]], dict]
+# a cloud whose median round trip is longer than a request has left is not asked -- except once this often, so that
+# a cloud quick again is found (its quick answer then clears the record of the slow ones)
+LATENCY_PROBE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class CloudBridge:
         self._counts = {k: 0 for k in ("requests", "escalated", "cloud_answers", "cloud_unanswered", "degraded", "deferred",
                                        "refused", "delivered")}
         self._latencies: deque[float] = deque(maxlen=500)
+        self._probed: float | None = None  # when a cloud judged too slow for a request was last asked anyway
         self.last_error: str | None = None
 
     # the request path --------------------------------------------------------------------------
@@ -222,7 +226,10 @@ class CloudBridge:
         failure: CloudError | None = None
         left_ms = (end - reserve - self._clock()) * 1e3
         typical = self._typical_latency_ms()
-        if typical is not None and left_ms < typical:
+        probing = typical is not None and left_ms < typical  # too slow by its record: asked once in a while anyway
+        if probing and (self._probed is None or self._clock() - self._probed < LATENCY_PROBE_S):
+            if self._probed is None:
+                self._probed = self._clock()  # the first turned away starts the clock of the first probe
             failure = CloudTimeout(f"the cloud's median latency ({typical:.0f} ms) exceeds the {max(0.0, left_ms):.0f} ms "
                                    "left before the deadline")
         elif not self.budget.try_acquire():
@@ -230,6 +237,8 @@ class CloudBridge:
         elif not self._slots.acquire(timeout=max(0.0, end - reserve - self._clock())):
             failure = CloudError(f"{self.settings.concurrency} cloud calls are already in flight")
         else:
+            if probing:
+                self._probed = self._clock()
             try:
                 top_k = list(computed.top_k) if computed is not None else None
                 detections = list(computed.detections) if computed is not None and computed.detections is not None else None
@@ -240,6 +249,8 @@ class CloudBridge:
             else:
                 self._count("cloud_answers")
                 with self._lock:
+                    if probing:  # quick enough this time: the record of a slower cloud no longer holds
+                        self._latencies.clear()
                     self._latencies.append(answer.latency_ms)
                 return Outcome("cloud", answer.text, answer.latency_ms, d.reason, escalated=True, cloud_model=answer.model,
                                attempts=answer.attempts, cloud_input=answer.cloud_input, decision=d, local=computed)
