@@ -612,6 +612,22 @@ def test_a_cloud_too_slow_for_the_deadline_is_not_even_asked(k2, tmp_path):
     bridge.close()
 
 
+def test_a_404_is_a_misconfiguration_that_opens_the_breaker(k2, tmp_path):
+    """A base_url without /v1, or a model the server does not have: 404 on every request. It is said (naming what
+    to check) and opens the breaker at once, instead of counting as a server that is up and costing a call each."""
+    from k2_server import status
+
+    bridge = make_bridge(k2, tmp_path, breaker_failures=3)
+    k2.fallback = status(404, body={"error": {"message": "Not Found"}})
+    out = bridge.handle(BridgeRequest("r0", "digits"), UNSURE, 5.0, "normal")
+    assert out.source == "edge" and out.degraded and "no such endpoint or model" in out.reason, out.reason
+    assert "base_url" in out.reason and bridge.status()["breaker"]["state"] == "open"
+    n = len(k2.chat_requests)
+    assert "circuit breaker is open" in bridge.handle(BridgeRequest("r1", "digits"), UNSURE, 5.0, "normal").reason
+    assert len(k2.chat_requests) == n
+    bridge.close()
+
+
 def test_a_cloud_judged_too_slow_is_asked_again_once_in_a_while(k2, tmp_path, monkeypatch):
     """The record of a slow cloud does not turn it away for good: one request a LATENCY_PROBE_S is asked anyway, and
     a quick answer clears the record, so the next requests are asked again."""

@@ -390,6 +390,10 @@ class K2Client:
         if status in (401, 403):
             self._fail(CloudAuthError(f"the cloud rejected the API key from {self.settings.key_source()} ({detail})",
                                       status=status, attempts=attempts), fatal=True)
+        if status == 404:  # no such endpoint or model: every request would meet it, so it opens the breaker
+            self._fail(CloudRejected(f"the cloud has no such endpoint or model ({detail}): check [cloud] base_url (an "
+                                     f"OpenAI-compatible one usually ends in /v1) and model {self.settings.model!r}",
+                                     status=status, attempts=attempts), fatal=True)
         if f.kind == "status" and status not in RETRYABLE_STATUS:
             self.breaker.record_success()  # the server is up; it refuses this request
             raise CloudRejected(f"the cloud refused the request ({detail})", status=status, attempts=attempts)
