@@ -469,8 +469,8 @@ def test_key_sources_and_their_errors(tmp_path, monkeypatch):
         resolve_api_key(CloudSettings(api_key_credential="k2"), {})
     with pytest.raises(CloudConfigError, match="K2 is not set"):
         resolve_api_key(CloudSettings(api_key_env="K2"), {})
-    with pytest.raises(SettingsError, match="cloud.api_key_credential: give at most one"):
-        validate_settings(CloudSettings, {"api_key_file": str(f), "api_key_env": "K2"}, "cloud")
+    with pytest.raises(SettingsError, match="^cloud: give at most one of .*; got api_key_file, api_key_env$"):
+        validate_settings(CloudSettings, {"api_key_file": str(f), "api_key_env": "K2"}, "cloud")  # the key it is
     with pytest.raises(SettingsError, match=r"cloud\.timeout_s: must be > 0"):
         validate_settings(CloudSettings, {"timeout_s": 0}, "cloud")
 
@@ -493,6 +493,11 @@ def test_a_key_that_cannot_be_sent_or_a_pasted_key_as_path_is_refused_without_sh
         resolve_api_key(settings)
     assert pasted not in str(err.value) and "53 characters, not shown" in str(err.value)
     assert pasted not in settings.key_source()
+    as_env = "K2TOPSECRETzz7f3a9c2e41b8d6"  # a key pasted where the variable's name goes (a valid name all the same)
+    with pytest.raises(CloudConfigError, match="is not set or empty") as err:
+        resolve_api_key(CloudSettings(api_key_env=as_env), {})
+    assert as_env not in str(err.value) and as_env not in CloudSettings(api_key_env=as_env).key_source()
+    assert CloudSettings(api_key_env="MOONSHOT_API_KEY_2026").key_source() == "environment variable MOONSHOT_API_KEY_2026"
     named = tmp_path / "moonshot_api_key_production"  # a name, not a key: shown
     assert str(named) in CloudSettings(api_key_file=named).key_source()
     fifo = tmp_path / "pipe"

@@ -13,7 +13,7 @@ from typing import Mapping
 
 from pydantic import SecretStr
 
-from ..config.cloud import CloudSettings, shown_key_path
+from ..config.cloud import CloudSettings, shown_env_name, shown_key_path
 from ..readfile import MAX_SECRET_BYTES, read_small
 from .errors import CloudConfigError
 
@@ -41,9 +41,10 @@ def resolve_api_key(settings: CloudSettings, environ: Mapping[str, str] | None =
                                         f"systemd credential {settings.api_key_credential}"))
     if settings.api_key_env is not None:
         value = (env.get(settings.api_key_env) or "").strip()
+        shown = shown_env_name(settings.api_key_env)
         if not value:
-            raise CloudConfigError(f"api_key_env: environment variable {settings.api_key_env} is not set or empty")
-        return SecretStr(_checked(value, f"api_key_env: environment variable {settings.api_key_env}"))
+            raise CloudConfigError(f"api_key_env: environment variable {shown} is not set or empty")
+        return SecretStr(_checked(value, f"api_key_env: environment variable {shown}"))
     return None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .tables import Strict, bound
 
@@ -118,23 +118,40 @@ class CloudSettings(Strict):
 
     @field_validator("api_key_credential")
     @classmethod
-    def _one_key_source(cls, v, info: ValidationInfo):
-        given = [n for n in ("api_key_file", "api_key_env") if info.data.get(n) is not None] + (["api_key_credential"] if v else [])
-        if len(given) > 1:
-            raise ValueError(f"give at most one of api_key_file, api_key_env, api_key_credential; got {', '.join(given)}")
+    def _credential_name(cls, v):
         if v is not None and ("/" in v or not v):
             raise ValueError(f"a credential name, not a path, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _one_key_source(self):
+        given = [n for n in ("api_key_file", "api_key_env", "api_key_credential") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of api_key_file, api_key_env, api_key_credential; got {', '.join(given)}")
+        return self
 
     def key_source(self) -> str:
         """Where the key comes from, in words (never the key)."""
         if self.api_key_file:
             return f"file {shown_key_path(self.api_key_file)}"
         if self.api_key_env:
-            return f"environment variable {self.api_key_env}"
+            return f"environment variable {shown_env_name(self.api_key_env)}"
         if self.api_key_credential:
             return f"systemd credential {self.api_key_credential}"
         return "none (no API key configured)"
+
+
+def _may_be_a_key(name: str) -> bool:
+    """A name of 20 characters or more, without a dot, mixing letters and digits may be a key pasted in its place."""
+    return len(name) >= 20 and "." not in name and any(c.isdigit() for c in name) and any(c.isalpha() for c in name)
+
+
+def shown_env_name(name: str) -> str:
+    """``api_key_env`` as a message may show it: a name that may be the key itself (:func:`_may_be_a_key`, with lower
+    case in it, as an environment variable's name rarely has) is replaced by its length."""
+    if _may_be_a_key(name) and any(c.islower() for c in name):
+        return f"<a name of {len(name)} characters, not shown: it may be a key>"
+    return name
 
 
 def shown_key_path(path: str | os.PathLike) -> str:
@@ -142,7 +159,7 @@ def shown_key_path(path: str | os.PathLike) -> str:
     and digits may be the key itself, pasted in place of its path, and is replaced by its length."""
     p = Path(path)
     name = p.name
-    if len(name) >= 20 and "." not in name and any(c.isdigit() for c in name) and any(c.isalpha() for c in name):
+    if _may_be_a_key(name):
         hidden = f"<a name of {len(name)} characters, not shown: it may be a key>"
         return hidden if p.parent == Path(".") else str(p.parent / hidden)
     return str(p)
