@@ -522,6 +522,8 @@ def test_a_daemon_stopped_mid_deploy_finishes_it_from_the_redelivered_message(st
                                  "--device", "t1", str(releases["1.1.0"]), "--timeout", "240"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     watcher.wait_for(lambda c: any((s.get("deploy") or {}).get("state") == "building" for s in c.statuses), 120)
+    building = next(s["deploy"] for s in watcher.statuses if (s.get("deploy") or {}).get("state") == "building")
+    assert (building["kind"], building["model"], building["version"]) == ("deploy", "digits", "1.1.0"), building
     if stop == "kill":
         daemon.kill()
     else:

@@ -341,8 +341,9 @@ class ModelLifecycle:
         # acknowledged once the broker has the answer: a crash before leaves the message with the broker
         self.control.publish(topic, json.dumps(body).encode(), qos=1, correlation=job.correlation,
                              on_delivered=lambda: self.control.done(job.token))
-        if body["model"] is not None:
-            log.warning("%s: %s %s %s: %s", job.kind, body["status"], body["model"], body["version"], body["reason"])
+        if body["model"] is not None:  # a change made is news; one refused or failed is a warning
+            log.log(logging.INFO if body["status"] in (DEPLOYED, ROLLED_BACK) else logging.WARNING, "%s: %s %s %s: %s",
+                    job.kind, body["status"], body["model"], body["version"], body["reason"])
         else:  # refused before a manifest could be trusted: name what was sent and who signed it
             key = job.log.get("key_id")
             log.warning("%s: %s %s: %s: %s%s", job.kind, body["status"], job.log.get("source", job.topic),
@@ -428,7 +429,8 @@ class ModelLifecycle:
         """Build ``version``'s engines, swap them in between batches (once), then commit the pointer."""
         batcher = self.batchers[name]
         running = batcher.next_runtime()
-        self._set_progress("building", kind=action, model=name, version=version)
+        kind = "rollback" if action == "rollback" else "deploy"  # what the status says is going on
+        self._set_progress("building", kind=kind, model=name, version=version)
         try:
             rt = self.host.build_runtime(version_config(self.cfg.model(name), paths), version)
         except Int8CheckRefused as exc:  # built, and refused by [trust] require_int8_check: answered as a failed check
@@ -453,7 +455,7 @@ class ModelLifecycle:
                                           f"{running.version or 'the running model'} keeps running", name, version)
             self.audit(result, "build", source)
             return {**self._answer_body(FAILED, name, version, result.detail, "int8_check"), "int8_check": check.to_dict()}
-        self._set_progress("swapping", kind=action, model=name, version=version)
+        self._set_progress("swapping", kind=kind, model=name, version=version)
         old = batcher.swap(rt, SWAP_TIMEOUT_S)
         if old is None:
             rt.deactivate()
