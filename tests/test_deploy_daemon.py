@@ -406,12 +406,17 @@ def test_a_bundle_fetched_over_https_from_a_private_ca(tmp_path, broker, keys, r
         client.wait_for(lambda c: any(k == corr for _, k in c.answers), 60)
         wrong = next(a for a, k in client.answers if k == corr)
         assert (wrong["status"], wrong["check"], wrong["running"]) == ("refused", "hash_mismatch", {"digits": "1.0.0"}), wrong
+        corr = client.publish("k2edge/t1/models/deploy", {"url": url + ".missing", "sha256": "0" * 64})
+        client.wait_for(lambda c: any(k == corr for _, k in c.answers), 60)
+        missing = next(a for a, k in client.answers if k == corr)  # the fetch failed (404): said as such
+        assert (missing["status"], missing["check"]) == ("failed", "fetch_failed") and "404" in missing["reason"], missing
         proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", "--url", url,
                        str(releases["1.1.0"]), "--timeout", "240")
         assert proc.returncode == 0 and proc.stdout.strip() == "t1: deployed digits 1.1.0 (was 1.0.0)", proc.stdout + proc.stderr
         records = [json.loads(x) for x in (tmp_path / "state-t1" / "audit.log").read_text().splitlines()]
-        assert [(r["action"], r["status"], r["source"]) for r in records[-3:]] == [
-            ("fetch", "hash_mismatch", url), ("install", "installed", url), ("activate", "activated", url)]
+        assert [(r["action"], r["status"], r["source"]) for r in records[-4:]] == [
+            ("fetch", "hash_mismatch", url), ("fetch", "failed", url + ".missing"), ("install", "installed", url),
+            ("activate", "activated", url)]
         assert _ask(client, "fetched")["model_version"] == "1.1.0"
         assert daemon.terminate() == 0
         client.close()

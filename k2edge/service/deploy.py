@@ -368,7 +368,9 @@ class ModelLifecycle:
                 data = fetch_bundle(req.url, req.sha256, self.store.limits.max_bundle_bytes, self.cfg.deploy.ca_file)
             except FetchError as exc:
                 self.audit(BundleResult(exc.status, exc.detail), "fetch", req.url, request=job.digest)
-                return self._answer_body(FAILED if exc.status == FAILED else REFUSED, reason=exc.detail, check=exc.status)
+                failed = exc.status == FAILED  # the fetch itself (unreachable, 404, TLS): check says so, not "failed"
+                return self._answer_body(FAILED if failed else REFUSED, reason=exc.detail,
+                                         check="fetch_failed" if failed else exc.status)
             source = req.url
         self._set_progress("verifying", kind="deploy")
         result = self.store.install(data, allow_downgrade=req.allow_downgrade, expected_name=self._names())
