@@ -356,7 +356,8 @@ def test_refused_deploys_are_audited_and_the_running_version_keeps_serving(tmp_p
 
 
 def test_a_group_deploy_reaches_every_member(tmp_path, broker, keys, releases):
-    """k2edge/group/{group}/models/deploy is a plain subscription: both members deploy, each answers."""
+    """k2edge/group/{group}/models/deploy is a plain subscription: both members deploy, each answers; with one member
+    down, --expect 2 is not met and the command says so and fails."""
     daemons = [_daemon(_config(tmp_path, broker, keys, releases["1.0.0"], device=d, fleet="line3"), tmp_path, broker, d)
                for d in ("g1", "g2")]
     proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--group", "line3", "--expect", "2",
@@ -371,8 +372,13 @@ def test_a_group_deploy_reaches_every_member(tmp_path, broker, keys, releases):
     assert back.returncode == 0, back.stdout + back.stderr
     assert sorted((a["device"], a["status"], a["version"]) for a in map(json.loads, back.stdout.splitlines())) == [
         ("g1", "rolled_back", "1.0.0"), ("g2", "rolled_back", "1.0.0")]
-    for d in daemons:
-        assert d.terminate() == 0
+    # a member that does not answer fails the command, though every answer that came was a success
+    assert daemons[1].terminate() == 0
+    short = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--group", "line3", "--expect", "2",
+                    "--timeout", "20", str(releases["1.1.0"]))
+    assert short.stdout.strip() == "g1: deployed digits 1.1.0 (was 1.0.0)", short.stdout + short.stderr
+    assert short.returncode == 1 and "1 of the 2 devices expected answered within 20 s" in short.stderr, short.stderr
+    assert daemons[0].terminate() == 0
 
 
 def _openssl(*args, cwd):

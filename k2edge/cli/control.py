@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..errors import K2EdgeError
 from .common import positive_float
@@ -118,4 +119,8 @@ def send(args, kind: str, payload: bytes, content_type: str, user_properties: di
         who = f"device {args.device}" if args.device is not None else f"group {args.group}"
         raise K2EdgeError(f"no answer from {who} within {args.timeout:g} s (is it running, and is {topic} "
                           "its topic? A device that is down gets the message when it returns)")
+    if args.device is None and args.expect and len(answers) < args.expect:  # a device silent is not a success
+        print(f"k2edge {kind}: {len(answers)} of the {args.expect} devices expected answered within {args.timeout:g} s "
+              "(a device that is down gets the message when it returns)", file=sys.stderr)
+        return 1
     return 0 if all(a.get("status") in OK_STATUSES for a in answers) else 1
