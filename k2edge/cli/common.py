@@ -27,25 +27,22 @@ def count(minimum: int, maximum: int | None = None):
     return parse
 
 
-def _finite(text: str, zero_allowed: bool) -> float:
+def _finite(text: str, zero_allowed: bool | None) -> float:
+    """``text`` as a finite number: above 0, or >= 0 with ``zero_allowed``, or any (None)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not ((value >= 0 if zero_allowed else value > 0) and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number {'>= 0' if zero_allowed else 'above 0'}, got {text}")
+    in_range = True if zero_allowed is None else value >= 0 if zero_allowed else value > 0
+    if not (in_range and math.isfinite(value)):
+        bound = "" if zero_allowed is None else " >= 0" if zero_allowed else " above 0"
+        raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text}")
     return value
 
 
 def finite_float(text: str) -> float:
     """An argparse type: any finite number (what it may be beyond that is the receiver's to judge)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
+    return _finite(text, zero_allowed=None)
 
 
 def positive_float(text: str) -> float:

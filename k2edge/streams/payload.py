@@ -21,8 +21,8 @@ def detections_payload(stream: str, frame: Frame, model: str, model_version: str
 def frame_latency(wait_s: float, stage_s: float | None, infer_s: float, batch: int, age_s: float) -> dict:
     """A detections payload's ``latency_ms``, the daemon's and ``k2edge watch``'s alike: ``wait`` (decoded to taken),
     ``stage``, ``infer`` (the batch's run), ``batch`` (frames in it), ``age`` (decoded to answered)."""
-    ms = {"wait": wait_s * 1e3, "stage": None if stage_s is None else stage_s * 1e3, "infer": infer_s * 1e3}
-    return {**{k: v for k, v in ms.items() if v is not None}, "batch": batch, "age": age_s * 1e3}
+    staged = {} if stage_s is None else {"stage": stage_s * 1e3}
+    return {"wait": wait_s * 1e3, **staged, "infer": infer_s * 1e3, "batch": batch, "age": age_s * 1e3}
 
 
 def event_payload(stream: str, event: dict, frame: int | None, at: float | None = None) -> dict:

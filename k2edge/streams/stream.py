@@ -408,12 +408,7 @@ class Stream:
         gap = captured - last
         why = f"the stream was down ({down[2]})" if down[2] else "the stream was down"
         reason = f"{why}; no frame for {gap:.1f} s, longer than max_lost_s {self.tracker.max_lost_s:g} s: every track ended"
-        ended = self.tracker.end_all()
-        self._outage_ended = ended  # their scores are kept until this frame's events are matched to the rules
-        events = self._with_boxes(self.analytics.update([], ended)) + self._track_ends(ended)
-        for tid in ended:
-            self._boxes.pop(tid, None)
-        return [{**e, "time": down[1], "frame": self._last_index, "reason": reason} for e in events]
+        return [{**e, "time": down[1]} for e in self._end_every_track(reason)]
 
     def _after_restart(self, frame) -> list[dict]:
         """Every track ends when the file was read from its start again since the last processed frame (a loop,
@@ -422,13 +417,17 @@ class Stream:
         last, self._last_restarts = self._last_restarts, frame.restarts
         if last is None or frame.restarts == last:
             return []
+        why = "the file started again (loop = true)" if self.reader.loop else "the file was read again from its start"
+        return self._end_every_track(f"{why}: every track ended")
+
+    def _end_every_track(self, reason: str) -> list[dict]:
+        """End every track before this frame is tracked: their zone leaves and track ends, at the last processed
+        frame, with ``reason``."""
         ended = self.tracker.end_all()
-        self._outage_ended += ended
+        self._outage_ended += ended  # their scores are kept until this frame's events are matched to the rules
         events = self._with_boxes(self.analytics.update([], ended)) + self._track_ends(ended)
         for tid in ended:
             self._boxes.pop(tid, None)
-        why = "the file started again (loop = true)" if self.reader.loop else "the file was read again from its start"
-        reason = f"{why}: every track ended"
         return [{**e, "frame": self._last_index, "reason": reason} for e in events]
 
     def _with_boxes(self, events: list[dict]) -> list[dict]:
