@@ -833,6 +833,35 @@ def test_cloud_check_against_the_stand_in(k2, tmp_path):
     assert data["ok"] and data["reachable"] and data["model_listed"] and data["answer"] == "OK" and data["round_trip_ms"] > 0
 
 
+def test_cloud_check_reads_the_config_as_the_daemon_does(k2, tmp_path):
+    """A relative api_key_file in the config is relative to the config's folder (as the daemon reads it), not to
+    the directory the command runs in."""
+    k2.fallback = answer("OK")
+    (tmp_path / "k2.key").write_text(KEY)
+    cfg = tmp_path / "k2edge.toml"
+    cfg.write_text(f'[cloud]\nbase_url = "{k2.url}"\nmodel = "{MODEL}"\napi_key_file = "k2.key"\n')
+    proc = k2edge_cli("cloud", "check", "--config", str(cfg))  # runs in ROOT, not tmp_path
+    assert proc.returncode == 0, proc.stderr
+    assert f"key: file {tmp_path / 'k2.key'}" in proc.stdout and KEY not in proc.stdout + proc.stderr
+
+
+def test_cloud_check_with_an_image_fails_when_the_server_refuses_images(k2, tmp_path):
+    """--image checks that the model takes images: a server that refuses image content fails the check in one line,
+    although the daemon's vision = "auto" would go on with text (it used to pass, saying "with an image")."""
+    k2.fallback = answer("OK")
+    picture = tmp_path / "p.png"
+    picture.write_bytes(image_bytes("PNG", (64, 48)))
+    args = ("cloud", "check", "--base-url", k2.url, "--model", MODEL, "--api-key-env", "K2_TEST_KEY", "--image", str(picture))
+    proc = k2edge_cli(*args, env_extra={"K2_TEST_KEY": KEY})
+    assert proc.returncode == 0 and "with an image" in proc.stdout, proc.stderr
+    assert "image_url" in json.dumps(k2.chat_requests[-1].body)
+    k2.refuse_images = True
+    proc = k2edge_cli(*args, env_extra={"K2_TEST_KEY": KEY})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the cloud refused the image" in lines[0], proc.stderr
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--base-url", "http://127.0.0.1:9/v1", "--model", MODEL], "GET /v1/models: cannot connect"),
     (["--api-key-env", "K2_UNSET_VAR"], "environment variable K2_UNSET_VAR is not set"),

@@ -61,10 +61,10 @@ def _settings(args):
 
     table_ = {}
     if args.config:
-        from ..config.toml import read_toml
+        from ..config.schema import read_config
 
         path = Path(args.config)
-        doc = read_toml(path, K2EdgeError, f"config {str(path)!r} does not exist")
+        doc = read_config(path, K2EdgeError)  # api_key_file relative to the config's folder, as the daemon reads it
         table_ = doc.get("cloud") or {}
         if not isinstance(table_, dict):
             raise K2EdgeError(f"config {str(path)!r}: cloud must be a table ([cloud]), got {type(table_).__name__}")
@@ -87,7 +87,8 @@ def _check(args) -> int:
 
     settings = _settings(args)
     image = _image(args.image) if args.image else None  # a bad path is refused before the network is
-    check = settings.model_copy(update={"max_tokens": 16, "max_retries": 0})
+    # With --image the image must go: vision "auto" would quietly send the text instead when the server refuses it.
+    check = settings.model_copy(update={"max_tokens": 16, "max_retries": 0, **({"vision": "on"} if image else {})})
     client = K2Client(check)
     report: dict = {"endpoint": settings.base_url, "mode": settings.mode, "key": settings.key_source(),
                     "model": settings.model, "reachable": False, "models": None, "model_listed": None,

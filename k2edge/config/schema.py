@@ -340,17 +340,27 @@ def _resolve(data: dict, base: Path) -> dict:
     return data
 
 
+def read_config(path: Path, error: type[Exception] = ConfigError) -> dict:
+    """The config file's tables as read, before validation, with its relative paths made relative to
+    the file's folder (as :func:`load_config` sees them): for a command that needs one table of it.
+
+    Raises:
+        ``error``: missing file or TOML syntax error (with line).
+    """
+    from .toml import read_toml
+
+    data = read_toml(path, error, f"config file {str(path)!r} does not exist (an example ships as config/k2edge.toml)")
+    return _resolve(data, path.resolve().parent)
+
+
 def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
     """Read and validate the daemon config.
 
     Raises:
         ConfigError: missing file, TOML syntax error (with line), or invalid keys (with field paths).
     """
-    from .toml import read_toml
-
     p = Path(path) if path else DEFAULT_PATH
-    data = read_toml(p, ConfigError, f"config file {str(p)!r} does not exist (an example ships as config/k2edge.toml)")
-    data = _resolve(data, p.resolve().parent)
+    data = read_config(p)
     try:
         cfg = DaemonConfig.model_validate(data)
     except ValidationError as exc:
