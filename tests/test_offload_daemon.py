@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +19,7 @@ from k2_server import K2StandIn, answer, hang
 from mqtt_support import DIGITS, SAMPLES, TOPIC, Client
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -241,3 +246,24 @@ def _wait(predicate, what: str, timeout: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < end, f"not reached: {what}"
         time.sleep(0.05)
+
+
+def test_request_command_gets_the_local_answer_while_the_cloud_hangs(tmp_path, run_daemon, broker, k2):
+    """`k2edge request` without --deadline-ms sends its wait as the deadline: a hanging cloud (whose timeout is far
+    longer) gives way to the local answer, degraded, before the command gives up (it used to time out)."""
+    k2.fallback = hang(60.0)
+    _daemon(run_daemon, cloud=_cloud(k2, timeout_s=30.0), escalation={"threshold": 0.9999999})
+    base = ["request", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", "--model", "digits", str(SAMPLES[3])]
+    proc = _k2edge(*base, "--timeout", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    a = json.loads(proc.stdout)
+    assert a["source"] == "edge" and a["degraded"] is True and "cloud failed" in a["escalation_reason"], a
+    assert a["top_k"][0]["label"] == "3" and a["latency_ms"]["total"] < 6000, a
+    assert k2.chat_requests, "the request was not escalated"
+    proc = _k2edge(*base, "--timeout", "2", "--deadline-ms", "5000")
+    assert proc.returncode == 1 and "--timeout 2 s is shorter than --deadline-ms 5000" in proc.stderr, proc.stderr
+
+
+def _k2edge(*args):
+    return subprocess.run([sys.executable, "-m", "k2edge", *args], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -23,12 +23,14 @@ def register(p) -> None:
     p.add_argument("--prompt", metavar="TEXT", help="prompt for the cloud model")
     p.add_argument("--top-k", type=int, metavar="K")
     p.add_argument("--deadline-ms", type=finite_float, metavar="MS",
-                   help="answer within MS or not at all; the message also expires at the broker (whole seconds)")
+                   help="answer within MS or not at all; the message also expires at the broker (whole seconds). "
+                        "Default: the --timeout, so that a slow cloud gives way to the local answer while this waits")
     p.add_argument("--retries", type=count(0), default=0, metavar="N",
                    help="retry up to N times after busy, deadline_exceeded or cloud_unavailable (each a new attempt)")
     p.add_argument("--no-cloud", action="store_true", help="forbid escalation to the cloud")
     p.add_argument("--raw", action="store_true", help="send the image as a raw payload with its content type")
-    p.add_argument("--timeout", type=positive_float, default=10.0, metavar="S", help="seconds to wait for the answer (default 10)")
+    p.add_argument("--timeout", type=positive_float, metavar="S",
+                   help="seconds to wait for the answer (default 10, or the --deadline-ms and 2 s when that is longer)")
     p.add_argument("--json", action="store_true", help="print the raw JSON answer")
 
 
@@ -48,10 +50,11 @@ def run(args) -> int:
 
     host, port_n = broker_address(args.broker)
     request_id = uuid.uuid4().hex[:16]
+    timeout, deadline_ms = wait_and_deadline(args.timeout, args.deadline_ms)
 
     def request(attempt: int):
         # a retry is a new attempt: the same (id, attempt) again would be taken for a redelivery
-        return build_payload(args.input, prompt=args.prompt, top_k=args.top_k, deadline_ms=args.deadline_ms,
+        return build_payload(args.input, prompt=args.prompt, top_k=args.top_k, deadline_ms=deadline_ms,
                              allow_cloud=not args.no_cloud, raw=args.raw, request_id=request_id, attempt=attempt)
 
     first = request(0)  # a bad input is refused before the broker is dialled
@@ -59,7 +62,7 @@ def run(args) -> int:
         for attempt in range(args.retries + 1):
             payload, ctype, props = first if attempt == 0 else request(attempt)
             answer, elapsed_ms = client.request(f"k2edge/{args.device}/infer/{args.model}", payload, ctype, props,
-                                                args.timeout, deadline_ms=args.deadline_ms)
+                                                timeout, deadline_ms=deadline_ms)
             code = (answer.get("error") or {}).get("code")
             if answer.get("status") == "ok" or code not in RETRYABLE or attempt == args.retries:
                 break
@@ -88,6 +91,25 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def wait_and_deadline(timeout: float | None, deadline_ms: float | None) -> tuple[float, float | None]:
+    """How long to wait, and the deadline the request carries. Without a deadline the daemon would give
+    an escalated request the cloud's whole timeout and retries (a minute or more), long after this
+    command stopped waiting: the wait is then the deadline, less a margin for the answer's way back.
+
+    Raises:
+        K2EdgeError: the wait given is shorter than the deadline given.
+    """
+    if deadline_ms is None:
+        timeout = timeout or 10.0
+        return timeout, round(max(1.0, 1e3 * (timeout - min(0.5, 0.1 * timeout))), 1)
+    if timeout is None:
+        return max(10.0, deadline_ms / 1e3 + 2.0), deadline_ms
+    if 0 < timeout * 1e3 < deadline_ms:
+        raise K2EdgeError(f"--timeout {timeout:g} s is shorter than --deadline-ms {deadline_ms:g}: the answer could come "
+                          "after this command stopped waiting; leave --timeout out or make it longer")
+    return timeout, deadline_ms
 
 
 def _where(d: dict) -> str:
