@@ -612,6 +612,14 @@ def test_removing_a_key_revokes_the_installed_version_it_signed(tmp_path, broker
     record = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])
     assert (record["action"], record["status"], record["ok"]) == ("load", "untrusted_key", False), record
     assert record["source"].endswith("models/digits/1.0.0")
+    # the line names the way out, on the device: the model's folder moved aside, the config's bundle is installed
+    folder = tmp_path / "state-t1" / "models" / "digits"
+    assert last.endswith(f"(trust its key again, or move {folder} aside to start from the config's bundle)"), last
+    folder.rename(folder.with_name("digits.refused"))
+    resigned = _config(tmp_path, broker, keys, releases["1.3.0"], trust={"keys": [str(keys["rogue_pub"])]})
+    d = _daemon(resigned, tmp_path, broker)
+    assert _status(broker.port)["models"][0]["model_version"] == "1.3.0"
+    assert d.terminate() == 0
 
 
 def test_a_bundle_whose_int8_check_fails_is_not_deployed(tmp_path, broker, keys, releases):

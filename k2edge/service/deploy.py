@@ -4,7 +4,8 @@
 precedence: the version current in the state directory (re-verified against today's trusted keys:
 a removed key revokes what it signed), else the config's ``bundle`` (installed as the first
 version, made current once its engines are built), else the config's bare ``onnx`` (refused when
-``[trust]`` is set without ``allow_unsigned``). A refusal stops the start with one line.
+``[trust]`` is set without ``allow_unsigned``). A refusal stops the start with one line, which
+names the way out (a stopped daemon takes no deploy).
 
 **Over the air**, deploy and rollback messages arrive on a connection of their own (the *control
 connection*, client id ``{client_id}-control``): MQTT acknowledges QoS 1 messages in arrival order
@@ -198,8 +199,10 @@ class Versions:
             result = store.load(m.name)
             audit(result, "load", f"state:{store.root / m.name / current}")
             if not result.ok:
-                raise ConfigError(f"model {m.name}: the installed version {current} is refused: {result.line} "
-                                  "(deploy a version signed by a trusted key, or trust its key again)")
+                # A daemon that does not start takes no deploy: the way out is on this device.
+                start_from = "bundle" if m.bundle is not None else "onnx"
+                raise ConfigError(f"model {m.name}: the installed version {current} is refused: {result.line} (trust its "
+                                  f"key again, or move {store.root / m.name} aside to start from the config's {start_from})")
             return Plan(version_config(m, result.paths), result.version, "state")
         if m.bundle is not None:
             result = store.install(m.bundle, expected_name=m.name)
