@@ -70,6 +70,18 @@ def test_numbers_outside_their_range_are_bad_request(field, bad, good):
         assert getattr(_ok({"id": "r", "tensor": TENSOR, field: value}), field) == value
 
 
+def test_a_prompt_is_at_most_max_prompt_chars():
+    """A prompt goes to the paid cloud model: one longer than a question about an image is refused, in JSON and as a
+    raw image's user property alike, under the request's key."""
+    from k2edge.service.protocol import MAX_PROMPT_CHARS
+
+    assert _ok({"id": "r", "tensor": TENSOR, "prompt": "p" * MAX_PROMPT_CHARS}).prompt == "p" * MAX_PROMPT_CHARS
+    for err in (_parse({"id": "long", "tensor": TENSOR, "prompt": "p" * (MAX_PROMPT_CHARS + 1)}),
+                _parse(b"x", "image/png", {"id": "long", "prompt": "p" * (MAX_PROMPT_CHARS + 1)})):
+        assert (err.code, err.request_id) == ("bad_request", "long"), err.message
+        assert f"prompt: expected a string of length <= {MAX_PROMPT_CHARS}" in err.message, err.message
+
+
 def test_error_messages_are_capped_at_about_a_kilobyte():
     flood = {f"k{i}": i for i in range(100_000)}
     err = _parse({"id": "flood", "tensor": TENSOR, **flood})

@@ -39,6 +39,7 @@ IMAGE_TYPES = ("image/jpeg", "image/png")
 MAX_MESSAGE_CHARS = 1000  # error messages are capped: an error must not be a megabyte of echoed input
 MAX_ATTEMPT = 1000
 MAX_DEADLINE_MS = 3_600_000
+MAX_PROMPT_CHARS = 16_384  # about 4,000 tokens: a question about an image; a longer text is not a request for this daemon
 _DTYPES = ("float32", "float16", "uint8", "int8", "int32", "int64", "float64")
 
 _Dim = Annotated[int, msgspec.Meta(ge=1, le=2**31)]
@@ -55,7 +56,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True):
     attempt: Annotated[int, msgspec.Meta(ge=0, le=MAX_ATTEMPT)] = 0
     image: bytes | None = None
     tensor: _Tensor | None = None
-    prompt: str | None = None
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
     deadline_ms: Annotated[float, msgspec.Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
     allow_cloud: bool | None = None
