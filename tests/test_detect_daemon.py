@@ -98,6 +98,21 @@ def test_a_classifier_measure_on_a_detector_is_refused_at_start(tmp_path, broker
     d = DaemonProcess(cfg, tmp_path / "bad.log").start()
     assert d.proc.wait(timeout=120) == 1
     assert "models.0.escalation.measure: margin judges a classifier" in d.output()
+    assert "building engines" not in d.output()  # told by the card, before minutes of building
+
+
+def test_a_stream_on_a_classifier_is_refused_before_any_engine_builds(tmp_path, broker):
+    """Streams take detection models: one on a classifier stops the start in one line naming the stream, before
+    the engines build (minutes on a Jetson), as its card already tells the task."""
+    from mqtt_support import DaemonProcess, write_config
+
+    stream = {"name": "gate", "source": f"file://{tmp_path / 'gate.mp4'}", "model": "digits"}
+    cfg = write_config(tmp_path / "bad.toml", broker.port, [DIGITS], streams=[stream])
+    d = DaemonProcess(cfg, tmp_path / "bad.log").start()
+    assert d.proc.wait(timeout=120) == 1
+    out = d.output()
+    assert "streams.0: model 'digits' is a classification model; streams take detection models" in out, out
+    assert "building engines" not in out and "Traceback" not in out, out
 
 
 def test_tensor_task_answers_outputs_and_large_answers_are_refused(run_daemon, broker, det_dir, tmp_path):

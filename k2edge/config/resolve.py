@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from ..model.ingest import NormalisedModel
 
-__all__ = ["card_file", "find_calibration", "input_shapes", "load_labels", "model_card"]
+__all__ = ["card_file", "card_task", "find_calibration", "input_shapes", "load_labels", "model_card"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,36 @@ def input_shapes(model: "onnx.ModelProto", card: ModelCard | None, batch_size: i
     shape[h_ax], shape[w_ax] = size
     shape[c_ax] = dims[c_ax] or resolved.input.channels or 3
     return {name: tuple(shape)}
+
+
+def card_task(model_path: Path, card: str | os.PathLike | ModelCard | None = None) -> str | None:
+    """The task the model's card gives (as :func:`model_card` layers it), read from the file without
+    building anything: for refusing a misused model before its engines take minutes to build. None
+    when it cannot be told here (an unreadable model or card): the build then says why.
+
+    Args:
+        model_path: the ONNX file.
+        card: a ``[[models]]`` entry's ``card``: a card file (replacing the one beside the model), or a
+            card table (layered over it).
+    """
+    import onnx
+
+    overrides = card if isinstance(card, ModelCard) else None
+    card = None if overrides is not None else card
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+        inits = {t.name for t in model.graph.initializer}
+        inputs = [i for i in model.graph.input if i.name not in inits]
+        the_card = card_file(model_path, card)
+        name = the_card.input.name if the_card is not None and the_card.input.name else inputs[0].name
+        value = next(i for i in inputs if i.name == name)
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                     for d in value.type.tensor_type.shape.dim)
+        metadata = {p.key: p.value for p in model.metadata_props}
+        return resolve_card(name, dims, metadata, the_card, overrides, tuple(i.name for i in inputs)).task
+    except Exception as exc:  # whatever it is (protobuf's DecodeError, a bad card), the build reports it properly
+        log.debug("cannot tell %s's task before building it: %s", model_path, exc)
+        return None
 
 
 def model_card(model_path: Path | None, normalised: "NormalisedModel", card: str | os.PathLike | ModelCard | None = None,

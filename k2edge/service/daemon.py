@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import __version__, tracing
+from ..config.resolve import card_task
 from ..config.schema import ConfigError, DaemonConfig, check_profiles, read_secret, state_dir
 from ..durable import make_dir
 from ..engine.check import refusal, refused
@@ -200,6 +201,9 @@ class Daemon:
         runtimes = {}
         for m in self.cfg.models:
             plan = versions.initial(m)
+            task = card_task(plan.config.onnx, plan.config.card)
+            if task is not None:  # a misfit refused now, not after minutes of building (else once it is built)
+                self._fits(plan.config, task)
             self.notify.notify(f"STATUS=building engines for {m.name}")
             rt = runtimes[m.name] = self.build_runtime(plan.config, plan.version)
             self.escalation.use(m.name, self._escalation_for(rt))
@@ -210,11 +214,26 @@ class Daemon:
 
     def _escalation_for(self, rt: ModelRuntime):
         """The model's escalation settings, checked against what its card says the model is."""
-        i = next(i for i, m in enumerate(self.cfg.models) if m.name == rt.name)
+        return self._fits(rt.cfg, rt.task)
+
+    def _fits(self, m, task: str):
+        """``m``'s escalation settings for a model of ``task`` (see :meth:`EscalationSettings.for_task`), once its
+        settings and every enabled stream on it are found to fit the task (streams take detection models).
+
+        Raises:
+            ConfigError: naming the setting or the stream, and the card's task.
+        """
+        where = self.cfg.source or "config"
+        i = next(i for i, c in enumerate(self.cfg.models) if c.name == m.name)
         try:
-            return rt.cfg.escalation.for_task(rt.task, f"models.{i}.escalation")
+            settings = m.escalation.for_task(task, f"models.{i}.escalation")
         except ValueError as exc:
-            raise ConfigError(f"{self.cfg.source or 'config'}: {exc} (card task {rt.task!r})") from None
+            raise ConfigError(f"{where}: {exc} (card task {task!r})") from None
+        for j, s in enumerate(self.cfg.streams):
+            if s.enabled and s.model == m.name and task != "detection":
+                raise ConfigError(f"{where}: streams.{j}: model {s.model!r} is a {task} model; "
+                                  "streams take detection models (tracking needs boxes)")
+        return settings
 
     def _stream_path(self, runtimes: dict[str, ModelRuntime], wakeups: dict, passwords: dict[str, str]) -> StreamPath | None:
         """The enabled ``[[streams]]``, each checked against its model's task; None without any (and without
@@ -223,11 +242,6 @@ class Daemon:
         store = state_dir(self.cfg) / "events.sqlite"
         if not enabled and not store.exists():
             return None
-        for i, s in enumerate(self.cfg.streams):
-            task = runtimes[s.model].task
-            if s.enabled and task != "detection":
-                raise ConfigError(f"{self.cfg.source or 'config'}: streams.{i}: model {s.model!r} is a {task} model; "
-                                  "streams take detection models (tracking needs boxes)")
         return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
                           on_change=self.publish_status, passwords=passwords,
                           media=MediaStore(store.parent / "media", self.cfg.storage.max_bytes,
