@@ -298,6 +298,11 @@ class DaemonConfig(_Strict):
         return self._source
 
     @property
+    def where(self) -> str:
+        """The config as a message names it: its file, else "config"."""
+        return str(self._source) if self._source is not None else "config"
+
+    @property
     def client_id(self) -> str:
         return self.mqtt.client_id or f"k2edge-{self.device_id}"
 
@@ -379,8 +384,7 @@ def check_profiles(cfg: DaemonConfig) -> None:
     from ..errors import ProfileError
     from ..profile import load_profile
 
-    path = cfg.source or "config"
-
+    path = cfg.where
     for i, m in enumerate(cfg.models):
         named = (("profile", m.profile if m.onnx is not None or m.profile_set else None),  # a bundle brings its own
                  ("escalation.warm_profile", m.escalation.warm_profile))

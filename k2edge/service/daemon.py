@@ -174,14 +174,14 @@ class Daemon:
         h = self.cfg.http
         if h is None:
             return None, None
-        where = self.cfg.source or "config"
+        where = self.cfg.where
         token = read_secret(h.token_file, what=f"{where}: http.token_file") if h.token_file else None
         password = read_secret(h.password_file, what=f"{where}: http.password_file") if h.password_file else None
         return token, password
 
     def _stream_passwords(self) -> dict[str, str]:
         """Each enabled stream's password_file, read before the engines build (a missing file fails at once)."""
-        where = self.cfg.source or "config"
+        where = self.cfg.where
         return {s.name: read_secret(s.password_file, what=f"{where}: streams.{i}.password_file")
                 for i, s in enumerate(self.cfg.streams) if s.enabled and s.password_file}
 
@@ -223,7 +223,7 @@ class Daemon:
         Raises:
             ConfigError: naming the setting or the stream, and the card's task.
         """
-        where = self.cfg.source or "config"
+        where = self.cfg.where
         i = next(i for i, c in enumerate(self.cfg.models) if c.name == m.name)
         try:
             settings = m.escalation.for_task(task, f"models.{i}.escalation")
