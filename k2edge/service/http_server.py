@@ -107,14 +107,8 @@ class BoundedHandler(BaseHTTPRequestHandler):
         except KeyError:
             short = "error"
         self.close_connection = True
-        body = json.dumps({"error": message or short}).encode()
-        self.send_response(code, message)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Connection", "close")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
-            self.wfile.write(body)
+        self.send_body(code, json.dumps({"error": message or short}).encode(), "application/json", {"Connection": "close"},
+                       head=self.command == "HEAD" or code < 200 or code in (204, 304))
 
     def _not_allowed(self) -> None:
         # a body left unread would reset the connection under the answer: read a small one, close after a large one
