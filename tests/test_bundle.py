@@ -57,7 +57,7 @@ def _tampered_sig(members):
 
 def _card_bundle(tmp: Path, keys, h: int = 32, w: int = 32, **kw) -> Path:
     folder = small_model_dir(tmp / "model", card=DIGITS_CARD.format(h=h, w=w), **kw)
-    create_bundle(folder, tmp / "card.k2b", version="1.0.0", profiles=["c2"], key=keys["ops_key"])
+    create_bundle(folder, tmp / "card.k2b", version="1.0.0", profiles=["c2"], key=keys["ops_key"], check=False)
     return tmp / "card.k2b"
 
 
@@ -180,14 +180,14 @@ def test_gzip_bomb_is_stopped_at_the_limit(signed, trust, tmp_path):
 def test_structure_checks_card_labels_and_accepts_a_matching_card(keys, trust, tmp_path):
     assert verify_bundle(_card_bundle(tmp_path / "ok", keys), trust).line == "verified model 1.0.0"
     rgb = small_model_dir(tmp_path / "rgb" / "model", card=DIGITS_CARD.format(h=32, w=32).replace('"L"', '"RGB"'))
-    create_bundle(rgb, tmp_path / "rgb.k2b", key=keys["ops_key"])
+    create_bundle(rgb, tmp_path / "rgb.k2b", key=keys["ops_key"], check=False)
     assert "3 channel(s)" in verify_bundle(tmp_path / "rgb.k2b", trust).detail
     nine = small_model_dir(tmp_path / "nine" / "digits", labels="".join(f"{i}\n" for i in range(9)))
-    create_bundle(nine, tmp_path / "nine.k2b", key=keys["ops_key"])
+    create_bundle(nine, tmp_path / "nine.k2b", key=keys["ops_key"], check=False)
     result = verify_bundle(tmp_path / "nine.k2b", trust)
     assert result.status == "structure_mismatch" and "10 classes, but the labels list 9" in result.detail
     detector = small_model_dir(tmp_path / "det" / "m", card='task = "detection"\n[input]\nsize = [32, 32]\n')
-    create_bundle(detector, tmp_path / "det.k2b", key=keys["ops_key"])
+    create_bundle(detector, tmp_path / "det.k2b", key=keys["ops_key"], check=False)
     assert "rank 3" in verify_bundle(tmp_path / "det.k2b", trust).detail
 
 
@@ -200,9 +200,22 @@ def test_profile_batch_contradicting_a_fixed_batch(keys, trust, tmp_path):
     onnx.save(model, str(folder / "model.onnx"))
     profile = tmp_path / "b4.json"
     profile.write_text(json.dumps({"edge_runtime": {"offload_ratio": 1.0, "batch_size": 4}}))
-    create_bundle(folder, tmp_path / "b.k2b", profiles=[str(profile)], key=keys["ops_key"])
+    create_bundle(folder, tmp_path / "b.k2b", profiles=[str(profile)], key=keys["ops_key"], check=False)
     result = verify_bundle(tmp_path / "b.k2b", trust)
     assert result.status == "structure_mismatch" and "batch_size 4" in result.detail and "fixed batch of 1" in result.detail
+
+
+def test_create_refuses_what_every_device_would_refuse(keys, tmp_path):
+    """A card that contradicts its model is refused by `bundle create` in one line, before anything is written or
+    signed (it used to sign a bundle every device then refused as structure_mismatch)."""
+    folder = small_model_dir(tmp_path / "m" / "digits", card=DIGITS_CARD.format(h=28, w=28))
+    out = tmp_path / "d.k2b"
+    proc = _k2edge("bundle", "create", str(folder), "--out", str(out), "--key", str(keys["ops_key"]))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "devices would refuse this bundle (structure_mismatch): card.toml: input.size: [28, 28]" \
+        in lines[0], proc.stderr
+    assert not out.exists()
 
 
 def test_cli_create_sign_verify_inspect(keys, tmp_path):
@@ -290,10 +303,10 @@ def test_a_signed_but_invalid_manifest_is_bad_manifest(edit, fragment, signed, k
 
 def test_structure_follows_the_card_layout_and_output_name(keys, trust, tmp_path):
     nhwc = DIGITS_CARD.format(h=32, w=32).replace('color = "L"', 'color = "L"\nlayout = "NHWC"')
-    create_bundle(small_model_dir(tmp_path / "a" / "m", card=nhwc), tmp_path / "a.k2b", key=keys["ops_key"])
+    create_bundle(small_model_dir(tmp_path / "a" / "m", card=nhwc), tmp_path / "a.k2b", key=keys["ops_key"], check=False)
     assert "height is 1, not 32" in verify_bundle(tmp_path / "a.k2b", trust).detail  # [N, 1, 32, 32] read as NHWC
     named = DIGITS_CARD.format(h=32, w=32).replace('output = "logits"', 'output = "logits"\noutput_name = "probs"')
-    create_bundle(small_model_dir(tmp_path / "b" / "m", card=named), tmp_path / "b.k2b", key=keys["ops_key"])
+    create_bundle(small_model_dir(tmp_path / "b" / "m", card=named), tmp_path / "b.k2b", key=keys["ops_key"], check=False)
     assert "output_name 'probs' is not an output" in verify_bundle(tmp_path / "b.k2b", trust).detail
 
 
@@ -336,6 +349,6 @@ def test_the_card_is_layered_over_the_model_metadata_as_at_load(keys, trust, tmp
     model = onnx.load(str(folder / "model.onnx"))
     onnx.helper.set_model_props(model, {"k2edge.preprocess": json.dumps({"size": [28, 28]})})
     onnx.save(model, str(folder / "model.onnx"))
-    create_bundle(folder, tmp_path / "meta.k2b", key=keys["ops_key"])
+    create_bundle(folder, tmp_path / "meta.k2b", key=keys["ops_key"], check=False)
     result = verify_bundle(tmp_path / "meta.k2b", trust)
     assert result.status == "structure_mismatch" and "input.size: [28, 28]" in result.detail, result.line

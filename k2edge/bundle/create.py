@@ -26,7 +26,7 @@ from .keys import load_private_key, sign_manifest
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileEntry, Manifest
 from .result import BundleError, BundleResult
 from .semver import parse_version
-from .verify import verify_stream
+from .verify import structure_refusal, verify_stream
 
 __all__ = ["BundleContents", "collect_contents", "create_bundle", "sign_bundle"]
 
@@ -158,7 +158,7 @@ def _created() -> tuple[str, int]:
 
 def create_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, version: str = "1.0.0",
                   profiles: list[str] = (), name: str | None = None, key: str | os.PathLike | None = None,
-                  compress: bool = True) -> Manifest:
+                  compress: bool = True, check: bool = True) -> Manifest:
     """Write a bundle of ``model_dir`` to ``out``, signed when ``key`` is given.
 
     Args:
@@ -169,9 +169,12 @@ def create_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, version:
         name: the model's name (default: the folder's name); it must match the daemon config's entry.
         key: an Ed25519 private key (PKCS#8 PEM) to sign with.
         compress: gzip the archive.
+        check: refuse contents that every device would refuse as ``structure_mismatch`` (the model, card,
+            labels and profiles against each other), as they are checked on a device; False makes such a
+            bundle anyway (tests of that refusal).
 
     Raises:
-        BundleError: bad version or name, or as :func:`collect_contents`.
+        BundleError: bad version or name, contents a device would refuse, or as :func:`collect_contents`.
     """
     from .. import __version__
 
@@ -189,6 +192,10 @@ def create_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, version:
                             profiles=tuple(contents.profiles), files=tuple(entries))
     except ValidationError as exc:
         raise BundleError(f"cannot make a manifest: {describe_validation_error(exc)}") from None
+    problem = structure_refusal(manifest, lambda m, names: {n: contents.files[n].read_bytes() for n in names}) \
+        if check else None
+    if problem:
+        raise BundleError(f"{folder}: devices would refuse this bundle (structure_mismatch): {problem}")
     data = manifest.to_bytes()
     signature = sign_manifest(data, load_private_key(key)).to_bytes() if key else None
     try:

@@ -145,7 +145,7 @@ def _evaluate(members: list[Member], trust: TrustStore | None, allow_unsigned: b
                                            f"{entry.sha256[:16]}...")
     # -- structure_mismatch
     try:
-        problem = _structure(manifest, read)
+        problem = structure_refusal(manifest, read)
     except ArchiveProblem as exc:
         return refuse(exc.status, exc.detail)
     if problem:
@@ -157,7 +157,13 @@ def _evaluate(members: list[Member], trust: TrustStore | None, allow_unsigned: b
     return result, Verified(manifest, manifest_b, sig_m.data if sig_m else None, kid)
 
 
-def _structure(manifest: Manifest, read: Callable[[Manifest, set[str]], dict[str, bytes]]) -> str | None:
+def structure_refusal(manifest: Manifest, read: Callable[[Manifest, set[str]], dict[str, bytes]]) -> str | None:
+    """Why a device refuses the bundle's contents as ``structure_mismatch`` (the model, its card, labels and
+    profiles against each other), or None. ``read(manifest, names)`` gives the named files' bytes.
+
+    Raises:
+        ArchiveProblem: ``read`` found a file missing or changed.
+    """
     wanted = {manifest.model, *manifest.profiles} | {p for p in (manifest.card, manifest.labels) if p}
     data = read(manifest, wanted)
     try:
