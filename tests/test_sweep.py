@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from k2edge import load_profile
-from k2edge.sweep import (MeasureSettings, Point, SweepError, SweepSpec, balanced_scores, config_key, confidence_curve,
+from k2edge.sweep import (MeasureSettings, Point, SweepError, SweepSpec, balanced_costs, config_key, confidence_curve,
                           dominates, pareto_front, parse_grid, recommend, run_sweep, sweep_configs)
 from k2edge.sweep.progress import SweepProgress
 from k2edge.sweep.sampler import TelemetrySampler
@@ -116,16 +116,25 @@ def test_recommend_constraints_filter_first():
     assert rec.name is None and "p99 latency <= 1 ms" in rec.reason
 
 
-def test_balanced_score_is_the_mean_of_min_max_rescaled_objectives():
-    """Scores by hand: latency 1..4 and top-1 0.90..0.99 rescaled to 0..1, averaged."""
+def test_balanced_cost_weighs_accuracy_points_against_latency_percent():
+    """Costs by hand: points of top-1 given up, plus 10 % of latency over the fastest as one point; sizes count."""
     front = pareto_front(PTS)
     assert names(front) == ["fast", "mid", "best"]
-    scores = balanced_scores(front)
-    assert scores["fast"] == pytest.approx((1 + 0) / 2)
-    assert scores["mid"] == pytest.approx(((4 - 2) / 3 + (0.95 - 0.90) / 0.09) / 2)
-    assert scores["best"] == pytest.approx((0 + 1) / 2)
+    costs = balanced_costs(front)
+    assert costs["fast"] == pytest.approx(9.0)  # 9 points below best, the fastest
+    assert costs["mid"] == pytest.approx(4.0 + 10.0)  # 4 points, 100 % slower
+    assert costs["best"] == pytest.approx(0.0 + 30.0)  # the highest, 300 % slower
     rec = recommend(PTS, "balanced")
-    assert rec.name == "mid" and rec.scores["mid"] == pytest.approx(scores["mid"], abs=1e-4)
+    assert rec.name == "fast" and rec.costs["fast"] == pytest.approx(9.0)
+    assert "9.00 point(s) below best's 99.00 %" in rec.reason and "the fastest" in rec.reason
+    # two front points always scored 0.5 each under min-max rescaling, and the faster won: sizes count now
+    two = [Point("quick", 1.0, 0.80), Point("accurate", 1.01, 0.99)]
+    rec = recommend(two, "balanced")
+    assert rec.name == "accurate" and "1.0 % slower than quick's 1.000 ms" in rec.reason, rec.reason
+    assert recommend([Point("quick", 1.0, 0.97), Point("slow", 10.0, 0.985)], "balanced").name == "quick"
+    # energy, known for every point, is averaged with latency
+    energy = [Point("a", 1.0, 0.9, 2.0), Point("b", 2.0, 0.9, 1.0)]
+    assert balanced_costs(energy) == pytest.approx({"a": 5.0, "b": 5.0})
     with pytest.raises(ValueError):
         recommend(PTS, "fastest")
 

@@ -47,7 +47,8 @@ def register(p) -> None:
     p.add_argument("--limit", type=count(1), metavar="N", help="measure accuracy on the first N samples of EVAL only")
     p.add_argument("--goal", choices=GOAL_CHOICES, default="balanced",
                    help="what the recommendation optimises: lowest p50 latency, highest top-1, lowest energy per "
-                        "inference, or a balanced score over the front (default)")
+                        "inference, or balanced over the front: the least accuracy given up plus latency paid, a point of accuracy "
+                        "weighing as much as 10 %% of latency (default)")
     p.add_argument("--max-latency-ms", type=positive_float, metavar="X", help="recommend only configurations whose p99 latency is at most X ms")
     p.add_argument("--min-accuracy", type=accuracy_fraction, metavar="Y", help="recommend only configurations with top-1 at least Y (0.99 or 99%%)")
     p.add_argument("--out", default="pareto-sweep", metavar="DIR",

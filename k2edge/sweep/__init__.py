@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .configs import DEFAULT_PROFILES, GRID_FIELDS, SweepConfig, config_key, grid_configs, parse_grid, sweep_configs
 from .errors import NoRecommendation, SweepError
-from .frontier import GOALS, Point, Recommendation, balanced_scores, dominates, pareto_front, recommend
+from .frontier import GOALS, Point, Recommendation, balanced_costs, dominates, pareto_front, recommend
 from .measure import MeasureSettings, confidence_curve, measure_run, summarise
 from .runner import SweepOutcome, SweepSpec, run_sweep
 from .sampler import TelemetrySampler
@@ -27,7 +27,7 @@ __all__ = [
     "SweepOutcome",
     "SweepSpec",
     "TelemetrySampler",
-    "balanced_scores",
+    "balanced_costs",
     "config_key",
     "confidence_curve",
     "dominates",

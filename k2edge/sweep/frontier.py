@@ -85,18 +85,18 @@ class Recommendation:
         goal: the goal it was chosen for.
         reason: one sentence a person can read: why this one, or why none.
         candidates: the configurations that met the constraints.
-        scores: balanced scores of the candidates on the front (goal ``balanced`` only).
+        costs: balanced costs of the candidates on the front, in points of accuracy (goal ``balanced`` only).
     """
 
     name: str | None
     goal: str
     reason: str
     candidates: tuple[str, ...] = ()
-    scores: dict[str, float] = field(default_factory=dict)
+    costs: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "goal": self.goal, "reason": self.reason,
-                "candidates": list(self.candidates), "scores": dict(self.scores)}
+                "candidates": list(self.candidates), "costs": dict(self.costs)}
 
 
 def meets(point: Point, max_latency_ms: float | None = None, min_accuracy: float | None = None) -> bool:
@@ -113,24 +113,41 @@ def meets(point: Point, max_latency_ms: float | None = None, min_accuracy: float
     return True
 
 
-def balanced_scores(points: Sequence[Point]) -> dict[str, float]:
-    """Equal-weight min-max score of each point, in [0, 1], higher is better.
+LATENCY_PER_POINT = 0.10  # balanced: a point of accuracy given up weighs as much as being 10 % slower
 
-    Each objective known for every point is rescaled so the best point gets 1 and the worst 0
-    (all 1 when they are equal); the score is the mean over those objectives. An objective unknown
-    for any point (energy without a power rail) is left out for all of them.
+
+def balanced_costs(points: Sequence[Point]) -> dict[str, float]:
+    """Each point's cost, in points of accuracy (lower is better): the points of accuracy (top-1, or mAP@0.5,
+    times 100) it gives up against the most accurate point, plus how much slower it is than the fastest, each
+    :data:`LATENCY_PER_POINT` (10 %) slower counting as one point. Where energy is known for every point, its
+    overhead over the most frugal point is averaged with latency's. An objective unknown for any point is left out
+    for all.
+
+    The exchange rate is explicit so that sizes count: giving up 19 points of accuracy to be 1 % faster costs 19,
+    being 1 % slower for them costs 0.1; an even split of the objectives' ranges (min-max rescaling) scored two
+    front points 0.5 each whatever their differences.
     """
     if not points:
         return {}
-    per_point = {p.name: [] for p in points}
-    for attr, sense in OBJECTIVES:
+    cost = {p.name: 0.0 for p in points}
+
+    def known(attr: str) -> list[float] | None:
         values = [p.value(attr) for p in points]
-        if any(v is None for v in values):
-            continue
-        best, worst = (max(values), min(values)) if sense > 0 else (min(values), max(values))
-        for p, v in zip(points, values):
-            per_point[p.name].append(1.0 if best == worst else (v - worst) / (best - worst))
-    return {name: (sum(s) / len(s) if s else 0.0) for name, s in per_point.items()}
+        return None if any(v is None for v in values) else values
+
+    acc = known("top1")
+    if acc is not None:
+        for p, v in zip(points, acc):
+            cost[p.name] += 100.0 * (max(acc) - v)
+    overheads = []
+    for attr in ("latency_ms", "energy_j"):
+        values = known(attr)
+        if values is not None and min(values) > 0:
+            overheads.append([v / min(values) - 1.0 for v in values])
+    if overheads:
+        for i, p in enumerate(points):
+            cost[p.name] += sum(o[i] for o in overheads) / len(overheads) / LATENCY_PER_POINT
+    return cost
 
 
 def _fmt_ms(v: float | None) -> str:
@@ -161,7 +178,7 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
     * ``accuracy``: the highest top-1, then the lowest p50 latency;
     * ``energy``: the lowest energy per inference among the points where it is known; none when it
       is known for no point (``energy_unknown_reason`` says why);
-    * ``balanced``: the highest :func:`balanced_scores` among the candidates on their Pareto front.
+    * ``balanced``: the lowest :func:`balanced_costs` among the candidates on their Pareto front.
 
     Args:
         points: measured configurations (failed ones left out by the caller).
@@ -219,14 +236,31 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
         why = f"lowest energy per inference{within}: {best.energy_j:.4g} J ({_fmt_ms(best.latency_ms)} p50, {metric} {_fmt_acc(best.top1)}){note}"
         return Recommendation(best.name, goal, why, names)
     front = pareto_front(candidates)
-    scores = balanced_scores(front)
-    best = min(front, key=lambda p: (-scores[p.name],) + tie_key(p))
-    used = [attr for attr, _ in OBJECTIVES if all(p.value(attr) is not None for p in front)]
-    words = {"latency_ms": "p50 latency", "top1": metric, "energy_j": "energy"}
+    costs = balanced_costs(front)
+    best = min(front, key=lambda p: (costs[p.name],) + tie_key(p))
     if len(front) == 1:
         why = (f"the only configuration on the Pareto front{within}, so the balanced choice: "
                f"{_fmt_ms(best.latency_ms)} p50, {metric} {_fmt_acc(best.top1)}")
     else:
-        why = (f"best balanced score{within}: {scores[best.name]:.2f} of 1 (mean of {', '.join(words[a] for a in used)}, "
-               f"each rescaled 0..1 over the {len(front)} front points); {_fmt_ms(best.latency_ms)} p50, {metric} {_fmt_acc(best.top1)}")
-    return Recommendation(best.name, goal, why, names, {k: round(v, 4) for k, v in scores.items()})
+        why = f"the least balanced cost of the {len(front)} front points{within}: {_balance_text(best, front, metric)}"
+    return Recommendation(best.name, goal, why, names, {k: round(v, 4) for k, v in costs.items()})
+
+
+def _balance_text(best: Point, front: Sequence[Point], metric: str) -> str:
+    """What ``best`` gives up on each side, and the exchange rate that weighed them."""
+    parts = []
+    accs = [p for p in front if p.value("top1") is not None]
+    if len(accs) == len(front):
+        top = max(accs, key=lambda p: p.value("top1"))
+        lost = 100.0 * (top.value("top1") - best.value("top1"))
+        parts.append(f"{metric} {_fmt_acc(best.top1)}, " + ("the highest" if top is best or lost <= 0 else
+                     f"{lost:.2f} point(s) below {top.name}'s {_fmt_acc(top.top1)}"))
+    lats = [p for p in front if p.value("latency_ms") is not None]
+    if len(lats) == len(front):
+        fast = min(lats, key=lambda p: p.value("latency_ms"))
+        over = 100.0 * (best.value("latency_ms") / fast.value("latency_ms") - 1.0) if fast.value("latency_ms") else 0.0
+        parts.append(f"{_fmt_ms(best.latency_ms)} p50, " + ("the fastest" if fast is best or over <= 0 else
+                     f"{over:.1f} % slower than {fast.name}'s {_fmt_ms(fast.latency_ms)}"))
+    energy = all(p.value("energy_j") is not None for p in front)
+    return "; ".join(parts) + (f" (a point of {metric} weighs as much as {100 * LATENCY_PER_POINT:.0f} % of latency"
+                               f"{' and energy, averaged' if energy else ''})")

@@ -11,7 +11,7 @@
   ``telemetry`` (state, message), ``settings`` (runs, warmup, requests, limit, goal, constraints);
 * ``objectives`` and ``agreement``: how the front and the spread are defined;
 * ``configs``: one record per configuration (see :func:`config_record`), ``pareto_front`` (names),
-  ``recommendation`` (name or null, goal, reason, candidates, scores).
+  ``recommendation`` (name or null, goal, reason, candidates, costs: the balanced goal's cost of each front point).
 """
 
 from __future__ import annotations
