@@ -453,8 +453,9 @@ def test_cli_table_json_and_user_errors(tmp_path):
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and fragment in proc.stderr, proc.stderr
     proc = k2edge("pareto-sweep", *common, "--profiles", "c5", "--goal", "energy", "--out", str(tmp_path / "e"))
-    assert proc.returncode == 1 and "energy per inference is unknown" in proc.stderr.strip().splitlines()[-1]
-    assert (tmp_path / "e" / "results.json").exists() and not (tmp_path / "e" / "recommended.json").exists()
+    assert proc.returncode == 1 and "--goal energy needs a power reading, and there is none here" in \
+        proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not (tmp_path / "e" / "results.json").exists()  # refused before measuring
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from .progress import SweepProgress
 from .results import (MEASURED, SCHEMA, AGREEMENT_DOC, OBJECTIVES_DOC, accuracy_metric, accuracy_of, check_resumable,
                       file_sha256, load_previous, machine_info, mark_front, now, point_of, set_recommendation,
                       write_json_atomic)
+from .errors import SweepError
 from .sampler import TelemetrySampler
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,11 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
             if extra:
                 progress.note(f"--resume: also keeping {len(extra)} stored configuration(s) not in this sweep: "
                               f"{', '.join(r['name'] for r in extra)}")
+    sampler = TelemetrySampler(telemetry)
+    if spec.goal == "energy" and (why := sampler.no_power()) is not None:
+        sampler.stop()  # before minutes of measuring that could not serve the goal
+        raise SweepError(f"--goal energy needs a power reading, and there is none here ({why}); sweep on the device, "
+                         "or choose --goal latency, accuracy or balanced")
     out.mkdir(parents=True, exist_ok=True)
     runs = spec.settings.runs
 
@@ -274,7 +280,6 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
 
     measured: list[str] = []
     interrupted = False
-    sampler = TelemetrySampler(telemetry)
     steps = sum(runs - len(records[c.key]["runs"]) for c in configs if needs_run(c))
     total = sum(_units(c, spec.settings, len(dataset), not records[c.key]["runs"]) +
                 (runs - len(records[c.key]["runs"]) - 1) * _units(c, spec.settings, len(dataset), False)
