@@ -232,7 +232,7 @@ def test_check_on_a_given_set(tmp_path):
     """--check DATA measures on that set instead of the held-out samples: 512 samples give a verdict."""
     engine = Engine.build(MODEL, "c2", check=ROOT / "models/digits/eval.npz", cache_dir=tmp_path)
     check = engine.info.int8_check
-    assert check.source.endswith("eval.npz") and check.samples == 512 and check.status == "passed"
+    assert check.source.endswith("eval.npz (left out: 28 beyond the first 512)") and check.samples == 512 and check.status == "passed"
     assert check.power == ("samples", 512, 200) and check.advice() == ""
 
 
@@ -464,6 +464,52 @@ def test_trust_require_int8_check_refuses_an_inconclusive_engine(tmp_path):
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "require_int8_check: the INT8 check is inconclusive" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "check = DATA in the model's [[models]] entry" in proc.stderr, proc.stderr
+
+
+def test_a_models_check_set_makes_the_daemons_int8_check_conclusive(run_daemon, broker, tmp_path):
+    """`check = ` in [[models]]: the daemon judges INT8 on it (digits' eval set, 512 of its 540 samples), so
+    require_int8_check serves c2, whose 40 held-out samples alone are inconclusive."""
+    from mqtt_support import Client
+
+    model = {"name": "digits", "onnx": MODEL, "profile": "c2", "top_k": 1, "check": ROOT / "models/digits/eval.npz"}
+    run_daemon(models=[model], service={"cache_dir": str(tmp_path / "cache"), "max_batch": 1},
+               tables={"trust": {"allow_unsigned": True, "require_int8_check": True}})
+    c = Client(broker.port).connect()
+    try:
+        c.wait_for(lambda c: any(s.get("state") == "online" for s in c.statuses), 10)
+        check = [s for s in c.statuses if s.get("state") == "online"][-1]["models"][0]["int8_check"]
+    finally:
+        c.close()
+    assert check["status"] == "passed" and check["samples"] == 512, check
+    assert check["source"].endswith("eval.npz (left out: 28 beyond the first 512)"), check
+
+
+def test_a_check_set_is_judged_on_distinct_samples_that_did_not_calibrate(tmp_path):
+    """250 copies of one sample are one sample (inconclusive, not passed); the calibration set given as the check set
+    leaves only its held-out samples; what was left out is in the check's source."""
+    from k2edge.engine.int8 import check_indices
+    from k2edge.model.datasets import open_dataset
+    from k2edge.engine.quantize import calibration_split
+
+    calib = open_dataset(ROOT / "models/digits/calib.npz")
+    x = np.load(ROOT / "models/digits/calib.npz")["x"]
+    calibrating = calibration_split(len(calib))[0]
+    np.savez(tmp_path / "one.npz", x=np.repeat(x[4:5], 250, 0))  # a held-out sample: it did not calibrate
+    idx, note = check_indices(open_dataset(tmp_path / "one.npz"), calib, calibrating)
+    assert idx == [0] and note == "left out: 249 repeated sample(s)"
+    idx, note = check_indices(calib, calib, calibrating)
+    assert idx == [i for i in range(len(calib)) if i not in set(calibrating)] and \
+        note == f"left out: {len(calibrating)} calibration sample(s)"
+    proc = k2edge("build", str(MODEL), "-p", "c2", "--check", str(tmp_path / "one.npz"), "--calib",
+                  str(ROOT / "models/digits/calib.npz"), "--json")
+    check = json.loads(proc.stdout)["int8_check"]
+    assert check["status"] == "inconclusive" and check["samples"] == 1, check
+    assert check["source"].endswith("one.npz (left out: 249 repeated sample(s))"), check
+    np.savez(tmp_path / "fitted.npz", x=np.repeat(x[:1], 250, 0))
+    assert_one_line_error(k2edge("build", str(MODEL), "-p", "c2", "--check", str(tmp_path / "fitted.npz"), "--calib",
+                                 str(ROOT / "models/digits/calib.npz"), check=False),
+                          "no sample is left to judge the INT8 check on (249 repeated sample(s) and 1 calibration sample(s))")
 
 
 def test_the_fallback_search_finds_the_smallest_prefix_in_few_checks():

@@ -97,6 +97,8 @@ class ModelConfig(_Strict):
     profile: str = "cpu-dev"
     labels: Path | None = None
     calib: Path | None = None
+    check: Path | None = Field(None, description="the INT8 check's set (ImageFolder, .npz, or a detector's COCO .json), "
+                                                 "judged instead of the calibration set's held-out fifth")
     backend: str = Field("auto", pattern="^(auto|onnxruntime|tensorrt)$")
     top_k: int = Field(5, ge=1, le=1000)
     card: Path | ModelCard | None = Field(
@@ -335,7 +337,7 @@ def _resolve(data: dict, base: Path) -> dict:
             fix(st, ("password_file",))
     for m in data.get("models", []) if isinstance(data.get("models"), list) else []:
         if isinstance(m, dict):
-            fix(m, ("onnx", "bundle", "labels", "calib", "card"))
+            fix(m, ("onnx", "bundle", "labels", "calib", "check", "card"))
             if isinstance(m.get("card"), dict):
                 fix(m["card"], ("labels",))
             for holder, key in ((m, "profile"), (m.get("escalation") if isinstance(m.get("escalation"), dict) else {}, "warm_profile")):

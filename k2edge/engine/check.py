@@ -454,8 +454,12 @@ class Int8Check:
             return ""
         count, have, need = self.power
         what = "FP32 boxes" if count == "reference_boxes" else "samples"
-        return (f"{have} {what} judged, fewer than the {need} a verdict needs: give --check DATA with at least {need} "
-                f"{what}, or a larger calibration set (its every fifth sample is held out for the check)")
+        head = (f"{have} {what} judged, fewer than the {need} a verdict needs: give a check set (build --check DATA, or "
+                f"check = DATA in the model's [[models]] entry) with at least {need} {what} (distinct, and not the "
+                "calibration samples)")
+        if self.source in ("held-out", "in-sample"):
+            return head + ", or a larger calibration set (its every fifth sample is held out for the check)"
+        return head
 
     def to_dict(self) -> dict:
         return {"task": self.task, "status": self.status, "source": self.source, "samples": self.samples,

@@ -230,10 +230,11 @@ def decision_inputs(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
     branches = tuple(sorted(head_branches(graph, card) & int8_nodes - set(keep_float)))
     exclude = tuple(sorted(n.name for n in graph.nodes if n.name not in int8_nodes))
     settings = quant_settings(edge_runtime, card)
-    _, held_out, in_sample = calibration_split(len(calib))
+    calibrating, held_out, in_sample = calibration_split(len(calib))
     if check_set is not None:
-        check_data, check_idx = check_set, list(range(min(len(check_set), MAX_CALIBRATION_SAMPLES)))
-        source, check_fp = check_set.source, check_set.fingerprint()
+        check_data, check_fp = check_set, check_set.fingerprint()
+        check_idx, left_out = check_indices(check_set, calib, calibrating)
+        source = f"{check_set.source} ({left_out})" if left_out else check_set.source
     else:
         check_data, check_idx = calib, held_out
         source, check_fp = ("in-sample" if in_sample else "held-out"), "held-out"
@@ -246,6 +247,39 @@ def decision_inputs(model: NormalisedModel, plan: PartitionPlan, calib: Dataset,
                  ",".join(keep_float), ",".join(exclude), ",".join(branches))
     return DecisionInputs(keep_float, exclude, settings, check_data, check_idx, source, tolerance, explicit, devices,
                           allow, key, branches)
+
+
+def check_indices(check_set: Dataset, calib: Dataset, calibrating: list[int]) -> tuple[list[int], str]:
+    """The samples of a ``--check`` set the check judges, and what was left out ("" when nothing): each distinct
+    sample once (250 copies of one image are one sample, not enough for a verdict), none of the samples the ranges
+    were calibrated on (INT8 judged on the scenes it was fitted to passes too easily), at most
+    :data:`MAX_CALIBRATION_SAMPLES`.
+
+    Raises:
+        BuildError: no sample is left.
+    """
+    fitted = set(calib.digests(calibrating))
+    seen: set[bytes] = set()
+    keep: list[int] = []
+    repeated = calibrated = 0
+    for i, d in enumerate(check_set.digests()):
+        if d in seen:
+            repeated += 1
+        elif d in fitted:
+            calibrated += 1
+        else:
+            keep.append(i)
+        seen.add(d)
+    unfit = [f"{n} {what}" for n, what in ((repeated, "repeated sample(s)"), (calibrated, "calibration sample(s)")) if n]
+    if not keep:
+        raise BuildError(f"check set {check_set.source}: no sample is left to judge the INT8 check on "
+                         f"({' and '.join(unfit) or 'it is empty'}); give distinct samples that did not calibrate")
+    if unfit:
+        log.warning("check set %s: %s left out of the INT8 check; %d sample(s) judge it", check_set.source,
+                    " and ".join(unfit), min(len(keep), MAX_CALIBRATION_SAMPLES))
+    beyond = len(keep) - MAX_CALIBRATION_SAMPLES
+    notes = unfit + ([f"{beyond} beyond the first {MAX_CALIBRATION_SAMPLES}"] if beyond > 0 else [])
+    return keep[:MAX_CALIBRATION_SAMPLES], ("left out: " + ", ".join(notes)) if notes else ""
 
 
 def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, preprocess: Preprocess, card: ModelCard,

@@ -137,7 +137,7 @@ class ModelRuntime:
 
         # several models plus staging, batching and network threads share the cores:
         # idle ONNX Runtime threads must sleep, not spin (and with one thread a lane, none sleeps)
-        engine = Engine.build(self.cfg.onnx, profile, self.cfg.calib, board=board, backend=self.cfg.backend,
+        engine = Engine.build(self.cfg.onnx, profile, self.cfg.calib, check=self.cfg.check, board=board, backend=self.cfg.backend,
                               cache_dir=cache_dir, labels=self.cfg.labels, spinning=False,
                               threads_per_lane=self.threads_per_lane, max_batch=max_batch, **self.cfg.card_args())
         key = engine.describe().get("engine_key")
