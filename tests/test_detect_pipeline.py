@@ -156,7 +156,8 @@ def test_a_broken_coco_entry_is_refused_not_scored(coco_set):
              (lambda d: d["annotations"][0].update(image_id=999), r"annotations\[0\] .*image_id 999 is not in 'images'"),
              (lambda d: d["images"][1].update(id=d["images"][0]["id"]), r"image id\(s\) \[\d+\] appear more than once"),
              (lambda d: d["images"][0].update(file_name="."), r"1 image file\(s\) name a folder, not an image"),
-             (lambda d: d["images"][0].update(file_name="gone.jpg"), r"1 image file\(s\) missing, e.g. '.*gone.jpg'")]
+             (lambda d: d["images"][0].update(file_name="gone.jpg"), r"1 image file\(s\) missing, e.g. '.*gone.jpg'"),
+             (lambda d: d.update(annotations=[]), r"no ground-truth box on \d+ image\(s\): mAP is undefined")]
     for change, message in cases:
         with pytest.raises(DatasetError, match=message):
             open_coco(broken(change))

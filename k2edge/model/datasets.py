@@ -272,6 +272,9 @@ def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limi
     keep = {i for i, _ in images}
     gt = {"images": [im for im in doc["images"] if int(im["id"]) in keep],
           "annotations": [a for a in anns if a["image_id"] in keep], "categories": doc["categories"]}
+    if not gt["annotations"]:  # pycocotools gives -1 (undefined), which would read as an mAP of 0
+        raise DatasetError(f"{p}: no ground-truth box on {'the first ' if limit else ''}{len(images)} image(s): mAP is "
+                           "undefined without any; annotate the objects the model should find")
     return CocoDataset(str(p), samples, [i for i, _ in images], [i for i, _ in categories], names, gt)
 
 
