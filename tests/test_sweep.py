@@ -448,7 +448,9 @@ def test_cli_table_json_and_user_errors(tmp_path):
     assert json.loads(proc.stdout)["configs"][0]["name"] == "c5"
     for bad, fragment in ((["--grid", "offload_ratio=2"], "must be within [0, 1]"),
                           (["--min-accuracy", "150"], "percentage"),
-                          (["--profiles", "nope"], "profile 'nope' not found")):
+                          (["--profiles", "nope"], "profile 'nope' not found"),
+                          (["--min-accuracy", "99.5%"], "cannot be told on 60 sample(s), where a single miss moves top-1 by 1.7 "
+                                                       "points: not enough data; give at least 200 samples (a larger --limit)")):
         proc = k2edge("pareto-sweep", *common, "--out", str(tmp_path / "bad"), *bad)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and fragment in proc.stderr, proc.stderr

@@ -90,6 +90,10 @@ def _open_eval(spec: SweepSpec):
         return open_coco(spec.dataset, labels, spec.settings.limit)
     dataset = open_labelled(spec.dataset, labels, spec.settings.limit)
     check_fits(dataset, loaded.normalised.graph.shape(loaded.normalised.graph.inputs[0])[1:], "evaluation set")
+    if spec.min_accuracy is not None and spec.min_accuracy < 1 and len(dataset) < (need := math.ceil(1 / (1 - spec.min_accuracy) - 1e-9)):
+        raise SweepError(f"--min-accuracy {100 * spec.min_accuracy:.2f} % cannot be told on {len(dataset)} sample(s), where "
+                         f"a single miss moves top-1 by {100 / len(dataset):.2g} points: not enough data; give at least "
+                         f"{need} samples{' (a larger --limit)' if spec.settings.limit else ''}")
     return dataset
 
 
