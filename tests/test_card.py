@@ -289,3 +289,24 @@ def test_a_yolov8_output_read_as_yolov5_blames_the_format_not_the_labels(tmp_pat
     _write(card, card.read_text().replace('format = "yolov5"', 'format = "yolov8"'))
     assert_one_line_error(k2edge("card", "show", model, "--card", str(card), check=False),
                           "labels: 3 label(s) for a detector of 10 class(es)")
+
+
+def test_card_init_reads_a_softmax_output_as_probabilities(tmp_path):
+    """A classifier whose graph ends in Softmax (PP-OCR's direction classifier, here its real export from the
+    rapidocr wheel) gets output = "probabilities": a second softmax flattened its scores (1.000 read as 0.731)."""
+    import shutil
+
+    import rapidocr_onnxruntime
+    from test_cli import k2edge
+
+    model = tmp_path / "cls" / "cls.onnx"
+    model.parent.mkdir()
+    shutil.copy(Path(rapidocr_onnxruntime.__file__).parent / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx", model)
+    proc = k2edge("card", "init", str(model), "--input-shape", "x=1x3x48x192")
+    assert "a Softmax makes it: probabilities" in proc.stdout, proc.stdout
+    assert load_card(model.with_name("card.toml")).classification.output == "probabilities"
+    digits = tmp_path / "digits" / "model.onnx"  # logits: no Softmax in the graph
+    digits.parent.mkdir()
+    shutil.copy(ROOT / "models" / "digits" / "model.onnx", digits)
+    k2edge("card", "init", str(digits))
+    assert load_card(digits.with_name("card.toml")).classification.output == "logits"

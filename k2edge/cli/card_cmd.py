@@ -80,7 +80,7 @@ def _with_sources(toml: str, sources: dict[str, str]) -> str:
 
 
 def run(args) -> int:
-    from ..tasks.suggest import suggest_card
+    from ..tasks.suggest import softmax_outputs, suggest_card
 
     nm, name, shape, outputs = _model(args)
     if args.card_command == "show":
@@ -98,7 +98,7 @@ def run(args) -> int:
             print(f"# {card.source or 'no card file: the model metadata and defaults'}")
             print(_with_sources(card.to_toml(), sources), end="")
         return 0
-    card, why = suggest_card(name, shape, outputs, nm.metadata())
+    card, why = suggest_card(name, shape, outputs, nm.metadata(), softmax_outputs(nm.graph))
     model = Path(args.model)
     out = Path(args.out) if args.out else model.with_name("card.toml")
     if out.exists() and not args.force:

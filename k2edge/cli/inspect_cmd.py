@@ -20,7 +20,7 @@ def _card(args, nm) -> dict:
     from pathlib import Path
 
     from ..config.card import find_card
-    from ..tasks.suggest import suggest_card
+    from ..tasks.suggest import softmax_outputs, suggest_card
 
     from ..config.card import card_sources, load_card
 
@@ -35,7 +35,7 @@ def _card(args, nm) -> dict:
         card = model_card(Path(args.model), nm, found)
         return {"card": str(found), "task": card.task, "suggested": None, "why": None,
                 "sources": card_sources(shape, nm.metadata(), load_card(found))}
-    card, why = suggest_card(g.inputs[0], shape, {o: g.shape(o) for o in g.outputs}, nm.metadata())
+    card, why = suggest_card(g.inputs[0], shape, {o: g.shape(o) for o in g.outputs}, nm.metadata(), softmax_outputs(g))
     return {"card": None, "task": card.task, "suggested": card.model_dump(mode="json", exclude={"source"}), "why": why,
             "sources": card_sources(shape, nm.metadata())}
 

@@ -14,18 +14,34 @@ It is a suggestion to edit (``k2edge card init``), never applied silently.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Collection, Mapping
 
 from ..config.card import CardError, ModelCard, card_from_dict, resolve_card
 
-__all__ = ["suggest_card"]
+__all__ = ["softmax_outputs", "suggest_card"]
 
 _MIN_ANCHORS = 64  # fewer candidate boxes than this is not a YOLO grid (YOLOv8n at 320 has 2,100)
 
 
+_SHAPE_ONLY = ("Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def softmax_outputs(graph) -> set[str]:
+    """The graph's outputs a Softmax makes (through ops that only reshape): they are probabilities already."""
+    out = set()
+    for name in graph.outputs:
+        tensor = name
+        while (i := graph.producer.get(tensor)) is not None and graph.nodes[i].op_type in _SHAPE_ONLY:
+            tensor = graph.nodes[i].inputs[0]
+        if i is not None and graph.nodes[i].op_type == "Softmax":
+            out.add(name)
+    return out
+
+
 def suggest_card(input_name: str, input_shape: tuple, outputs: Mapping[str, tuple],
-                 metadata: Mapping[str, str] | None = None) -> tuple[ModelCard, str]:
-    """A card for a model and why: (card with every key resolved, one sentence)."""
+                 metadata: Mapping[str, str] | None = None, softmaxed: Collection[str] = ()) -> tuple[ModelCard, str]:
+    """A card for a model and why: (card with every key resolved, one sentence). ``softmaxed``: the outputs a Softmax
+    makes (:func:`softmax_outputs`), whose scores are probabilities, not logits."""
     shapes = {k: tuple(v) for k, v in outputs.items()}
     layer: dict = {}
     why = ""
@@ -68,8 +84,12 @@ def suggest_card(input_name: str, input_shape: tuple, outputs: Mapping[str, tupl
         cls = [(n, s) for n, s in shapes.items() if len(s) == 2 or (len(s) == 4 and tuple(s[2:]) == (1, 1))]
         if cls:
             name, shape = cls[0]
-            layer = {"task": "classification", "classification": {"output": "logits"}}
-            why = f"output {name!r} {list(shape)} looks like a classifier of {shape[1]} classes (check logits vs probabilities)"
+            if name in softmaxed:  # a second softmax would flatten its scores (0.73 where the model says 1.00)
+                layer = {"task": "classification", "classification": {"output": "probabilities"}}
+                why = f"output {name!r} {list(shape)} looks like a classifier of {shape[1]} classes; a Softmax makes it: probabilities"
+            else:
+                layer = {"task": "classification", "classification": {"output": "logits"}}
+                why = f"output {name!r} {list(shape)} looks like a classifier of {shape[1]} classes (check logits vs probabilities)"
         else:
             layer = {"task": "tensor"}
             why = "no output looks like class scores or YOLO boxes: raw tensors"
