@@ -606,3 +606,18 @@ def test_methods_too_close_to_call_each_fall_back_and_the_one_keeping_more_int8_
         check.calibration, kept(auto), {m: kept(e) for m, e in alone.items()})
     assert check.status == "fallback" and check.measures["cosine"] >= 0.9996, check.line()
     assert any("so each fell back" in n for n in check.notes), check.notes
+
+
+def test_a_profile_that_asks_for_int8_and_runs_little_of_it_says_so_in_text_and_json(tmp_path):
+    """A card keeping most learned layers in float under c2: build's note says how little runs in INT8, in the text and
+    in --json's plan notes (where a machine reading the lanes' "int8" would otherwise never see it)."""
+    card = (ROOT / "models/digits/card.toml").read_text().replace('labels = "labels.txt"',
+                                                                   f'labels = "{ROOT / "models/digits/labels.txt"}"')
+    convs = [n.name for n in onnx.load(str(MODEL)).graph.node if n.op_type == "Conv"][1:]  # all but the stem
+    (tmp_path / "card.toml").write_text(card + "\n[quantization]\nkeep_float = " + json.dumps(convs) + "\n")
+    args = ["build", str(MODEL), "-p", "c2", "--card", str(tmp_path / "card.toml"), "--calib",
+            str(ROOT / "models/digits/calib.npz")]
+    data = json.loads(k2edge(*args, "--json").stdout)
+    notes = [n for n in data["plan"]["notes"] if n.startswith("the profile asks for INT8, but only ")]
+    assert len(notes) == 1 and data["plan"]["precision_flops"]["model"]["int8"] < 0.5, data["plan"]
+    assert f"note: {notes[0]}" in k2edge(*args).stdout

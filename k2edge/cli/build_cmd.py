@@ -29,9 +29,11 @@ def run(args) -> int:
 
     engine = build_engine(args)
     d = engine.describe()
+    not_int8 = mostly_not_int8(engine.plan)  # a note in --json too: a machine reading "int8" lanes must see it
     d["plan"] = {"granularity": engine.plan.granularity, "requested_gpu_share": engine.plan.requested_gpu_share,
                  "gpu_flop_share": engine.plan.gpu_flop_share, "segments": len(engine.plan.segments),
-                 "notes": list(engine.plan.notes), "int8_fallback": [dict(f) for f in engine.plan.int8_fallback],
+                 "notes": [not_int8] * bool(not_int8) + list(engine.plan.notes),
+                 "int8_fallback": [dict(f) for f in engine.plan.int8_fallback],
                  "precision_flops": engine.plan.precision_flops}
     if args.json:
         print_json(d)
@@ -48,9 +50,8 @@ def run(args) -> int:
         print(f"  lane {lane['label']}: segment(s) {list(lane['segments'])}, {lane['precision']}{share}{mix}")
     if shares:
         print(f"  {share_text(shares)}")
-        line = mostly_not_int8(engine.plan)
-        if line:
-            print(f"  note: {line}")
+        if not_int8:
+            print(f"  note: {not_int8}")
     if d.get("engine_bytes"):
         print(f"  memory: engine files {d['engine_bytes'] / 2**20:.2f} MiB (weights; a running daemon reports what its "
               f"activated engines hold: status `memory`, metric k2edge_model_memory_bytes)")
