@@ -275,6 +275,7 @@ def test_sweep_records_honest_numbers_and_a_loadable_recommendation(tmp_path):
     assert doc["backend"]["name"] == "onnxruntime" and doc["backend"]["version"]
     assert doc["machine"]["cores"] == os.cpu_count() and "CPU lane" in doc["machine"]["accelerators"]
     assert doc["dataset"]["samples"] == 120 and doc["settings"]["runs"] == 2
+    assert doc["calibration"] == str(ROOT / "models" / "digits" / "calib")  # c3's INT8 was calibrated on the one beside it
     by = {r["name"]: r for r in doc["configs"]}
     assert by["c5"]["devices"] == ["gpu (cpu lane)"]
     assert sorted(by["c3"]["devices"]) == ["dla0 (cpu lane)", "dla1 (cpu lane)", "gpu (cpu lane)"]

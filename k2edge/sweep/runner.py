@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import K2EdgeError, first_line
+from ..config.resolve import find_calibration
 from .configs import SweepConfig
 from .frontier import recommend
 from .measure import MeasureSettings, measure_run, summarise
@@ -227,7 +228,7 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
         "schema": SCHEMA, "k2edge_version": __version__, "status": "running", "started": now(), "updated": now(),
         "model": {"path": str(spec.model), "sha256": file_sha256(spec.model)},
         "dataset": {"path": str(spec.dataset), "samples": len(dataset), "fingerprint": dataset.fingerprint()},
-        "calibration": str(spec.calib) if spec.calib else None,
+        "calibration": str(spec.calib or find_calibration(Path(spec.model)) or "") or None,  # the set INT8 builds use
         "board": spec.board,
         "backend": {"requested": spec.backend, "name": backend, "version": None},
         "machine": machine_info(backend),
