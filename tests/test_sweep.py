@@ -487,6 +487,7 @@ def test_cli_ctrl_c_keeps_results_and_resume_finishes(tmp_path):
     doc = json.loads((out / "results.json").read_text())
     kept = [r["name"] for r in doc["configs"]]
     assert doc["status"] == "interrupted" and 1 <= len(kept) < 4
+    assert "▶ recommended" not in stdout and "▷ provisional, from an incomplete sweep" in stdout, stdout
     proc = k2edge(*args, "--resume")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((out / "results.json").read_text())

@@ -113,10 +113,15 @@ def render_table(doc: dict, compact: bool = False):
         table.add_row(*(cells[c] for c in columns), style=style)
     ok = [r for r in doc["configs"] if r["status"] in MEASURED]
     spread_text = "± = half the range" if compact else "(runs) = min–max"
+    partial = any(r["status"] == "partial" for r in ok)
     lines = [f"★ Pareto front (p50 latency ↓, {metric} ↑, energy ↓ where known); {spread_text} over "
-             f"{settings.get('runs')} runs of {settings.get('requests')} requests each, warm-up excluded."]
+             f"{'up to ' if partial else ''}{settings.get('runs')} runs of {settings.get('requests')} requests each"
+             f"{' (fewer where the config says so)' if partial else ''}, warm-up excluded."]
     recd = doc.get("recommendation") or {}
-    if recd.get("name"):
+    if recd.get("name") and doc.get("status") == "interrupted":
+        lines.append(f"▷ provisional, from an incomplete sweep (no recommended.json is written until it completes), for goal "
+                     f"{recd['goal']}: {recd['name']}: {recd['reason']}.")
+    elif recd.get("name"):
         lines.append(f"▶ recommended for goal {recd['goal']}: {recd['name']}: {recd['reason']}.")
     elif recd:
         lines.append(f"no recommendation for goal {recd.get('goal')}: {recd.get('reason')}.")
