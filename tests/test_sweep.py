@@ -443,7 +443,7 @@ def test_cli_table_json_and_user_errors(tmp_path):
     proc = k2edge("pareto-sweep", *common, "--profiles", "c5", "c6", "--out", str(tmp_path / "t"))
     assert proc.returncode == 0, proc.stderr
     assert "★" in proc.stdout and "c5" in proc.stdout and "c6" in proc.stdout and "cpu lane" in proc.stdout
-    assert "recommended.json" in proc.stdout and "[2/2]" in proc.stderr
+    assert "recommended.json" in proc.stdout and "[4/4]" in proc.stderr and "configuration 2/2 done" in proc.stderr
     proc = k2edge("pareto-sweep", *common, "--profiles", "c5", "--out", str(tmp_path / "j"), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["configs"][0]["name"] == "c5"
@@ -550,7 +550,7 @@ def test_line_progress_prints_each_finished_step_with_elapsed_and_remaining():
     p.config_done(record)
     assert out.getvalue().splitlines() == [
         "[1/2] c3 run 1/2: p50 0.712 ms (0:10 elapsed, about 0:10 left)",
-        "[1/1] c3: p50 0.700 ms, 1,540/s, top-1 99.63 % (2 runs, 3.0 s) (0:22 elapsed, done)",
+        "[2/2] c3 run 2/2; configuration 1/1 done: c3: p50 0.700 ms, 1,540/s, top-1 99.63 % (2 runs, 3.0 s) (0:22 elapsed, done)",
     ]
     from k2edge.eta import duration
 
@@ -558,10 +558,13 @@ def test_line_progress_prints_each_finished_step_with_elapsed_and_remaining():
 
 
 def _sweep_lines(text: str, names: list[str]) -> dict[str, list[str]]:
-    """The progress lines ``[k/N] name: ...`` a sweep printed for each configuration it finished."""
+    """The progress lines ``[k/R] name run r/r; configuration c/N done: name: ...`` a sweep printed for each
+    configuration it finished."""
     import re
 
-    return {n: [x for x in text.splitlines() if re.match(rf"\[\d+/{len(names)}\] {re.escape(n)}: p50 ", x)] for n in names}
+    return {n: [x for x in text.splitlines()
+                if re.match(rf"\[\d+/\d+\] {re.escape(n)} run \d+/\d+; configuration \d+/{len(names)} done: {re.escape(n)}: p50 ", x)]
+            for n in names}
 
 
 def test_sweep_with_stdout_to_a_file_prints_one_line_per_configuration(tmp_path):

@@ -53,7 +53,8 @@ def summary_line(record: dict) -> str:
 class LineProgress(SweepProgress):
     """One plain line per finished step (logs, CI, pipes, a job's output file), each with the time elapsed
     and the time estimated to remain: a run that leaves its configuration unfinished
-    (``[3/30] c3 run 1/5: p50 0.712 ms``), else the configuration it finishes (``[2/6] c3: p50 ...``).
+    (``[3/30] c3 run 1/5: p50 0.712 ms``), else the run and the configuration it finishes
+    (``[27/30] c3 run 5/5; configuration 2/6 done: c3: p50 ...``), so the run counter reaches its end.
 
     Args:
         stream: where the lines go (default stderr).
@@ -80,9 +81,9 @@ class LineProgress(SweepProgress):
 
     def end_step(self, record: dict, units_left_over: float = 0.0) -> None:
         self.units += units_left_over
-        if record.get("status") in ("ok", "failed"):
+        if record.get("status") in ("ok", "failed"):  # the run's own counter, and the configuration's
             self.done += 1
-            text = f"[{self.done}/{self.configs}] {summary_line(record)}"
+            text = f"{self.label}; configuration {self.done}/{self.configs} done: {summary_line(record)}"
         else:
             text = f"{self.label}: p50 {record['runs'][-1]['latency_p50_ms']:.3f} ms"
         self.lines.line(text, min(1.0, self.units / self.total))
