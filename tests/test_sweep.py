@@ -519,8 +519,11 @@ def test_recommendation_names_configurations_within_the_run_to_run_spread():
                        rec("d", 1.50, 1.40, 1.60, 0.99)]}
     finalise(doc, SweepSpec(model=MODEL, dataset=EVAL, out=Path("."), goal="latency"))
     assert doc["recommendation"]["name"] == "a" and doc["recommendation"]["within_spread"] == ["b"]
-    assert "b matches its top-1" in doc["recommendation"]["reason"]
+    assert "b matches or beats its top-1 with per-run p50s overlapping its own" in doc["recommendation"]["reason"]
     assert [r["name"] for r in doc["configs"] if r["on_front"]] == ["a"]
+    # only configurations that meet the constraints are named: b's p99 (2.1 ms) is over 2.05
+    finalise(doc, SweepSpec(model=MODEL, dataset=EVAL, out=Path("."), goal="latency", max_latency_ms=2.05))
+    assert doc["recommendation"]["name"] == "a" and doc["recommendation"]["within_spread"] == []
 
 
 # --- progress where the output is not a terminal -----------------------------------------------------

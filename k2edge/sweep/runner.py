@@ -170,15 +170,16 @@ def finalise(doc: dict, spec: SweepSpec) -> None:
     rec = recommend([point_of(r) for r in ok], spec.goal, max_latency_ms=spec.max_latency_ms,
                     min_accuracy=spec.min_accuracy, energy_unknown_reason=energy_reason, metric=metric)
     set_recommendation(doc, rec)
-    close = _within_spread(ok, rec.name)
+    close = _within_spread([r for r in ok if r["name"] in rec.candidates], rec.name)
     doc["recommendation"]["within_spread"] = close
     if close:
-        doc["recommendation"]["reason"] += (f"; {', '.join(close)} {'matches' if len(close) == 1 else 'match'} its {metric} "
-                                            "with a p50 inside its run-to-run spread (a difference this sweep cannot resolve)")
+        doc["recommendation"]["reason"] += (f"; {', '.join(close)} {'matches' if len(close) == 1 else 'match'} or "
+                                            f"{'beats' if len(close) == 1 else 'beat'} its {metric} with per-run p50s "
+                                            "overlapping its own (a latency difference this sweep cannot resolve)")
 
 
 def _within_spread(records: list[dict], name: str | None) -> list[str]:
-    """Configurations as accurate as ``name`` whose per-run p50 range overlaps its range."""
+    """Configurations at least as accurate as ``name`` whose per-run p50 range overlaps its range."""
     chosen = next((r for r in records if r["name"] == name), None)
     if chosen is None or not (chosen.get("spread") or {}).get("latency_p50_ms"):
         return []
