@@ -545,6 +545,12 @@ def test_where_the_sensitivity_ranking_keeps_under_90_percent_the_ranking_keepin
     assert check.status == "fallback" and check.measures["cosine"] >= 0.9996, check.line()
     assert any(n.startswith("ranked by INT8-alone cost per FLOP") for n in check.notes), check.notes
     assert {f["reason"] for f in both.plan.int8_fallback} == {decision.COST_REASON}
+    # each carries the figure its ranking judged it by, named for what it is (it was called a sensitivity)
+    assert all(f.get("int8_alone_error") is not None and "sensitivity" not in f for f in both.plan.int8_fallback)
+    from k2edge.engine.check import fallback_figure
+
+    assert fallback_figure(both.plan.int8_fallback[0]).endswith("with it alone in INT8, ranked per FLOP")
+    assert "% of all-INT8's output error goes away with it in float" in fallback_figure(first.plan.int8_fallback[-1])
 
 
 def test_cost_per_flop_ranking_moves_flopless_units_first_then_the_costliest_per_flop():

@@ -63,14 +63,18 @@ def run(args) -> int:
 
 def _print_fallback(engine) -> None:
     """Every layer kept out of INT8, why, and the check's figures before and after."""
+    from ..engine.check import fallback_figure
+
     fallback = engine.plan.int8_fallback
     if not fallback:
         return
     check = engine.info.int8_check
     print(f"  layers kept out of INT8 ({len(fallback)}):")
     for f in fallback:
-        figure = f", sensitivity {f['sensitivity']:.3f} of the output error" if f.get("sensitivity") is not None else ""
-        print(f"    {f['node']} on {f['device']}: {f['precision']} ({f['reason']}{figure})")
+        figure = f"; {fallback_figure(f)}" if fallback_figure(f) else ""
+        # model-wise, every engine runs the whole model: a layer moved is moved in each (its device set the precision)
+        where = f"every engine (as on {f['device']})" if engine.plan.is_model_wise else f["device"]
+        print(f"    {f['node']} on {where}: {f['precision']} ({f['reason']}{figure})")
     if check is not None and check.before:
         keys = [k for k in check.tolerance]
         before = ", ".join(f"{k} {check.before[k]:.3f}" for k in keys)

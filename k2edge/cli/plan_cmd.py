@@ -80,9 +80,11 @@ def run(args) -> int:
         print(f"note: {note}")
     for line in footprint.lines():
         print(f"memory: {line}")
+    from ..engine.check import fallback_figure
+
     for f in plan.int8_fallback:
-        if f.get("sensitivity") is not None:
-            print(f"{f['precision']}: {f['node']} on {f['device']} (INT8 check; sensitivity {f['sensitivity']:.3f} of the output error)")
+        if fallback_figure(f):
+            print(f"{f['precision']}: {f['node']} on {f['device']} (INT8 check; {fallback_figure(f)})")
     if plan.precision_flops:
         from ..engine.shares import share_text
 

@@ -419,8 +419,10 @@ class Int8Check:
             samples), or the path of a ``--check`` set.
         measures: the task's measures, their counts, and ``bounds`` (measure -> 95 % interval).
         tolerance: measure -> its bound; a relaxed share is an exact :class:`~fractions.Fraction` ((n - 1) / n).
-        fallback: per layer kept out of INT8 by the check: ``{"node", "device", "precision", "reason",
-            "sensitivity"}`` (the measure lost with that layer alone in INT8, see :mod:`.int8`).
+        fallback: per layer kept out of INT8 by the check: ``{"node", "device", "precision", "reason", "unit"}`` and
+            the figure its ranking judged it by (:func:`fallback_figure`): ``sensitivity`` (the share of all-INT8's
+            output error that goes away with its unit back in float) or ``int8_alone_error`` (the output error with
+            its unit alone in INT8, ranked per FLOP), see :mod:`.fallback`.
         before: the measures with every planned layer in INT8 (when a fallback changed them).
         calibration: the calibration method the ranges came from (``max``, ``percentile 99.99``, ``search``).
         ranges: the searched tensors' ranges when ``calibration`` is ``search`` (tensor -> amax), else None.
@@ -543,3 +545,12 @@ def refused(checks: Sequence["Int8Check | None"]) -> "Int8Check | None":
 def refusal(check: "Int8Check") -> str:
     """Why ``check`` (:func:`refused`) refuses its engines."""
     return f"[trust] require_int8_check: the INT8 check is {check.status}: {check.line()}"
+
+
+def fallback_figure(entry: dict) -> str:
+    """What a fallback entry was judged by, as a clause for a person (empty when it carries no figure)."""
+    if entry.get("sensitivity") is not None:
+        return f"{100 * entry['sensitivity']:.3g} % of all-INT8's output error goes away with it in float"
+    if entry.get("int8_alone_error") is not None:
+        return f"output error {entry['int8_alone_error']:.3g} with it alone in INT8, ranked per FLOP"
+    return ""

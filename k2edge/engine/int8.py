@@ -62,7 +62,7 @@ SECOND_RANKING_BELOW = 0.9  # the sensitivity ranking's fallback kept less than 
 FIRST_SEARCH_KEEPS = 0.5  # where the second ranking may run, the first is searched first only as far as this share
 # how the decision is made from the same statistics and artefacts (QUANT_VERSION covers those): 2, methods too close
 # for the all-INT8 check to tell apart each fall back (:func:`too_close`)
-DECISION_VERSION = "2"
+DECISION_VERSION = "3"  # 3: a cost-ranked fallback entry carries int8_alone_error, not "sensitivity"
 
 
 @dataclass(frozen=True)
@@ -484,7 +484,8 @@ def _fall_back(model, plan, inputs: DecisionInputs, runner: CheckRunner, probe, 
         best = max(tried, key=lambda k: _score(tried[k], tol))
         notes.append(f"moving all {len(names)} ranked layer(s) out of INT8 did not reach the tolerance; keeping the "
                      f"best found ({best} layer(s))")
-    fallback = pre + tuple(_moved(plan, inputs, n, reason, sensitivity=round(scores[u], 6), unit=u)
+    figure = "sensitivity" if reason == SENSITIVITY_REASON else "int8_alone_error"  # what the ranking's scores are
+    fallback = pre + tuple(_moved(plan, inputs, n, reason, unit=u, **{figure: float(f"{scores[u]:.6g}")})
                            for u in names[:best] for n in units[u])
     met = meets(tried[best], tol)
     return (Int8Check(task, verdict(task, tried[best], met, True), inputs.source, n_check, tried[best], tol, fallback,
