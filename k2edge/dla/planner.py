@@ -349,9 +349,11 @@ def _place_model_wise(model, er, cores, board, flops, support) -> _Placement:
         + (f", {1 - ratio:.0%} split over {cores} whole-model DLA engine(s)" if ratio < 1 else "")
     )
     if ratio < 1.0 and unsupported:
+        share = fallback_flops / total
         notes.append(
-            f"achieved GPU share exceeds the request because the DLA engines fall back to the GPU for "
-            f"{len(unsupported)} node(s) ({fallback_flops / total:.1%} of the FLOPs): {_reasons(graph, support, unsupported)}"
+            f"the DLA engines fall back to the GPU for {len(unsupported)} node(s) ({share:.1%} of the FLOPs"
+            f"{', which the achieved GPU share includes' if share >= 0.0005 else ''}; each run of them is a DLA->GPU->DLA "
+            f"hop inside its engine, not among the transitions between segments): {_reasons(graph, support, unsupported)}"
         )
     return _Placement(segs, notes, gpu_flops)
 
