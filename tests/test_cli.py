@@ -136,6 +136,8 @@ def test_doctor_runs_here():
     (["infer", MODEL, "-p", "cpu-dev", "pyproject.toml"], ["cannot decode image"]),
     (["eval", MODEL, "-p", "cpu-dev", "--dataset", "nowhere/"], ["dataset 'nowhere/' does not exist"]),
     (["build", MODEL, "-p", "c2", "--calib", "models/digits/labels.txt"], ["expected a directory of images or an .npz"]),
+    (["build", MODEL, "-p", "c2", "--check", "nope.npz"], ["check set 'nope.npz' does not exist"]),
+    (["eval", MODEL, "-p", "c5", "--dataset", "models/detector/eval/annotations.json"], ["COCO annotations evaluate detectors"]),
     (["plan", MODEL, "--offload-ratio", "x", "--partition", "layer-wise"], ["invalid float value"]),
     (["plan", MODEL, "-p", "c1", "--max-batch", "0"], ["--max-batch: must be within [1, 65536], got 0"]),
     (["frobnicate"], ["invalid choice"]),
@@ -383,3 +385,12 @@ def test_request_sends_what_it_is_given_for_the_daemon_to_judge(run_daemon, brok
     proc = k2edge(*base, "--device", "nobody", "--timeout", "1", check=False)
     assert_one_line_error(proc, "no answer to k2edge/nobody/infer/digits within 1 s")
     assert_one_line_error(k2edge(*base, "--raw", check=False), "--raw sends a JPEG or PNG as it is")
+
+
+def test_a_data_set_for_int8_on_a_profile_without_int8_is_noted():
+    """--calib / --check with a profile that runs nothing in INT8: a note says they did nothing (they were ignored
+    silently)."""
+    proc = k2edge("build", MODEL, "-p", "c5", "--calib", "models/digits/calib", "--check", "models/digits/eval.npz")
+    assert "note: --calib and --check given, but profile c5 runs no layer in INT8: nothing was calibrated or checked" \
+        in proc.stderr, proc.stderr
+    assert "note:" not in k2edge("build", MODEL, "-p", "c5").stderr

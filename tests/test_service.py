@@ -247,6 +247,8 @@ def test_config_errors_name_the_key(tmp_path, text, fragment):
     ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\n[models.escalation]\nwarm_profile = "c99"',
      "models.0.escalation.warm_profile: profile 'c99' not found"),
     ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "bad.json"', "models.0.profile: profile file"),
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\ncalib = "nope"', "models.0.calib: "),
+    ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\ncheck = "nope.npz"', "models.0.check: "),
 ])
 def test_the_daemon_checks_every_profile_before_it_starts_anything(tmp_path, text, fragment):
     """check_profiles (the daemon's first step) names the key; reading the config alone does not need the profiles

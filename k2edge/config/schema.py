@@ -377,17 +377,23 @@ def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
 
 
 def check_profiles(cfg: DaemonConfig) -> None:
-    """Every profile a model names is found and valid (the daemon asks before it starts anything; commands that
-    read the config for other keys do not need the profiles on this machine); the error names the key.
+    """Every profile a model names is found and valid, and every data set it names exists (the daemon asks before it
+    starts anything; commands that read the config for other keys do not need them on this machine); the error
+    names the key.
 
     Raises:
-        ConfigError: ``models.N.profile`` or ``models.N.escalation.warm_profile`` names no valid profile.
+        ConfigError: ``models.N.profile`` or ``models.N.escalation.warm_profile`` names no valid profile, or
+            ``models.N.calib`` / ``models.N.check`` no file or folder.
     """
     from ..errors import ProfileError
     from ..profile import load_profile
 
     path = cfg.where
     for i, m in enumerate(cfg.models):
+        for key in ("calib", "check"):
+            given = getattr(m, key)
+            if given is not None and not given.exists():
+                raise ConfigError(f"{path}: models.{i}.{key}: {str(given)!r} does not exist")
         named = (("profile", m.profile if m.onnx is not None or m.profile_set else None),  # a bundle brings its own
                  ("escalation.warm_profile", m.escalation.warm_profile))
         for key, profile in named:

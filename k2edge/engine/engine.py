@@ -285,7 +285,7 @@ class Engine:
             calib_source = dataset.source
             checking = None
             if check is not None:
-                checking = check if isinstance(check, Dataset) else open_calibration(check, label_names)
+                checking = check if isinstance(check, Dataset) else open_calibration(check, label_names, "check set")
                 check_fits(checking, sample_shape, "check set")
             from ..tasks import TaskDecoder
             from .int8 import decide_int8

@@ -75,7 +75,7 @@ class Dataset:
         return Dataset(self.source, self.samples[:n], labels, self.class_names)
 
 
-def open_dataset(path: str | os.PathLike, labels: Sequence[str] | None = None) -> Dataset:
+def open_dataset(path: str | os.PathLike, labels: Sequence[str] | None = None, what: str = "dataset") -> Dataset:
     """Open an ImageFolder directory or an ``.npz`` file.
 
     Args:
@@ -87,10 +87,11 @@ def open_dataset(path: str | os.PathLike, labels: Sequence[str] | None = None) -
     """
     p = Path(path)
     if not p.exists():
-        raise DatasetError(f"dataset {os.fspath(path)!r} does not exist")
+        raise DatasetError(f"{what} {os.fspath(path)!r} does not exist")
     if p.is_file():
         if p.suffix != ".npz":
-            raise DatasetError(f"dataset {str(p)!r}: expected a directory of images or an .npz file")
+            coco = " (a COCO .json is a detector's evaluation set)" if is_coco(p) else ""
+            raise DatasetError(f"{what} {str(p)!r}: expected a directory of images or an .npz file{coco}")
         return _open_npz(p)
     return _open_folder(p, labels)
 
@@ -295,7 +296,7 @@ def _check_coco_entries(p: Path, images: list[tuple[int, str]], anns: list[dict]
             raise DatasetError(f"{p}: annotations[{n}] (id {a['id']}): image_id {a['image_id']} is not in 'images'")
 
 
-def open_calibration(path: str | os.PathLike, labels: Sequence[str] | None = None) -> Dataset:
+def open_calibration(path: str | os.PathLike, labels: Sequence[str] | None = None, what: str = "calibration set") -> Dataset:
     """Open a calibration (or INT8 check) set: a folder of images (flat or by class), an ``.npz`` with ``x``,
     or a COCO annotation ``.json`` (its images; the annotations are not needed).
 
@@ -304,10 +305,10 @@ def open_calibration(path: str | os.PathLike, labels: Sequence[str] | None = Non
     """
     p = Path(path)
     if not is_coco(p):
-        dataset = open_dataset(p, labels)
+        dataset = open_dataset(p, labels, what)
     else:
         if not p.is_file():
-            raise DatasetError(f"calibration set {os.fspath(path)!r} does not exist")
+            raise DatasetError(f"{what} {os.fspath(path)!r} does not exist")
         import json
 
         try:
