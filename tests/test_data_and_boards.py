@@ -129,3 +129,20 @@ def test_board_detection_on_fake_trees(tmp_path, model, mem_kib, key, cores):
 
 def test_not_a_jetson(tmp_path):
     assert detect_board(tmp_path) is None and l4t_release(tmp_path) is None
+
+
+def test_a_limit_on_an_image_folder_takes_every_class():
+    """--limit N on an ImageFolder (listed class by class) takes from each class in turn: its first 10 files were all
+    class "0", so eval --limit 10 measured one class; an .npz keeps its own order."""
+    from pathlib import Path
+
+    from k2edge.model.datasets import open_labelled
+
+    ROOT = Path(__file__).resolve().parents[1]
+    labels = [str(i) for i in range(10)]
+    folder = open_labelled(ROOT / "models" / "digits" / "calib", labels, limit=10)
+    assert sorted(folder.labels.tolist()) == list(range(10)) and len(folder) == 10
+    assert [Path(p).parent.name for p in folder.samples] == labels  # the first of each class, in class order
+    npz = open_labelled(ROOT / "models" / "digits" / "eval.npz", labels, limit=10)
+    full = open_labelled(ROOT / "models" / "digits" / "eval.npz", labels)
+    assert npz.labels.tolist() == full.labels[:10].tolist()

@@ -15,7 +15,7 @@ def register(p) -> None:
     p.add_argument("--dataset", required=True, metavar="DATA",
                    help="classifiers: labelled ImageFolder directory or .npz with x and y; detectors (card task = "
                         "\"detection\"): a COCO annotation .json whose file_names are relative to its folder")
-    p.add_argument("--limit", type=int, metavar="N", help="evaluate the first N samples only")
+    p.add_argument("--limit", type=int, metavar="N", help="evaluate N samples only: the first N (of an image folder, taken from each class in turn)")
     add_json(p)
 
 

@@ -69,6 +69,21 @@ class Dataset:
             out.append(hashlib.blake2b(data, digest_size=16).digest())
         return out
 
+    def take_round_robin(self, n: int) -> "Dataset":
+        """``n`` samples taken from each label in turn (each label's in their order): a subset with every class,
+        from a set stored class by class. Without labels, the first ``n``."""
+        if self.labels is None or n >= len(self):
+            return self.take(n)
+        by_label: dict[int, list[int]] = {}
+        for i, y in enumerate(np.asarray(self.labels).tolist()):
+            by_label.setdefault(int(y), []).append(i)
+        queues = [by_label[k] for k in sorted(by_label)]
+        order: list[int] = []
+        for rank in range(max(len(q) for q in queues)):
+            order += [q[rank] for q in queues if rank < len(q)]
+        keep = order[:n]
+        return Dataset(self.source, [self.samples[i] for i in keep], np.asarray(self.labels)[keep], self.class_names)
+
     def take(self, n: int) -> "Dataset":
         """The first ``n`` samples (all if fewer)."""
         labels = None if self.labels is None else self.labels[:n]
@@ -111,7 +126,10 @@ def open_labelled(path: str | os.PathLike, labels: Sequence[str] | None = None, 
         if low < 0 or high >= len(labels):
             raise DatasetError(f"{os.fspath(path)}: 'y' holds labels {low}..{high}, but the model has {len(labels)} "
                                f"classes (0..{len(labels) - 1})")
-    return dataset.take(limit) if limit else dataset
+    if not limit:
+        return dataset
+    # a folder lists class by class: its first N would all be class 0; take from each class in turn instead
+    return dataset.take_round_robin(limit) if not isinstance(dataset.samples, np.ndarray) else dataset.take(limit)
 
 
 def _open_npz(p: Path) -> Dataset:
