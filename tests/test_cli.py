@@ -80,6 +80,10 @@ def test_infer_npy_input(tmp_path):
 def test_eval_json():
     data = json.loads(k2edge("eval", MODEL, "-p", "cpu-dev", "--dataset", str(ROOT / "models/digits/eval.npz"), "--json").stdout)
     assert data["samples"] == 540 and data["top1"] >= 0.97
+    low, high = data["top1_ci95"]  # how much a share on 540 samples says
+    assert low < data["top1"] <= high and high - low < 0.05
+    text = k2edge("eval", MODEL, "-p", "cpu-dev", "--dataset", str(ROOT / "models/digits/eval.npz"), "--limit", "1").stdout
+    assert "(1/1, 95 % CI 0.2065-1.0000)" in text, text  # one sample says little, and the line says so
 
 
 def test_an_int8_build_and_an_eval_piped_print_one_line_per_step(tmp_path):

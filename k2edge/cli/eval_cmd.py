@@ -52,6 +52,10 @@ def run(args) -> int:
                    "profile": engine.profile.name, "dataset": dataset.source,
                    "lanes": [lane.label + f" [{lane.precision}]" for lane in engine.lanes()],
                    "int8_check": engine.info.int8_check.to_dict() if engine.info.int8_check is not None else None})
+    if not detector:  # how far the share may be from the model's on more data of the kind
+        from ..engine.check import wilson
+
+        result["top1_ci95"] = [round(v, 4) for v in wilson(result["correct"], result["samples"])]
     if args.json:
         print_json(result)
     elif detector:
@@ -62,6 +66,8 @@ def run(args) -> int:
               f"{EVAL_MAX_DETECTIONS} an image, not the card's thresholds) with profile {result['profile']} on {', '.join(result['lanes'])}; "
               f"{result['throughput_per_s']:.0f} images/s")
     else:
-        print(f"top-1 {result['top1']:.4f} ({result['correct']}/{result['samples']}) with profile {result['profile']} "
+        low, high = result["top1_ci95"]
+        print(f"top-1 {result['top1']:.4f} ({result['correct']}/{result['samples']}, 95 % CI {low:.4f}-{high:.4f}) with "
+              f"profile {result['profile']} "
               f"on {', '.join(result['lanes'])}; {result['throughput_per_s']:.0f} samples/s")
     return 0
