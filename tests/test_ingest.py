@@ -75,8 +75,13 @@ def test_dynamic_spatial_dims_need_a_shape():
     """A dynamic H/W is an error naming the input, unless --input-shape gives one."""
     model = graphs.conv_chain()
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
-    with pytest.raises(ModelError, match=r"input 'x' has a dynamic dimension 'height' at axis 2.*--input-shape"):
+    with pytest.raises(ModelError, match=r"input 'x' has a dynamic dimension 'height' at axis 2.*--input-shape "
+                                         r"x=1x3xHx16 \(H: your size\)"):
         normalise(model)
+    model.graph.input[0].type.tensor_type.shape.dim[3].dim_param = "width"  # height and width: not one N twice
+    with pytest.raises(ModelError, match=r"--input-shape x=1x3xHxW \(H, W: your size\)"):
+        normalise(model)
+    model.graph.input[0].type.tensor_type.shape.dim[3].dim_value = 16
     nm = normalise(model, input_shapes={"x": (1, 3, 16, 16)})
     assert nm.graph.shape("x") == (1, 3, 16, 16)
     with pytest.raises(ModelError, match="names no input"):

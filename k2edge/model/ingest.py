@@ -239,11 +239,15 @@ def _fix_input_shapes(model, batch_size, overrides, where) -> None:
                     shape.append(batch_size)
                 else:
                     label = d.dim_param or "?"
+                    names = {2: "H", 3: "W"} if len(dims) == 4 else {}  # an image's height and width, not one N
+                    free = {i: names.get(i, f"D{i}") for i, x in enumerate(dims)
+                            if i > 0 and not (x.HasField("dim_value") and x.dim_value > 0)}
                     example = "x".join(str(x.dim_value) if x.HasField("dim_value") and x.dim_value > 0
-                                       else ("1" if i == 0 else "N") for i, x in enumerate(dims))
+                                       else ("1" if i == 0 else free[i]) for i, x in enumerate(dims))
                     raise ModelError(
                         f"{where}: input {vi.name!r} has a dynamic dimension {label!r} at axis {axis}; the DLA needs "
-                        f"static shapes: give one with --input-shape {vi.name}={example} (N: your size)"
+                        f"static shapes: give one with --input-shape {vi.name}={example} ({', '.join(free.values())}: "
+                        "your size)"
                     )
         tt.ClearField("shape")
         for d in shape:
