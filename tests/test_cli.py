@@ -119,6 +119,8 @@ def test_doctor_runs_here():
     data = json.loads(k2edge("doctor", "--json").stdout)
     assert data["backends"]["onnxruntime"]["version"]
     assert "jtop" in data and "dla_cores" in data
+    assert data["notes"] == (["no DLA here; the ONNX Runtime backend runs each device of a plan as a CPU lane"]
+                             if data["dla_cores"] == 0 else [])  # the text's notes, in --json too
     import av
 
     video = data["video"]

@@ -18,6 +18,7 @@ def run(args) -> int:
     from ..streams.probe import video_report
 
     r = {**doctor_report(), "video": video_report()}
+    r["notes"] = ["no DLA here; the ONNX Runtime backend runs each device of a plan as a CPU lane"] * (r["dla_cores"] == 0)
     if args.json:
         print_json(r)
         return 0
@@ -46,6 +47,6 @@ def run(args) -> int:
         if gst["version"]:
             found = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in gst["elements"].items())
             print(f"NVDEC        {found}" + ("" if all(gst["elements"].values()) else " (a Jetson's JetPack has them)"))
-    if r["dla_cores"] == 0:
-        print("note: no DLA here; the ONNX Runtime backend runs each device of a plan as a CPU lane")
+    for note in r["notes"]:
+        print(f"note: {note}")
     return 0
