@@ -148,6 +148,12 @@ def test_int8_check_gauges_follow_the_engines_a_model_runs():
     assert 'k2edge_int8_check{measure="verdict",model="digits",profile="c2"} 0.0' in m.render().decode()
     m.set_model("digits", "1.1.0", "cpu-dev", None)
     assert "k2edge_int8_check{" not in m.render().decode()
+    # a detector's strict measures, which a fallback can turn on, are series too
+    boxes = {"recall": 0.98, "precision": 0.97, "score_ratio": 1.0, "strict_recall": 0.91, "strict_precision": 0.95}
+    m.set_model("boxes", None, "c2", Int8Check("detection", "fallback", "held-out", 200, boxes, {"strict_recall": 0.93}))
+    text = m.render().decode()
+    assert 'k2edge_int8_check{measure="strict_recall",model="boxes",profile="c2"} 0.91' in text
+    assert 'k2edge_int8_check{measure="strict_precision",model="boxes",profile="c2"} 0.95' in text
 
 
 def test_grafana_dashboard_uses_only_metrics_that_exist():

@@ -63,7 +63,8 @@ class MetricsError(K2EdgeError):
     """The metrics endpoint cannot start (address in use, bad host)."""
 
 
-INT8_MEASURES = ("agreement", "recall", "precision", "score_ratio", "cosine")  # exported of an INT8 check's measures
+# exported of an INT8 check's measures: every one a tolerance can set
+INT8_MEASURES = ("agreement", "recall", "precision", "score_ratio", "strict_recall", "strict_precision", "cosine")
 INT8_VERDICT = {"passed": 1.0, "fallback": 1.0, "inconclusive": 0.0, "failed": -1.0}  # measure="verdict"
 
 
