@@ -627,3 +627,14 @@ def test_a_profile_that_asks_for_int8_and_runs_little_of_it_says_so_in_text_and_
     notes = [n for n in data["plan"]["notes"] if n.startswith("the profile asks for INT8, but only ")]
     assert len(notes) == 1 and data["plan"]["precision_flops"]["model"]["int8"] < 0.5, data["plan"]
     assert f"note: {notes[0]}" in k2edge(*args).stdout
+
+
+def test_a_tolerance_of_zero_says_it_holds_for_anything():
+    """One sample relaxes the default agreement to (n - 1) / n = 0: the line says that bound vouches for nothing."""
+    from fractions import Fraction
+
+    check = Int8Check("classification", "inconclusive", "x.npz", 1, {"agreement": 1.0, "mean_abs_dp": 0.0},
+                      {"agreement": Fraction(0)})
+    assert "within tolerance (agreement >= 0, which any result holds)" in check.line(), check.line()
+    assert "agreement >= 39/40" in Int8Check("classification", "inconclusive", "held-out", 40, {"agreement": 1.0,
+                                            "mean_abs_dp": 0.0}, {"agreement": Fraction(39, 40)}).line()
