@@ -93,7 +93,7 @@ def test_an_int8_build_and_an_eval_piped_print_one_line_per_step(tmp_path):
 
     proc = k2edge("eval", MODEL, "-p", "c4", "--dataset", str(ROOT / "models/digits/eval.npz"), "--limit", "30",
                   "--cache", str(tmp_path / "cache"), "--json")
-    json.loads(proc.stdout)
+    assert json.loads(proc.stdout)["precision_flops"]["model"]["int8"] > 0.5  # what runs in INT8, beside the lanes' asks
     steps = [x for x in proc.stderr.splitlines() if re.match(r"(calibrating|eval): \d+/\d+ \(\d+:\d\d elapsed", x)]
     calibrating = [x for x in steps if x.startswith("calibrating")]
     evaluating = [x for x in steps if x.startswith("eval")]

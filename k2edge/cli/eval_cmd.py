@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 COMMAND = "eval"
 HELP = "measure accuracy on a labelled dataset: top-1 (classifiers), COCO mAP (detection, segmentation masks, pose keypoints)"
 ORDER = 50
@@ -51,6 +53,7 @@ def run(args) -> int:
     result.update({"model": engine.model.source, "task": engine.card.task, "card": engine.card.source,
                    "profile": engine.profile.name, "dataset": dataset.source,
                    "lanes": [lane.label + f" [{lane.precision}]" for lane in engine.lanes()],
+                   "precision_flops": engine.plan.precision_flops,  # a lane's [int8] is what it asked for; this, what runs
                    "int8_check": engine.info.int8_check.to_dict() if engine.info.int8_check is not None else None})
     if not detector:  # how far the share may be from the model's on more data of the kind
         from ..engine.check import wilson
@@ -58,7 +61,12 @@ def run(args) -> int:
         result["top1_ci95"] = [round(v, 4) for v in wilson(result["correct"], result["samples"])]
     if args.json:
         print_json(result)
-    elif detector:
+        return 0
+    if engine.plan.precision_flops and "int8" in engine.plan.precision_chain:
+        from ..engine.shares import share_text
+
+        print(share_text(engine.plan.precision_flops), file=sys.stderr)
+    if detector:
         what = {"segmentation": "mask ", "pose": "keypoint "}.get(task, "")
         boxes = f"; boxes mAP@0.5 {result['box_map50']:.4f}, mAP@0.5:0.95 {result['box_map']:.4f}" if what else ""
         print(f"{what}mAP@0.5 {result['map50']:.4f}, mAP@0.5:0.95 {result['map']:.4f}{boxes} ({result['images']} images, "
