@@ -400,3 +400,18 @@ def test_a_data_set_for_int8_on_a_profile_without_int8_is_noted():
     assert "note: --calib and --check given, but profile c5 runs no layer in INT8: nothing was calibrated or checked" \
         in proc.stderr, proc.stderr
     assert "note:" not in k2edge("build", MODEL, "-p", "c5").stderr
+
+
+def test_request_waits_and_deadlines():
+    """Without --deadline-ms the wait less a margin is the deadline, never over the contract's hour; a deadline alone
+    waits 2 s longer; a wait shorter than the deadline given is refused."""
+    from k2edge.cli.request_cmd import wait_and_deadline
+    from k2edge.errors import K2EdgeError
+    from k2edge.service.protocol import MAX_DEADLINE_MS
+
+    assert wait_and_deadline(None, None) == (10.0, 9500.0)
+    assert wait_and_deadline(1.0, None) == (1.0, 900.0)
+    assert wait_and_deadline(4000.0, None) == (4000.0, MAX_DEADLINE_MS)
+    assert wait_and_deadline(None, 30_000) == (32.0, 30_000) and wait_and_deadline(None, 500) == (10.0, 500)
+    with pytest.raises(K2EdgeError, match="--timeout 2 s is shorter than --deadline-ms 5000"):
+        wait_and_deadline(2.0, 5000)

@@ -82,6 +82,11 @@ def test_dynamic_spatial_dims_need_a_shape():
     with pytest.raises(ModelError, match=r"--input-shape x=1x3xHxW \(H, W: your size\)"):
         normalise(model)
     model.graph.input[0].type.tensor_type.shape.dim[3].dim_value = 16
+    nhwc = graphs.conv_chain()
+    dims = nhwc.graph.input[0].type.tensor_type.shape.dim  # [1, 3, 16, 16] read as N, H, W, C: channels static last
+    dims[1].dim_param, dims[2].dim_param, dims[3].dim_value = "height", "width", 3
+    with pytest.raises(ModelError, match=r"--input-shape x=1xHxWx3 \(H, W: your size\)"):
+        normalise(nhwc)
     nm = normalise(model, input_shapes={"x": (1, 3, 16, 16)})
     assert nm.graph.shape("x") == (1, 3, 16, 16)
     with pytest.raises(ModelError, match="names no input"):

@@ -232,7 +232,7 @@ def test_check_on_a_given_set(tmp_path):
     """--check DATA measures on that set instead of the held-out samples: 512 samples give a verdict."""
     engine = Engine.build(MODEL, "c2", check=ROOT / "models/digits/eval.npz", cache_dir=tmp_path)
     check = engine.info.int8_check
-    assert check.source.endswith("eval.npz (left out: 28 beyond the first 512)") and check.samples == 512 and check.status == "passed"
+    assert check.source.endswith("eval.npz (left out: 28 beyond the first 512 judged)") and check.samples == 512 and check.status == "passed"
     assert check.power == ("samples", 512, 200) and check.advice() == ""
 
 
@@ -482,7 +482,7 @@ def test_a_models_check_set_makes_the_daemons_int8_check_conclusive(run_daemon, 
     finally:
         c.close()
     assert check["status"] == "passed" and check["samples"] == 512, check
-    assert check["source"].endswith("eval.npz (left out: 28 beyond the first 512)"), check
+    assert check["source"].endswith("eval.npz (left out: 28 beyond the first 512 judged)"), check
 
 
 def test_a_check_set_is_judged_on_distinct_samples_that_did_not_calibrate(tmp_path):

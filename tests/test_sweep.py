@@ -135,6 +135,10 @@ def test_balanced_cost_weighs_accuracy_points_against_latency_percent():
     # energy, known for every point, is averaged with latency
     energy = [Point("a", 1.0, 0.9, 2.0), Point("b", 2.0, 0.9, 1.0)]
     assert balanced_costs(energy) == pytest.approx({"a": 5.0, "b": 5.0})
+    why = recommend(energy, "balanced").reason
+    assert "1.000 ms p50, the fastest; 2 J per inference, 100.0 % more energy than b's 1 J" in why, why
+    assert "(a point of top-1 weighs as much as 10 % of latency and energy, averaged)" in why, why
+    assert "tie-break" in recommend([Point("x", None, 0.9), Point("y", 1.0, None)], "balanced").reason
     with pytest.raises(ValueError):
         recommend(PTS, "fastest")
 

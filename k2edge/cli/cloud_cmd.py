@@ -46,7 +46,7 @@ def register(p) -> None:
                    help="uncertain_boxes: escalate images with a box scoring within [LOW, HIGH) (default 0.25,0.6)")
     k.add_argument("--step", type=int, default=5, metavar="PCT", help="share step in percent (default 5)")
     k.add_argument("--shares", type=_percent_list, metavar="P,P,...", help="shares in percent instead of steps, e.g. 0,1,2,5,10,50,100")
-    k.add_argument("--limit", type=count(1), metavar="N", help="use N samples only: the first N (of an image folder, taken from each class in turn; of a COCO set, the first N images)")
+    k.add_argument("--limit", type=count(1), metavar="N", help="use N samples only: the first N; of an image folder, N taken from each class in turn")
     add_json(k)
 
 

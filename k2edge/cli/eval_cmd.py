@@ -8,7 +8,7 @@ COMMAND = "eval"
 HELP = "measure accuracy on a labelled dataset: top-1 (classifiers), COCO mAP (detection, segmentation masks, pose keypoints)"
 ORDER = 50
 
-from .common import Progress, add_build, add_json, add_model, build_engine, print_json
+from .common import Progress, add_build, add_json, add_model, build_engine, count, print_json
 
 
 def register(p) -> None:
@@ -17,7 +17,8 @@ def register(p) -> None:
     p.add_argument("--dataset", required=True, metavar="DATA",
                    help="classifiers: labelled ImageFolder directory or .npz with x and y; detectors (card task = "
                         "\"detection\"): a COCO annotation .json whose file_names are relative to its folder")
-    p.add_argument("--limit", type=int, metavar="N", help="evaluate N samples only: the first N (of an image folder, taken from each class in turn)")
+    p.add_argument("--limit", type=count(1), metavar="N",
+                   help="evaluate N samples only: the first N; of an image folder, N taken from each class in turn")
     add_json(p)
 
 
@@ -31,10 +32,7 @@ def evaluate(engine, dataset, progress: Progress | None = None) -> dict:
 def run(args) -> int:
     from ..engine.evaluate import (EVAL_MAX_DETECTIONS, EVAL_SCORE_THRESHOLD, evaluate_detector, evaluate_instances,
                                    open_eval_set)
-    from ..errors import InputError
 
-    if args.limit is not None and args.limit < 1:
-        raise InputError("--limit must be at least 1")
     engine = build_engine(args)
     dataset = open_eval_set(engine, args.dataset, args.limit)
     progress = Progress(len(dataset), "eval", json_output=args.json)

@@ -24,7 +24,8 @@ def register(p) -> None:
     p.add_argument("--top-k", type=int, metavar="K")
     p.add_argument("--deadline-ms", type=finite_float, metavar="MS",
                    help="answer within MS or not at all; the message also expires at the broker (whole seconds). "
-                        "Default: the --timeout, so that a slow cloud gives way to the local answer while this waits")
+                        "Default: the --timeout less a margin (at most an hour), so that a slow cloud gives way to the local "
+                        "answer while this waits")
     p.add_argument("--retries", type=count(0), default=0, metavar="N",
                    help="retry up to N times after busy, deadline_exceeded or cloud_unavailable (each a new attempt)")
     p.add_argument("--no-cloud", action="store_true", help="forbid escalation to the cloud")
@@ -102,8 +103,10 @@ def wait_and_deadline(timeout: float | None, deadline_ms: float | None) -> tuple
         K2EdgeError: the wait given is shorter than the deadline given.
     """
     if deadline_ms is None:
+        from ..service.protocol import MAX_DEADLINE_MS
+
         timeout = timeout or 10.0
-        return timeout, round(max(1.0, 1e3 * (timeout - min(0.5, 0.1 * timeout))), 1)
+        return timeout, round(min(MAX_DEADLINE_MS, max(1.0, 1e3 * (timeout - min(0.5, 0.1 * timeout)))), 1)
     if timeout is None:
         return max(10.0, deadline_ms / 1e3 + 2.0), deadline_ms
     if 0 < timeout * 1e3 < deadline_ms:

@@ -44,7 +44,7 @@ def register(p) -> None:
     p.add_argument("--warmup", type=count(0), default=50, metavar="N", help="untimed warm-up requests before each run (default 50)")
     p.add_argument("--requests", type=count(1), default=500, metavar="N",
                    help="timed requests per run, for latency and again for throughput (default 500)")
-    p.add_argument("--limit", type=count(1), metavar="N", help="measure accuracy on N samples of EVAL only: the first N (of an image folder, taken from each class in turn)")
+    p.add_argument("--limit", type=count(1), metavar="N", help="measure accuracy on N samples of EVAL only: the first N; of an image folder, N taken from each class in turn")
     p.add_argument("--goal", choices=GOAL_CHOICES, default="balanced",
                    help="what the recommendation optimises: lowest p50 latency, highest top-1, lowest energy per "
                         "inference, or balanced over the front: the least accuracy given up plus latency paid, a point of accuracy "

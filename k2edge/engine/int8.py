@@ -62,7 +62,8 @@ SECOND_RANKING_BELOW = 0.9  # the sensitivity ranking's fallback kept less than 
 FIRST_SEARCH_KEEPS = 0.5  # where the second ranking may run, the first is searched first only as far as this share
 # how the decision is made from the same statistics and artefacts (QUANT_VERSION covers those): 2, methods too close
 # for the all-INT8 check to tell apart each fall back (:func:`too_close`)
-DECISION_VERSION = "3"  # 3: a cost-ranked fallback entry carries int8_alone_error, not "sensitivity"
+DECISION_VERSION = "3"  # 3: a cost-ranked fallback entry carries int8_alone_error, not "sensitivity" (a check set's
+# distinct, uncalibrated samples are keyed through check_idx)
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,8 @@ def check_indices(check_set: Dataset, calib: Dataset, calibrating: list[int]) ->
     keep: list[int] = []
     repeated = calibrated = 0
     for i, d in enumerate(check_set.digests()):
+        if len(keep) == MAX_CALIBRATION_SAMPLES:  # enough: the rest is not read
+            break
         if d in seen:
             repeated += 1
         elif d in fitted:
@@ -270,6 +273,7 @@ def check_indices(check_set: Dataset, calib: Dataset, calibrating: list[int]) ->
         else:
             keep.append(i)
         seen.add(d)
+    read = len(seen) + repeated
     unfit = [f"{n} {what}" for n, what in ((repeated, "repeated sample(s)"), (calibrated, "calibration sample(s)")) if n]
     if not keep:
         raise BuildError(f"check set {check_set.source}: no sample is left to judge the INT8 check on "
@@ -277,9 +281,9 @@ def check_indices(check_set: Dataset, calib: Dataset, calibrating: list[int]) ->
     if unfit:
         log.warning("check set %s: %s left out of the INT8 check; %d sample(s) judge it", check_set.source,
                     " and ".join(unfit), min(len(keep), MAX_CALIBRATION_SAMPLES))
-    beyond = len(keep) - MAX_CALIBRATION_SAMPLES
-    notes = unfit + ([f"{beyond} beyond the first {MAX_CALIBRATION_SAMPLES}"] if beyond > 0 else [])
-    return keep[:MAX_CALIBRATION_SAMPLES], ("left out: " + ", ".join(notes)) if notes else ""
+    beyond = len(check_set) - read
+    notes = unfit + ([f"{beyond} beyond the first {MAX_CALIBRATION_SAMPLES} judged"] if beyond > 0 else [])
+    return keep, ("left out: " + ", ".join(notes)) if notes else ""
 
 
 def decide_int8(model: NormalisedModel, plan: PartitionPlan, calib: Dataset, preprocess: Preprocess, card: ModelCard,

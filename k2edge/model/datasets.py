@@ -60,14 +60,13 @@ class Dataset:
             h.update(np.asarray(self.labels, dtype=np.int64).tobytes())
         return h.hexdigest()
 
-    def digests(self, indices: Sequence[int] | None = None) -> list[bytes]:
-        """A digest of each sample's data (the file's bytes, or the array row's), in order: equal data, equal digest."""
-        out = []
+    def digests(self, indices: Sequence[int] | None = None) -> Iterator[bytes]:
+        """A digest of each sample's data (the file's bytes, or the array row's), in order, read as they are taken:
+        equal data, equal digest."""
         for i in range(len(self)) if indices is None else indices:
             sample = self.samples[i]
             data = np.ascontiguousarray(sample).tobytes() if isinstance(sample, np.ndarray) else Path(sample).read_bytes()
-            out.append(hashlib.blake2b(data, digest_size=16).digest())
-        return out
+            yield hashlib.blake2b(data, digest_size=16).digest()
 
     def take_round_robin(self, n: int) -> "Dataset":
         """``n`` samples taken from each label in turn (each label's in their order): a subset with every class,

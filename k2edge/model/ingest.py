@@ -239,7 +239,10 @@ def _fix_input_shapes(model, batch_size, overrides, where) -> None:
                     shape.append(batch_size)
                 else:
                     label = d.dim_param or "?"
-                    names = {2: "H", 3: "W"} if len(dims) == 4 else {}  # an image's height and width, not one N
+                    static = [x.HasField("dim_value") and x.dim_value > 0 for x in dims]
+                    # an image's height and width, not one N: where the channels are static, the layout says which
+                    names = ({2: "H", 3: "W"} if len(dims) == 4 and static[1] else
+                             {1: "H", 2: "W"} if len(dims) == 4 and static[3] else {})
                     free = {i: names.get(i, f"D{i}") for i, x in enumerate(dims)
                             if i > 0 and not (x.HasField("dim_value") and x.dim_value > 0)}
                     example = "x".join(str(x.dim_value) if x.HasField("dim_value") and x.dim_value > 0

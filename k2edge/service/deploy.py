@@ -200,7 +200,8 @@ class Versions:
             audit(result, "load", f"state:{store.root / m.name / current}")
             if not result.ok:
                 # A daemon that does not start takes no deploy: the way out is on this device.
-                start_from = "bundle" if m.bundle is not None else "onnx"
+                start_from = "bundle" if m.bundle is not None else "onnx" if self.cfg.trust.allow_unsigned else \
+                    "onnx (a bare onnx needs [trust] allow_unsigned = true)"
                 raise ConfigError(f"model {m.name}: the installed version {current} is refused: {result.line} (trust its "
                                   f"key again, or move {store.root / m.name} aside to start from the config's {start_from})")
             return Plan(version_config(m, result.paths), result.version, "state")

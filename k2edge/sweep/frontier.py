@@ -242,25 +242,35 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
         why = (f"the only configuration on the Pareto front{within}, so the balanced choice: "
                f"{_fmt_ms(best.latency_ms)} p50, {metric} {_fmt_acc(best.top1)}")
     else:
-        why = f"the least balanced cost of the {len(front)} front points{within}: {_balance_text(best, front, metric)}"
+        why = f"the lowest balanced cost of the {len(front)} front points{within}: {_balance_text(best, front, metric)}"
     return Recommendation(best.name, goal, why, names, {k: round(v, 4) for k, v in costs.items()})
 
 
 def _balance_text(best: Point, front: Sequence[Point], metric: str) -> str:
-    """What ``best`` gives up on each side, and the exchange rate that weighed them."""
+    """What ``best`` gives up on each side, and the exchange rate that weighed them (the objectives
+    :func:`balanced_costs` used: those known, and for latency and energy above 0, on every front point)."""
+    def used(attr: str) -> bool:
+        values = [p.value(attr) for p in front]
+        return all(v is not None for v in values) and (attr == "top1" or min(values) > 0)
+
+    def overhead(attr: str, unit: str, fmt) -> str:
+        low = min(front, key=lambda p: p.value(attr))
+        over = 100.0 * (best.value(attr) / low.value(attr) - 1.0)
+        least, word = {"latency_ms": ("the fastest", "slower"), "energy_j": ("the most frugal", "more energy")}[attr]
+        return fmt(best) + (f" {unit}, {least}" if low is best or over <= 0 else
+                            f" {unit}, {over:.1f} % {word} than {low.name}'s {fmt(low)}")
+
     parts = []
-    accs = [p for p in front if p.value("top1") is not None]
-    if len(accs) == len(front):
-        top = max(accs, key=lambda p: p.value("top1"))
+    if used("top1"):
+        top = max(front, key=lambda p: p.value("top1"))
         lost = 100.0 * (top.value("top1") - best.value("top1"))
         parts.append(f"{metric} {_fmt_acc(best.top1)}, " + ("the highest" if top is best or lost <= 0 else
                      f"{lost:.2f} point(s) below {top.name}'s {_fmt_acc(top.top1)}"))
-    lats = [p for p in front if p.value("latency_ms") is not None]
-    if len(lats) == len(front):
-        fast = min(lats, key=lambda p: p.value("latency_ms"))
-        over = 100.0 * (best.value("latency_ms") / fast.value("latency_ms") - 1.0) if fast.value("latency_ms") else 0.0
-        parts.append(f"{_fmt_ms(best.latency_ms)} p50, " + ("the fastest" if fast is best or over <= 0 else
-                     f"{over:.1f} % slower than {fast.name}'s {_fmt_ms(fast.latency_ms)}"))
-    energy = all(p.value("energy_j") is not None for p in front)
-    return "; ".join(parts) + (f" (a point of {metric} weighs as much as {100 * LATENCY_PER_POINT:.0f} % of latency"
-                               f"{' and energy, averaged' if energy else ''})")
+    if used("latency_ms"):
+        parts.append(overhead("latency_ms", "p50", lambda p: _fmt_ms(p.latency_ms)))
+    if used("energy_j"):
+        parts.append(overhead("energy_j", "per inference", lambda p: f"{p.energy_j:.4g} J"))
+    if not parts:
+        return "no objective is known for every front point, so the faster and more accurate tie-break decided"
+    rate = f"a point of {metric} weighs as much as {100 * LATENCY_PER_POINT:.0f} % of latency"
+    return "; ".join(parts) + (f" ({rate} and energy, averaged)" if used("energy_j") and used("latency_ms") else f" ({rate})")

@@ -116,7 +116,7 @@ def render_table(doc: dict, compact: bool = False):
     partial = any(r["status"] == "partial" for r in ok)
     lines = [f"★ Pareto front (p50 latency ↓, {metric} ↑, energy ↓ where known); {spread_text} over "
              f"{'up to ' if partial else ''}{settings.get('runs')} runs of {settings.get('requests')} requests each"
-             f"{' (fewer where the config says so)' if partial else ''}, warm-up excluded."]
+             f"{' (fewer where a row says how many)' if partial else ''}, warm-up excluded."]
     recd = doc.get("recommendation") or {}
     if recd.get("name") and doc.get("status") == "interrupted":
         lines.append(f"▷ provisional, from an incomplete sweep (no recommended.json is written until it completes), for goal "

@@ -29,7 +29,8 @@ from ..durable import replace_file
 from .errors import SweepError
 from .frontier import Point, Recommendation, pareto_front
 
-SCHEMA = "k2edge.pareto-sweep/1"
+SCHEMA = "k2edge.pareto-sweep/2"  # 2: recommendation.costs (balanced's cost in accuracy points) replaced scores
+RESUMABLE = (SCHEMA, "k2edge.pareto-sweep/1")  # what --resume continues: the records are the same
 MEASURED = ("ok", "partial")  # partial: interrupted before all its runs; its numbers come from fewer runs
 
 OBJECTIVES_DOC = {
@@ -135,7 +136,7 @@ def load_previous(path: Path) -> dict | None:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise SweepError(f"--resume: cannot read {path} ({exc}); remove it or choose another --out") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") not in RESUMABLE:
         raise SweepError(f"--resume: {path} is not a k2edge pareto-sweep result ({SCHEMA})")
     damaged = _damage(doc)
     if damaged:

@@ -94,7 +94,7 @@ def _open_eval(spec: SweepSpec):
     if spec.min_accuracy is not None and spec.min_accuracy < 1 and len(dataset) < (need := math.ceil(1 / (1 - spec.min_accuracy) - 1e-9)):
         raise SweepError(f"--min-accuracy {100 * spec.min_accuracy:.2f} % cannot be told on {len(dataset)} sample(s), where "
                          f"a single miss moves top-1 by {100 / len(dataset):.2g} points: not enough data; give at least "
-                         f"{need} samples{' (a larger --limit)' if spec.settings.limit else ''}")
+                         f"{need} samples{' (a larger --limit)' if spec.settings.limit == len(dataset) else ''}")
     return dataset
 
 
@@ -265,11 +265,14 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
                 progress.note(f"--resume: also keeping {len(extra)} stored configuration(s) not in this sweep: "
                               f"{', '.join(r['name'] for r in extra)}")
     sampler = TelemetrySampler(telemetry)
-    if spec.goal == "energy" and (why := sampler.no_power()) is not None:
-        sampler.stop()  # before minutes of measuring that could not serve the goal
-        raise SweepError(f"--goal energy needs a power reading, and there is none here ({why}); sweep on the device, "
-                         "or choose --goal latency, accuracy or balanced")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if spec.goal == "energy" and (why := sampler.no_power()) is not None:  # before minutes of measuring in vain
+            raise SweepError(f"--goal energy needs a power reading, and there is none here ({why}); sweep on the "
+                             "device, or choose --goal latency, accuracy or balanced")
+        out.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        sampler.stop()  # a sensor (jtop, NVML) is not left open
+        raise
     runs = spec.settings.runs
 
     def publish() -> None:
@@ -290,9 +293,9 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
     total = sum(_units(c, spec.settings, len(dataset), not records[c.key]["runs"]) +
                 (runs - len(records[c.key]["runs"]) - 1) * _units(c, spec.settings, len(dataset), False)
                 for c in configs if needs_run(c))
-    progress.start(total, steps, sum(1 for c in configs if needs_run(c)))
     step = 0
     try:
+        progress.start(total, steps, sum(1 for c in configs if needs_run(c)))
         sampler.start()
         while True:
             todo = [c for c in configs if needs_run(c)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -81,18 +82,20 @@ Energy and peak temperature are computed by ``k2edge.telemetry.energy`` from the
     def message(self) -> str | None:
         return self.error or getattr(self.source, "message", None)
 
-    def no_power(self) -> str | None:
-        """Why no energy can be measured here (no source, or one without an input power rail), from one sample;
-        None when the source reads power."""
+    def no_power(self, tries: int = 3) -> str | None:
+        """Why no energy can be measured here (no source, or one without an input power rail), from up to ``tries``
+        samples ``interval_s`` apart (a source's first reading may come before its rails); None when it reads power."""
         if isinstance(self.source, _Unavailable):
             return self.source.message
-        try:
-            sample = self.source.sample()
-        except Exception as exc:  # a sensor that fails now fails the energy goal, not the sweep's other goals
-            return f"the telemetry source failed: {exc}"
-        if sample.total_power_w is None:
-            return self.message or "the telemetry source reads no input power rail"
-        return None
+        for attempt in range(tries):
+            try:
+                if self.source.sample().total_power_w is not None:
+                    return None
+            except Exception as exc:  # a sensor that fails now fails the energy goal, not the sweep's other goals
+                return f"the telemetry source failed: {exc}"
+            if attempt + 1 < tries:
+                time.sleep(self.interval_s)
+        return self.message or "the telemetry source reads no input power rail"
 
     def start(self) -> "TelemetrySampler":
         if isinstance(self.source, _Unavailable) or self._thread is not None:
