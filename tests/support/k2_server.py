@@ -194,6 +194,12 @@ class K2StandIn:
             protocol_version = "HTTP/1.1"
             disable_nagle_algorithm = True  # no 40 ms delayed-ACK stalls between header and body writes
 
+            def handle(self) -> None:
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up first (its deadline passed during a delay): nothing left to answer
+
             def log_message(self, *args) -> None:  # keep test output quiet
                 pass
 
