@@ -213,6 +213,7 @@ def test_deploy_under_load_swaps_once_and_a_restart_serves_it_from_the_cache(tmp
     # its INT8 engines were checked against FP32 at build: in the status and as a gauge
     # 40 held-out samples: fewer than a verdict needs, so inconclusive (and served: [trust] does not require it)
     assert model["int8_check"]["status"] == "inconclusive" and model["int8_check"]["task"] == "classification"
+    assert model["precision_flops"]["int8"] > 0.9 and set(model["precision_flops"]) == {"int8", "fp16", "fp32"}, model
     agreement = next(v for k, v in int8_series.items() if ("measure", "agreement") in k[1])
     assert agreement == pytest.approx(model["int8_check"]["measures"]["agreement"], abs=1e-4)
     assert next(v for k, v in int8_series.items() if ("measure", "verdict") in k[1]) == 0.0

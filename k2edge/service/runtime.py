@@ -282,6 +282,12 @@ class ModelRuntime:
     def lanes(self) -> list[str]:
         return [f"{lane.label} [{lane.precision}]" for lane in self.engines[1].lanes()]
 
+    def precision_flops(self) -> dict | None:
+        """The learned-layer FLOP share per precision the engines run (``{"int8", "fp16", "fp32"}``; a lane's
+        ``[int8]`` says what it asked for, this what runs), or None where no plan measured it."""
+        shares = self.engines[1].plan.precision_flops
+        return {k: round(v, 4) for k, v in shares["model"].items()} if shares else None
+
     def stage(self, image: bytes | None, tensor: np.ndarray | None, max_pixels: int):
         """One sample (C, H, W) from an encoded image or a tensor, and where the image landed in it
         (a :class:`~k2edge.tasks.preprocess.Geometry`; None for a tensor: boxes stay in input pixels).
