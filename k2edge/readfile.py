@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import stat
 import zipfile
 
-__all__ = ["MAX_SECRET_BYTES", "MIB", "load_numpy", "read_small"]
+__all__ = ["MAX_SECRET_BYTES", "MIB", "file_sha256", "load_numpy", "read_small"]
 
 MIB = 1 << 20
 MAX_SECRET_BYTES = 64 * 1024  # a password, an API key, a PEM key: a few hundred bytes
@@ -88,3 +89,12 @@ def load_numpy(path: str | os.PathLike):
         if "pickle" in str(exc):
             raise ValueError("it holds Python objects (pickled), which are not loaded; save numbers only") from None
         raise ValueError(str(exc).splitlines()[0][:160] or type(exc).__name__) from None
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The file's sha256 (hex), read a MiB at a time: a model or a bundle of gigabytes never whole in memory."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(MIB):
+            h.update(block)
+    return h.hexdigest()

@@ -10,7 +10,6 @@ inside the folder, so the card's relative paths mean the same inside the bundle.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import first_line
 from ..profile.validation import describe_validation_error
+from ..readfile import file_sha256
 from .archive import ArchiveProblem, Limits, file_streams, is_gzip, open_bundle, write_bundle
 from .keys import load_private_key, sign_manifest
 from .manifest import MANIFEST_NAME, SIGNATURE_NAME, FileEntry, Manifest
@@ -142,14 +142,6 @@ def collect_contents(model_dir: str | os.PathLike, profiles: list[str] = ()) -> 
     return c
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _created() -> tuple[str, int]:
     # SOURCE_DATE_EPOCH (reproducible-builds.org): the same inputs make the same bundle bytes
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH") or time.time())
@@ -185,7 +177,7 @@ def create_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, version:
     contents = collect_contents(model_dir, list(profiles))
     folder = Path(model_dir) if Path(model_dir).is_dir() else Path(model_dir).parent
     created, epoch = _created()
-    entries = [FileEntry(path=p, size=src.stat().st_size, sha256=_sha256(src)) for p, src in sorted(contents.files.items())]
+    entries = [FileEntry(path=p, size=src.stat().st_size, sha256=file_sha256(src)) for p, src in sorted(contents.files.items())]
     try:
         manifest = Manifest(name=name or folder.resolve().name, version=version, created=created, k2edge_version=__version__,
                             model=contents.model, card=contents.card, labels=contents.labels, calib=contents.calib,

@@ -19,11 +19,11 @@ def register(p) -> None:
 
 
 def run(args) -> int:
-    import hashlib
     import json
     from pathlib import Path
 
     from ..errors import K2EdgeError
+    from ..readfile import file_sha256
     from .control import send, target
 
     target(args, "deploy")
@@ -35,11 +35,7 @@ def run(args) -> int:
     _refuse_what_a_device_would(args.bundle)  # before reading it whole: a gigabyte that is no bundle stops here
     try:
         if args.url is not None:  # the device fetches it: only its hash goes, read a block at a time
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-            body = {"url": args.url, "sha256": digest.hexdigest(), "allow_downgrade": args.allow_downgrade}
+            body = {"url": args.url, "sha256": file_sha256(path), "allow_downgrade": args.allow_downgrade}
             return send(args, "deploy", json.dumps(body).encode(), "application/json")
         data = path.read_bytes()
     except OSError as exc:

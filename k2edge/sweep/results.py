@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import os
 import platform
@@ -53,14 +52,6 @@ AGREEMENT_DOC = ("each run builds and activates the engine afresh, and runs are 
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def machine_info(backend: str) -> dict:

@@ -17,13 +17,13 @@ from pathlib import Path
 from .. import __version__
 from ..errors import K2EdgeError, first_line
 from ..config.resolve import find_calibration
+from ..readfile import file_sha256
 from .configs import SweepConfig
 from .frontier import recommend
 from .measure import MeasureSettings, measure_run, summarise
 from .progress import SweepProgress
 from .results import (MEASURED, SCHEMA, AGREEMENT_DOC, OBJECTIVES_DOC, accuracy_metric, accuracy_of, check_resumable,
-                      file_sha256, load_previous, machine_info, mark_front, now, point_of, set_recommendation,
-                      write_json_atomic)
+                      load_previous, machine_info, mark_front, now, point_of, set_recommendation, write_json_atomic)
 from .errors import SweepError
 from .sampler import TelemetrySampler
 
