@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import onnx
 
 from ..config.card import CardError, ModelCard, card_from_dict, resolve_card
+from ..config.resolve import declared_inputs, value_dims
 from ..errors import K2EdgeError
 from ..model.ingest import load_onnx
 from ..profile import Profile
@@ -52,11 +52,6 @@ class ModelIO:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-def _dims(value_info: onnx.ValueInfoProto) -> tuple[int | None, ...]:
-    shape = value_info.type.tensor_type.shape
-    return tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in shape.dim)
-
-
 def model_io(model_bytes: bytes) -> ModelIO:
     """Parse the model and list its declared inputs (initializers excluded) and outputs.
 
@@ -69,10 +64,8 @@ def model_io(model_bytes: bytes) -> ModelIO:
         raise ValueError(str(exc)) from None
     if not model.graph.node:
         raise ValueError("not an ONNX model (no graph nodes)")
-    initializers = {t.name for t in model.graph.initializer}
-    inputs = {i.name: _dims(i) for i in model.graph.input if i.name not in initializers}
-    outputs = {o.name: _dims(o) for o in model.graph.output}
-    return ModelIO(inputs, outputs, {p.key: p.value for p in model.metadata_props})
+    outputs = {o.name: value_dims(o) for o in model.graph.output}
+    return ModelIO(declared_inputs(model), outputs, {p.key: p.value for p in model.metadata_props})
 
 
 def _fmt(dims) -> str:

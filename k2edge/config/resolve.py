@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
     from ..model.ingest import NormalisedModel
 
-__all__ = ["card_file", "card_task", "find_calibration", "input_shapes", "load_labels", "model_card"]
+__all__ = ["card_file", "card_task", "declared_inputs", "find_calibration", "input_shapes", "load_labels", "model_card",
+           "value_dims"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,17 @@ def card_file(model_path: Path | None, card: str | os.PathLike | ModelCard | Non
 _announced: set[str] = set()
 
 
+def value_dims(value: "onnx.ValueInfoProto") -> tuple[int | None, ...]:
+    """A graph value's dims: None for a dynamic one."""
+    return tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in value.type.tensor_type.shape.dim)
+
+
+def declared_inputs(model: "onnx.ModelProto") -> dict[str, tuple[int | None, ...]]:
+    """The model's declared inputs (initializers listed as inputs left out), in order: name -> :func:`value_dims`."""
+    inits = {t.name for t in model.graph.initializer}
+    return {i.name: value_dims(i) for i in model.graph.input if i.name not in inits}
+
+
 def input_shapes(model: "onnx.ModelProto", card: ModelCard | None, batch_size: int, given: InputShapes | None = None,
                  overrides: ModelCard | Mapping | None = None) -> InputShapes | None:
     """The static input shapes a model is normalised with.
@@ -67,15 +79,12 @@ def input_shapes(model: "onnx.ModelProto", card: ModelCard | None, batch_size: i
     """
     if given:
         return {name: tuple(shape) for name, shape in dict(given).items()}
-    inits = {t.name for t in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
-    if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 4:
+    inputs = declared_inputs(model)
+    if len(inputs) != 1 or len(dims := next(iter(inputs.values()))) != 4:
         return None
-    dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-                 for d in inputs[0].type.tensor_type.shape.dim)
     if all(dims[1:]):
         return None  # only the batch can be dynamic: normalising gives it batch_size
-    name = inputs[0].name
+    name = next(iter(inputs))
     metadata = {p.key: p.value for p in model.metadata_props}
     resolved = resolve_card(name, dims, metadata, card, overrides, (name,))
     size = resolved.input.size
@@ -113,15 +122,11 @@ def card_task(model_path: Path, card: str | os.PathLike | ModelCard | None = Non
     card = None if overrides is not None else card
     try:
         model = onnx.load(str(model_path), load_external_data=False)
-        inits = {t.name for t in model.graph.initializer}
-        inputs = [i for i in model.graph.input if i.name not in inits]
+        inputs = declared_inputs(model)
         the_card = card_file(model_path, card)
-        name = the_card.input.name if the_card is not None and the_card.input.name else inputs[0].name
-        value = next(i for i in inputs if i.name == name)
-        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-                     for d in value.type.tensor_type.shape.dim)
+        name = the_card.input.name if the_card is not None and the_card.input.name else next(iter(inputs))
         metadata = {p.key: p.value for p in model.metadata_props}
-        return resolve_card(name, dims, metadata, the_card, overrides, tuple(i.name for i in inputs)).task
+        return resolve_card(name, inputs[name], metadata, the_card, overrides, tuple(inputs)).task
     except Exception as exc:  # whatever it is (protobuf's DecodeError, a bad card), the build reports it properly
         log.debug("cannot tell %s's task before building it: %s", model_path, exc)
         return None
