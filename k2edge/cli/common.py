@@ -160,7 +160,7 @@ def build_engine(args):
         progress.close()
     if engine.info.int8_check is not None:
         print(engine.info.int8_check.line(), file=sys.stderr)
-    elif not any(p == "int8" for s in engine.plan.segments for p in s.layer_precision.values()):
+    elif not engine.plan.runs_int8:
         given = [flag for flag in ("--calib", "--check") if getattr(args, flag[2:], None) is not None]
         if given:
             print(f"note: {' and '.join(given)} given, but profile {engine.profile.name or args.profile} runs no layer in "

@@ -51,7 +51,7 @@ def run(args) -> int:
     the_card, nm = loaded.card, loaded.normalised
     plan = plan_partition(nm, profile, board_of(args), args.precision)
     check = None
-    if the_card is not None or any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+    if the_card is not None or plan.runs_int8:
         # placement does not depend on the card, precision does: what it keeps out of INT8, and what a build's
         # INT8 check moved to fp16 (from the cache)
         card = model_card(Path(args.model), nm, the_card)
@@ -91,7 +91,7 @@ def run(args) -> int:
         print(share_text(plan.precision_flops))
     if check is not None:
         print(check.line())
-    elif any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+    elif plan.runs_int8:
         print("note: no build has checked INT8 for this model, profile and calibration set yet: the layers its INT8 "
               "check moves to fp16 show here after `k2edge build`")
     return 0
@@ -105,7 +105,7 @@ def _with_int8(plan, nm, card, profile, cache, args):
     from ..tasks.preprocess import Preprocess
 
     calib = args.calib or find_calibration(Path(args.model))
-    if calib is None or not any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+    if calib is None or not plan.runs_int8:
         return plan_with_card(plan, nm, card), None
     labels = load_labels(Path(args.model), nm, None, card)
     check_set = open_calibration(args.check, labels) if args.check else None

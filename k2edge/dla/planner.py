@@ -110,6 +110,11 @@ class PartitionPlan:
         return tuple(dict.fromkeys(s.device for s in self.segments))
 
     @property
+    def runs_int8(self) -> bool:
+        """Whether any layer runs in INT8 (so the build calibrates and checks)."""
+        return any(p == "int8" for s in self.segments for p in s.layer_precision.values())
+
+    @property
     def is_model_wise(self) -> bool:
         return self.granularity == "model-wise"
 

@@ -267,7 +267,7 @@ class Engine:
         quant = None
         int8_check = None
         calib_source = None
-        if any(p == "int8" for s in plan.segments for p in s.layer_precision.values()):
+        if plan.runs_int8:
             if calib is None:
                 calib = find_calibration(model_path)
                 if calib is not None:

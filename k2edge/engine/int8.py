@@ -280,7 +280,7 @@ def check_indices(check_set: Dataset, calib: Dataset, calibrating: list[int]) ->
                          f"({' and '.join(unfit) or 'it is empty'}); give distinct samples that did not calibrate")
     if unfit:
         log.warning("check set %s: %s left out of the INT8 check; %d sample(s) judge it", check_set.source,
-                    " and ".join(unfit), min(len(keep), MAX_CALIBRATION_SAMPLES))
+                    " and ".join(unfit), len(keep))
     beyond = len(check_set) - read
     notes = unfit + ([f"{beyond} beyond the first {MAX_CALIBRATION_SAMPLES} judged"] if beyond > 0 else [])
     return keep, ("left out: " + ", ".join(notes)) if notes else ""

@@ -243,10 +243,9 @@ def _fix_input_shapes(model, batch_size, overrides, where) -> None:
                     # an image's height and width, not one N: where the channels are static, the layout says which
                     names = ({2: "H", 3: "W"} if len(dims) == 4 and static[1] else
                              {1: "H", 2: "W"} if len(dims) == 4 and static[3] else {})
-                    free = {i: names.get(i, f"D{i}") for i, x in enumerate(dims)
-                            if i > 0 and not (x.HasField("dim_value") and x.dim_value > 0)}
-                    example = "x".join(str(x.dim_value) if x.HasField("dim_value") and x.dim_value > 0
-                                       else ("1" if i == 0 else free[i]) for i, x in enumerate(dims))
+                    free = {i: names.get(i, f"D{i}") for i in range(1, len(dims)) if not static[i]}
+                    example = "x".join(str(x.dim_value) if static[i] else "1" if i == 0 else free[i]
+                                       for i, x in enumerate(dims))
                     raise ModelError(
                         f"{where}: input {vi.name!r} has a dynamic dimension {label!r} at axis {axis}; the DLA needs "
                         f"static shapes: give one with --input-shape {vi.name}={example} ({', '.join(free.values())}: "

@@ -307,7 +307,8 @@ class Daemon:
             "version": __version__,
             # what the next batch runs on: a thermal switch just asked for is what the status tells
             "models": [{"name": name, "model_version": rt.version, "task": rt.task, "profile": rt.profile_name,
-                        "lanes": rt.lanes(), "precision_flops": rt.precision_flops(), "batch_sizes": sorted(rt.engines), "slots": slots_for(rt), "memory": rt.memory,
+                        "lanes": rt.lanes(), "precision_flops": rt.precision_flops(), "batch_sizes": sorted(rt.engines),
+                        "slots": slots_for(rt), "memory": rt.memory,
                         "warm_profile": rt.warm_profile, "cache": rt.cache,
                         "int8_check": rt.int8_check.to_dict() if rt.int8_check is not None else None}
                        for name, rt in self._running().items()],
