@@ -116,6 +116,15 @@ def meets(point: Point, max_latency_ms: float | None = None, min_accuracy: float
 LATENCY_PER_POINT = 0.10  # balanced: a point of accuracy given up weighs as much as being 10 % slower
 
 
+def _counted(points: Sequence[Point], attr: str) -> list[float] | None:
+    """The points' values of ``attr`` where the balanced cost counts it: known for every point, and for latency and
+    energy (counted as overheads over the least) above 0; else None."""
+    values = [p.value(attr) for p in points]
+    if any(v is None for v in values) or (attr != "top1" and min(values) <= 0):
+        return None
+    return values
+
+
 def balanced_costs(points: Sequence[Point]) -> dict[str, float]:
     """Each point's cost, in points of accuracy (lower is better): the points of accuracy (top-1, or mAP@0.5,
     times 100) it gives up against the most accurate point, plus how much slower it is than the fastest, each
@@ -130,19 +139,14 @@ def balanced_costs(points: Sequence[Point]) -> dict[str, float]:
     if not points:
         return {}
     cost = {p.name: 0.0 for p in points}
-
-    def known(attr: str) -> list[float] | None:
-        values = [p.value(attr) for p in points]
-        return None if any(v is None for v in values) else values
-
-    acc = known("top1")
+    acc = _counted(points, "top1")
     if acc is not None:
         for p, v in zip(points, acc):
             cost[p.name] += 100.0 * (max(acc) - v)
     overheads = []
     for attr in ("latency_ms", "energy_j"):
-        values = known(attr)
-        if values is not None and min(values) > 0:
+        values = _counted(points, attr)
+        if values is not None:
             overheads.append([v / min(values) - 1.0 for v in values])
     if overheads:
         for i, p in enumerate(points):
@@ -248,10 +252,9 @@ def recommend(points: Iterable[Point], goal: str = "balanced", *, max_latency_ms
 
 def _balance_text(best: Point, front: Sequence[Point], metric: str) -> str:
     """What ``best`` gives up on each side, and the exchange rate that weighed them (the objectives
-    :func:`balanced_costs` used: those known, and for latency and energy above 0, on every front point)."""
+    :func:`balanced_costs` counted, :func:`_counted`)."""
     def used(attr: str) -> bool:
-        values = [p.value(attr) for p in front]
-        return all(v is not None for v in values) and (attr == "top1" or min(values) > 0)
+        return _counted(front, attr) is not None
 
     def overhead(attr: str, unit: str, fmt) -> str:
         low = min(front, key=lambda p: p.value(attr))

@@ -91,7 +91,8 @@ def _open_eval(spec: SweepSpec):
         return open_coco(spec.dataset, labels, spec.settings.limit)
     dataset = open_labelled(spec.dataset, labels, spec.settings.limit)
     check_fits(dataset, loaded.normalised.graph.shape(loaded.normalised.graph.inputs[0])[1:], "evaluation set")
-    if spec.min_accuracy is not None and spec.min_accuracy < 1 and len(dataset) < (need := math.ceil(1 / (1 - spec.min_accuracy) - 1e-9)):
+    need = math.ceil(1 / (1 - spec.min_accuracy) - 1e-9) if spec.min_accuracy is not None and spec.min_accuracy < 1 else 0
+    if len(dataset) < need:
         raise SweepError(f"--min-accuracy {100 * spec.min_accuracy:.2f} % cannot be told on {len(dataset)} sample(s), where "
                          f"a single miss moves top-1 by {100 / len(dataset):.2g} points: not enough data; give at least "
                          f"{need} samples{' (a larger --limit)' if spec.settings.limit == len(dataset) else ''}")
@@ -229,7 +230,7 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
         "schema": SCHEMA, "k2edge_version": __version__, "status": "running", "started": now(), "updated": now(),
         "model": {"path": str(spec.model), "sha256": file_sha256(spec.model)},
         "dataset": {"path": str(spec.dataset), "samples": len(dataset), "fingerprint": dataset.fingerprint()},
-        "calibration": str(spec.calib or find_calibration(Path(spec.model)) or "") or None,  # the set INT8 builds use
+        "calibration": str(calib) if (calib := spec.calib or find_calibration(Path(spec.model))) else None,  # INT8's set
         "board": spec.board,
         "backend": {"requested": spec.backend, "name": backend, "version": None},
         "machine": machine_info(backend),
