@@ -84,12 +84,10 @@ def suggest_card(input_name: str, input_shape: tuple, outputs: Mapping[str, tupl
         cls = [(n, s) for n, s in shapes.items() if len(s) == 2 or (len(s) == 4 and tuple(s[2:]) == (1, 1))]
         if cls:
             name, shape = cls[0]
-            if name in softmaxed:  # a second softmax would flatten its scores (0.73 where the model says 1.00)
-                layer = {"task": "classification", "classification": {"output": "probabilities"}}
-                why = f"output {name!r} {list(shape)} looks like a classifier of {shape[1]} classes; a Softmax makes it: probabilities"
-            else:
-                layer = {"task": "classification", "classification": {"output": "logits"}}
-                why = f"output {name!r} {list(shape)} looks like a classifier of {shape[1]} classes (check logits vs probabilities)"
+            softmax = name in softmaxed  # a second softmax would flatten its scores (0.73 where the model says 1.00)
+            layer = {"task": "classification", "classification": {"output": "probabilities" if softmax else "logits"}}
+            why = (f"output {name!r} {list(shape)} looks like a classifier of {shape[1]} classes"
+                   + ("; a Softmax makes it: probabilities" if softmax else " (check logits vs probabilities)"))
         else:
             layer = {"task": "tensor"}
             why = "no output looks like class scores or YOLO boxes: raw tensors"
