@@ -179,3 +179,27 @@ def test_a_subscription_the_broker_refuses_is_named_in_the_log(tmp_path, caplog)
     finally:
         transport.stop()
         broker.stop()
+
+
+@pytest.mark.skipif(not hasattr(__import__("socket"), "TCP_CORK"), reason="TCP_CORK is Linux's")
+def test_uncorking_outside_the_interpreter_lock_sends_what_was_corked():
+    """The answers written under TCP_CORK leave when the cork comes off, through libc's setsockopt
+    (which lets the other threads run while the kernel sends): what was held arrives, and a closed
+    socket is refused, so the transport falls back to ``socket.setsockopt``."""
+    import socket
+
+    from k2edge.service import transport
+
+    assert transport._UNCORK is not None, "libc's setsockopt was not found"
+    server = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(server.getsockname())
+    b, _ = server.accept()
+    with server, a, b:
+        a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        a.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        a.sendall(b"x" * 100)  # less than a segment: held while corked (for at most 200 ms: not asserted)
+        assert transport._UNCORK(a.fileno())
+        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK) == 0
+        b.settimeout(10)
+        assert b.recv(100) == b"x" * 100
+    assert not transport._UNCORK(a.fileno())  # closed: -1, EBADF

@@ -17,7 +17,9 @@ from ..config.card import BOX_TASKS
 from ..config.schema import ModelConfig
 from ..errors import InferenceError, InputError, K2EdgeError
 from ..profile import Profile, load_profile
+from ..tasks.classification import top_k as best
 from ..tasks.preprocess import image_error
+from ..tasks.result import LocalResult
 
 log = logging.getLogger(__name__)
 
@@ -351,9 +353,6 @@ class ModelRuntime:
             geometries: per sample, where its image landed (None: a tensor).
             top_k: per sample, how many classes to answer (classifiers; clipped to the classes).
         """
-        from ..tasks.result import LocalResult
-        from ..tasks.classification import top_k as best
-
         n = len(geometries)
         watched = self.decoder.output_names if self.task == "tensor" else (self.decoder.output,)
         finite = np.ones(n, dtype=bool)

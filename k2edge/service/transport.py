@@ -89,6 +89,25 @@ _PEEK_BYTES = 256
 _TCP_CORK = getattr(socket, "TCP_CORK", None)  # Linux
 
 
+def _libc_setsockopt():
+    """libc's ``setsockopt`` called through ctypes, which lets go of the interpreter lock for the
+    call; ``socket.setsockopt`` keeps it, and uncorking is the call that sends what was corked (on
+    loopback the kernel hands it to the broker inside that call). None where there is no libc."""
+    try:
+        import ctypes
+
+        f = ctypes.CDLL(None, use_errno=True).setsockopt
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32]
+    f.restype = ctypes.c_int
+    zero = ctypes.c_int(0)
+    return lambda fd: f(fd, socket.IPPROTO_TCP, _TCP_CORK, ctypes.byref(zero), ctypes.sizeof(zero)) == 0
+
+
+_UNCORK = _libc_setsockopt() if _TCP_CORK is not None else None
+
+
 def publish_ahead(data: bytes, truncated: bool) -> bool:
     """True when the MQTT packets that start at ``data[0]`` include a PUBLISH; a packet cut off
     before its type can be seen counts as one when ``truncated`` (more bytes wait than were read)."""
@@ -372,7 +391,8 @@ class MqttTransport:
             return c.loop_write()
         finally:
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)
+                if _UNCORK is None or not _UNCORK(sock.fileno()):
+                    sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)
             except (OSError, ValueError):  # closed while writing: nothing left to send
                 pass
 
