@@ -60,8 +60,10 @@ def test_verify_cli_takes_trust_and_limits_from_the_config(tmp_path):
 
     private, public, _ = generate_keys(tmp_path / "keys")
     create_bundle(ROOT / "models" / "digits", tmp_path / "d.k2b", version="1.0.0", key=private)
-    (tmp_path / "k.toml").write_text(MODEL + f'[trust]\nkeys = ["{public}"]\n')
-    (tmp_path / "small.toml").write_text(MODEL + f'[trust]\nkeys = ["{public}"]\n[deploy]\nmax_bundle_bytes = 4096\n')
+    served = MODEL.replace('"a"', '"digits"')
+    (tmp_path / "k.toml").write_text(served + f'[trust]\nkeys = ["{public}"]\n')
+    (tmp_path / "small.toml").write_text(served + f'[trust]\nkeys = ["{public}"]\n[deploy]\nmax_bundle_bytes = 4096\n')
+    (tmp_path / "other.toml").write_text(MODEL + f'[trust]\nkeys = ["{public}"]\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def verify(config):
@@ -71,6 +73,9 @@ def test_verify_cli_takes_trust_and_limits_from_the_config(tmp_path):
     assert verify(tmp_path / "k.toml").stdout == "verified digits 1.0.0\n"
     small = verify(tmp_path / "small.toml")
     assert small.returncode == 1 and small.stdout.startswith("too_large: ")
+    other = verify(tmp_path / "other.toml")  # the device with this config would refuse it: so does verify
+    assert other.returncode == 1 and other.stdout == ("bad_manifest: the bundle is for model 'digits', which is not "
+                                                      "served here (served: a)\n"), other.stdout
 
 
 def test_unit_keeps_state_private_and_still_verifies(tmp_path):

@@ -137,11 +137,9 @@ class ModelStore:
 
     def _admit(self, m: Manifest, result: BundleResult, allow_downgrade: bool, expected_name: str | Collection[str] | None,
                manifest_bytes: bytes) -> BundleResult | None:
-        if isinstance(expected_name, str) and m.name != expected_name:
-            return _with(result, status="bad_manifest", detail=f"the bundle is for model {m.name!r}, not {expected_name!r}")
-        if expected_name is not None and not isinstance(expected_name, str) and m.name not in expected_name:
-            return _with(result, status="bad_manifest", detail=f"the bundle is for model {m.name!r}, which is not served "
-                                                              f"here (served: {', '.join(sorted(expected_name))})")
+        wrong = name_refusal(m.name, expected_name)
+        if wrong is not None:
+            return _with(result, status="bad_manifest", detail=wrong)
         current = self.current(m.name)
         if current is not None and not allow_downgrade and parse_version(m.version) <= parse_version(current):
             return _with(result, status="not_newer", detail=f"version {m.version} is not newer than the running {current} "
@@ -286,6 +284,16 @@ def _role_paths(folder: Path, m: Manifest) -> dict:
 
     return {"dir": folder, "manifest": folder / "manifest.json", "model": at(m.model), "card": at(m.card),
             "labels": at(m.labels), "calib": at(m.calib), "profiles": [at(p) for p in m.profiles]}
+
+
+def name_refusal(name: str, expected: str | Collection[str] | None) -> str | None:
+    """Why a bundle for model ``name`` is refused (``bad_manifest``) where ``expected`` names the model, or the
+    models served (a config's ``[[models]]`` names); None when it fits or nothing is expected."""
+    if isinstance(expected, str):
+        return None if name == expected else f"the bundle is for model {name!r}, not {expected!r}"
+    if expected is None or name in expected:
+        return None
+    return f"the bundle is for model {name!r}, which is not served here (served: {', '.join(sorted(expected))})"
 
 
 def _with(result: BundleResult, **changes) -> BundleResult:

@@ -58,10 +58,13 @@ def _sign(args) -> int:
 
 
 def _verify(args) -> int:
+    from dataclasses import replace
+
     from ..bundle import Limits, load_trust, verify_bundle
+    from ..bundle.store import name_refusal
     from ..errors import K2EdgeError
 
-    trust_paths, limits, allow_unsigned = list(args.trust), Limits(), False
+    trust_paths, limits, allow_unsigned, served = list(args.trust), Limits(), False, None
     if args.config:
         from ..config import load_config
 
@@ -70,9 +73,13 @@ def _verify(args) -> int:
             trust_paths += [str(p) for p in cfg.trust.keys]
             allow_unsigned = cfg.trust.allow_unsigned
         limits = Limits.from_settings(cfg.deploy)
+        served = {m.name for m in cfg.models}  # a device with this config refuses a bundle for another model
     if not trust_paths and not allow_unsigned:
         raise K2EdgeError("give at least one --trust PUBLIC.pub (or --config with [trust] keys)")
     result = verify_bundle(args.bundle, load_trust(trust_paths), limits, allow_unsigned=allow_unsigned)
+    wrong = name_refusal(result.name, served) if result.ok else None
+    if wrong is not None:
+        result = replace(result, status="bad_manifest", detail=wrong)
     if args.json:
         print_json(result.to_dict())
     else:
