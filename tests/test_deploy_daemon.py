@@ -606,6 +606,7 @@ def test_removing_a_key_revokes_the_installed_version_it_signed(tmp_path, broker
     cfg = _config(tmp_path, broker, keys, releases["1.0.0"])
     assert _daemon(cfg, tmp_path, broker).terminate() == 0
     revoked = _config(tmp_path, broker, keys, releases["1.0.0"], trust={"keys": [str(keys["rogue_pub"])]})
+    audit = _audit_watcher(broker.port)
     proc = _k2edge("serve", "--config", str(revoked), timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -613,6 +614,10 @@ def test_removing_a_key_revokes_the_installed_version_it_signed(tmp_path, broker
     record = json.loads((tmp_path / "state-t1" / "audit.log").read_text().splitlines()[-1])
     assert (record["action"], record["status"], record["ok"]) == ("load", "untrusted_key", False), record
     assert record["source"].endswith("models/digits/1.0.0")
+    # the fleet hears it too: the daemon that does not start publishes the record before it exits
+    audit.wait_for(lambda c: any(r["status"] == "untrusted_key" for r in _audits(c)), timeout=30)
+    assert [r for r in _audits(audit) if not r["ok"]] == [record], _audits(audit)
+    audit.close()
     # the line names the way out, on the device: the model's folder moved aside, the config's bundle is installed
     folder = tmp_path / "state-t1" / "models" / "digits"
     assert last.endswith(f"(trust its key again, or move {folder} aside to start from the config's bundle)"), last

@@ -203,3 +203,36 @@ def test_uncorking_outside_the_interpreter_lock_sends_what_was_corked():
         b.settimeout(10)
         assert b.recv(100) == b"x" * 100
     assert not transport._UNCORK(a.fileno())  # closed: -1, EBADF
+
+
+def test_stop_ends_a_wait_to_reconnect_at_once(tmp_path):
+    """With no broker, the network thread waits between tries (here a minute): stop() ends that wait, so a
+    daemon that gives up (a refusal at start) or drains with its broker down is not held by its backoff."""
+    import logging
+
+    from mqtt_support import free_port
+
+    from k2edge.config.schema import load_config
+    from k2edge.service.transport import MqttTransport, log
+
+    class Waiting(logging.Handler):  # the line the thread logs just before it waits
+        def __init__(self):
+            super().__init__()
+            self.seen = threading.Event()
+
+        def emit(self, record):
+            if "unreachable" in record.getMessage():
+                self.seen.set()
+
+    cfg = load_config(write_config(tmp_path / "t.toml", free_port(), [DIGITS]))
+    cfg = cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"reconnect_min_s": 60.0, "reconnect_max_s": 60.0})})
+    waiting = Waiting()
+    log.addHandler(waiting)
+    try:
+        transport = MqttTransport(cfg, "requests", [TOPIC])
+        transport.start(Holder(hold=1))
+        assert waiting.seen.wait(30), "the transport never tried the missing broker"
+        ended = transport.stop()  # joins the thread for at most 10 s: a minute's wait would outlast it
+    finally:
+        log.removeHandler(waiting)
+    assert ended, "stop() left the network thread in its wait to reconnect"

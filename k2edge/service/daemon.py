@@ -111,7 +111,11 @@ class Daemon:
         self.escalation = Escalation(cfg, self.thermal, self.replies, self.book)
         versions = Versions(cfg, state, AuditTrail(cfg, state, self.control))
         # the engines, then per model a batcher over its clients: requests first (deadlines), then frames
-        runtimes = self._build_models(versions)
+        try:
+            runtimes = self._build_models(versions)
+        except ConfigError:  # a version refused at start: the fleet's audit topic hears it too, not only this device
+            versions.trail.leave()
+            raise
         wakeups = {name: threading.Condition() for name in runtimes}
         self.streams = self._stream_path(runtimes, wakeups, stream_passwords)
         self.http = self._start_http(*http_secrets)

@@ -5,7 +5,8 @@ precedence: the version current in the state directory (re-verified against toda
 a removed key revokes what it signed), else the config's ``bundle`` (installed as the first
 version, made current once its engines are built), else the config's bare ``onnx`` (refused when
 ``[trust]`` is set without ``allow_unsigned``). A refusal stops the start with one line, which
-names the way out (a stopped daemon takes no deploy).
+names the way out (a stopped daemon takes no deploy), and its audit record goes to the broker on a
+connection of its own before the daemon exits (:meth:`AuditTrail.leave`).
 
 **Over the air**, deploy and rollback messages arrive on a connection of their own (the *control
 connection*, client id ``{client_id}-control``): MQTT acknowledges QoS 1 messages in arrival order
@@ -53,6 +54,7 @@ from .deploy_protocol import (DEPLOYED, FAILED, REFUSED, ROLLED_BACK, ControlErr
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 4  # deploys held in memory (each up to max_bundle_bytes); beyond, the broker keeps them
+LEAVE_WAIT_S = 5.0  # a daemon that does not start waits this long for the broker to take its audit records
 SWAP_TIMEOUT_S = 60.0  # a batcher whose batches do not finish within this is wedged: the deploy fails
 
 
@@ -168,6 +170,48 @@ class AuditTrail:
                 self._unpublished.append(record)
                 return
         self.control.publish(topics.audit_topic(self.cfg.prefix), json.dumps(record, default=str).encode(), qos=1)
+
+    def leave(self, timeout_s: float = LEAVE_WAIT_S) -> int:
+        """The daemon stops before its connections ever started (a refusal at start): publish the records still
+        kept on a connection of their own, which subscribes to nothing (the control connection's would take
+        deploys it could not carry out), waiting at most ``timeout_s`` for the broker; returns how many it has.
+        Each stays in ``audit.log`` either way."""
+        with self._lock:
+            pending, self._unpublished = self._unpublished, []
+        if not pending:
+            return 0
+        from .transport import MqttTransport
+
+        cfg = self.cfg
+        mqtt_cfg = cfg.mqtt.model_copy(update={"client_id": f"{cfg.client_id}-audit", "session_expiry_s": 1})
+        conn = MqttTransport(cfg.model_copy(update={"mqtt": mqtt_cfg}), "audit", [])
+        delivered = threading.Semaphore(0)
+        end = time.monotonic() + timeout_s
+        conn.start(_Publisher())
+        try:
+            for record in pending:
+                conn.publish(topics.audit_topic(cfg.prefix), json.dumps(record, default=str).encode(), qos=1,
+                             on_delivered=delivered.release)
+            got = sum(delivered.acquire(timeout=max(0.0, end - time.monotonic())) for _ in pending)
+        finally:
+            conn.stop()
+        if got < len(pending):
+            log.warning("%d audit record(s) did not reach the broker within %.0f s; they are in %s", len(pending) - got,
+                        timeout_s, self.audit_log.path)
+        return got
+
+
+class _Publisher:
+    """The handler of a connection that only publishes."""
+
+    def on_message(self, msg, token) -> None:  # never called: nothing is subscribed
+        pass
+
+    def on_connected(self) -> None:
+        pass
+
+    def saturated(self) -> bool:
+        return False
 
 
 class Versions:

@@ -198,6 +198,7 @@ class MqttTransport:
         self.connections = 0  # successful connects so far (a watcher sees a reconnect it slept through)
         self._stop = threading.Event()
         self._closing = False
+        self._leaving = threading.Event()  # set by stop(): a wait to reconnect ends at once
         self.heartbeat = time.monotonic()
         self._thread: threading.Thread | None = None
         self._paused_since: float | None = None
@@ -248,19 +249,24 @@ class MqttTransport:
         self._thread = threading.Thread(target=self._run, name=f"k2edge-mqtt-{self.role}", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Disconnect cleanly (no Last Will) and end the network thread."""
+    def stop(self) -> bool:
+        """Disconnect cleanly (no Last Will) and end the network thread; False when the thread had not ended
+        after 10 s (it is told to stop then, and ends at its next turn)."""
         self._closing = True
+        self._leaving.set()
         try:
             self.client.disconnect()  # queued; the network thread writes DISCONNECT, then the loop ends
         except Exception:  # already gone
             pass
         self.wake()
+        ended = True
         if self._thread is not None:
             self._thread.join(timeout=10)
+            ended = not self._thread.is_alive()
         self._stop.set()
         self._wake_r.close()
         self._wake_w.close()
+        return ended
 
     @property
     def alive(self) -> bool:
@@ -305,7 +311,7 @@ class MqttTransport:
                     delay = backoff(attempt, m.reconnect_min_s, m.reconnect_max_s)
                     attempt += 1
                     log.warning("broker %s:%d unreachable (%s); retrying in %.1f s", m.host, m.port, exc, delay)
-                    self._stop.wait(delay)
+                    self._leaving.wait(delay)
                     continue
             try:
                 rc = self._loop_once(0.2)
@@ -321,7 +327,7 @@ class MqttTransport:
                 delay = backoff(attempt, m.reconnect_min_s, m.reconnect_max_s)
                 attempt += 1
                 log.warning("connection to the broker lost (%s); reconnecting in %.1f s", mqtt.error_string(rc), delay)
-                self._stop.wait(delay)
+                self._leaving.wait(delay)
                 continue
             if self.connected.is_set():
                 up_since = up_since or time.monotonic()
