@@ -185,6 +185,20 @@ def test_bad_input_is_one_line_exit_1(args, fragments):
     assert_one_line_error(k2edge(*args, check=False), *fragments)
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["infer", MODEL, "-p", "c2", "models/digits/samples/digit-0-9.jpg", "missing.jpg"], "input file 'missing.jpg' does not exist"),
+    (["eval", MODEL, "-p", "c2", "--dataset", "nowhere/"], "dataset 'nowhere/' does not exist"),
+    (["cloud", "curve", MODEL, "-p", "c2", "--dataset", "nowhere.npz"], "dataset 'nowhere.npz' does not exist"),
+])
+def test_a_missing_input_is_told_before_the_engine_is_built(tmp_path, args, fragment):
+    """c2 is INT8: from an empty cache its build calibrates and checks (a line on stderr, minutes on a large model);
+    a mistyped input path is the one line, and nothing was built into the cache."""
+    cache = tmp_path / "cache"
+    proc = k2edge(*args, "--cache", str(cache), check=False)
+    assert_one_line_error(proc, fragment)
+    assert not cache.exists() or not any(cache.rglob("*.onnx")), sorted(cache.rglob("*"))
+
+
 def test_wrong_tensor_shape_is_one_line(tmp_path):
     np.save(tmp_path / "bad.npy", np.zeros((3, 28, 28), np.float32))
     assert_one_line_error(k2edge("infer", MODEL, "-p", "cpu-dev", str(tmp_path / "bad.npy"), check=False),

@@ -33,6 +33,9 @@ def run(args) -> int:
     from ..engine.evaluate import (EVAL_MAX_DETECTIONS, EVAL_SCORE_THRESHOLD, evaluate_detector, evaluate_instances,
                                    open_eval_set)
 
+    from ..model.datasets import existing
+
+    existing(args.dataset)  # a mistyped path is told before a build that may take minutes
     engine = build_engine(args)
     dataset = open_eval_set(engine, args.dataset, args.limit)
     progress = Progress(len(dataset), "eval", json_output=args.json)

@@ -89,6 +89,18 @@ class Dataset:
         return Dataset(self.source, self.samples[:n], labels, self.class_names)
 
 
+def existing(path: str | os.PathLike, what: str = "dataset") -> Path:
+    """``path``, which must name something (a file or a folder): told before a command builds an engine.
+
+    Raises:
+        DatasetError: nothing is there.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise DatasetError(f"{what} {os.fspath(path)!r} does not exist")
+    return p
+
+
 def open_dataset(path: str | os.PathLike, labels: Sequence[str] | None = None, what: str = "dataset") -> Dataset:
     """Open an ImageFolder directory or an ``.npz`` file.
 
@@ -99,9 +111,7 @@ def open_dataset(path: str | os.PathLike, labels: Sequence[str] | None = None, w
     Raises:
         DatasetError: missing, empty or malformed.
     """
-    p = Path(path)
-    if not p.exists():
-        raise DatasetError(f"{what} {os.fspath(path)!r} does not exist")
+    p = existing(path, what)
     if p.is_file():
         if p.suffix != ".npz":
             coco = " (a COCO .json is a detector's evaluation set)" if is_coco(p) else ""
