@@ -491,6 +491,9 @@ def test_cli_ctrl_c_keeps_results_and_resume_finishes(tmp_path):
     doc = json.loads((out / "results.json").read_text())
     kept = [r["name"] for r in doc["configs"]]
     assert doc["status"] == "interrupted" and 1 <= len(kept) < 4
+    finished = sum(len(r["runs"]) for r in doc["configs"] if r["status"] in ("ok", "partial"))
+    full = sum(1 for r in doc["configs"] if r["status"] == "ok")  # the line counts what the file keeps
+    assert f"interrupted with {full} of 4 configuration(s) measured in full ({finished} run(s) finished)" in stderr, stderr
     assert "▶ recommended" not in stdout and "▷ provisional, from an incomplete sweep" in stdout, stdout
     proc = k2edge(*args, "--resume")
     assert proc.returncode == 0, proc.stderr

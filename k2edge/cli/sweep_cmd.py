@@ -103,8 +103,10 @@ def run(args) -> int:
         print_table(doc)
     if outcome.interrupted:
         done = sum(1 for r in doc["configs"] if r["status"] == "ok")
-        print(f"k2edge {COMMAND}: interrupted with {done} of {len(configs)} configuration(s) measured; they are kept in "
-              f"{out / 'results.json'}. Continue with: {_resume_command()}", file=sys.stderr)
+        runs = sum(len(r["runs"]) for r in doc["configs"] if r["status"] in ("ok", "partial"))
+        print(f"k2edge {COMMAND}: interrupted with {done} of {len(configs)} configuration(s) measured in full "
+              f"({runs} run(s) finished); every finished run is kept in {out / 'results.json'}. Continue with: "
+              f"{_resume_command()}", file=sys.stderr)
         return 130
     rec = doc["recommendation"]
     if not rec or not rec.get("name"):
