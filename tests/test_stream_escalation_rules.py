@@ -350,3 +350,37 @@ def test_a_stream_raises_track_end_with_its_scores_and_selects_events_with_their
     assert sel.index == 1 and "mean score" in sel.reason and stats.best == 0.9
     assert 2 <= len(crops) <= 3 and int(crops[0][0, 0, 0]) == 2  # the best crop first: cut from frame 2
     assert not any(e["event"] == "track_end" for t in run(()) for e in t.events)
+
+
+def test_the_end_of_a_file_ends_the_tracks_still_in_view_and_the_rules_judge_them():
+    """A file read to its end with an object still in view: Stream.end_of_file ends its track at the last frame, with
+    its zone leave and its track_end (the rule selects it, with the track's kept crops), the zone's count goes back to
+    nothing inside, and a second call ends nothing."""
+    import time
+
+    from k2edge.streams.reader import Frame, StreamReader
+    from k2edge.streams.source import parse_source
+    from k2edge.streams.stream import Stream, StreamFrame
+
+    class Quiet:
+        def on_frame(self, r): pass
+
+        def on_state(self, r, *a): pass
+
+    rule = EscalationRule(on="track_end", when="low_confidence", threshold=0.7, images="track", count=2)
+    s = Stream("cam", "boxes", StreamReader("cam", parse_source("file:///nowhere.mp4"), Quiet()),
+               [("all", [(0, 0), (320, 0), (320, 240), (0, 240)])], [], max_lost_s=0.3, rules=[rule])
+    t0 = time.monotonic() - 50
+    for i in range(12):
+        img = np.full((240, 320, 3), i, np.uint8)
+        dets = [{"index": 1, "label": "7", "score": 0.6, "box": [100.0 + i, 80.0, 120.0 + i, 100.0]}]
+        tracked = s.track(StreamFrame(s, Frame(i, i / 15, time.time(), t0 + i / 15, t0 + i / 15, img), time.monotonic()), dets)
+        assert not any(e["event"] in ("zone_leave", "track_end") for e in tracked.events)
+    assert s.analytics.counts()["zones"]["all"]["inside"] == {"7": 1}
+    end = s.end_of_file()
+    assert [e["event"] for e in end.events] == ["zone_leave", "track_end"], end.events
+    assert all(e["frame"] == 11 and e["reason"] == "the file ended: every track ended" for e in end.events)
+    (pos, (sel, crops, stats)), = end.escalations.items()
+    assert end.events[pos]["event"] == "track_end" and sel.rule is rule and stats.frames == 12 and len(crops) >= 1
+    assert s.analytics.counts()["zones"]["all"]["inside"] == {}
+    assert s.end_of_file().events == []

@@ -373,6 +373,7 @@ def test_watch_prints_every_frame_of_a_file_as_the_daemon_publishes_it(tmp_path)
     assert all(isinstance(d["track_id"], int) for f in frames for d in f["detections"])
     assert [e["event"] for e in events][0] == "stream_up" and events[-1]["event"] == "stream_ended"
     assert not any("frame" in e for e in events)
+    assert {x["stream"] for x in lines} == {"gate"}  # named as the daemon names the configured stream
     assert f"{len(frames)} frame(s) processed" in out.stderr
     crossings = sorted((e["label"], e["direction"]) for e in events if e["event"] == "line_cross")
     assert crossings == sorted((c.label, c.direction) for c in sc.crossings)  # the config's line, its events

@@ -181,7 +181,15 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     events = _messages(client, "events")
     assert _crossings(events) == _expected(crossing)
     assert len({e["event_id"] for e in events}) == len(events)
-    tracked_events = [e for e in events if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    # the file's end ends the tracks still in view: each left the zone it entered, at the last frame, without a
+    # snapshot (it is in no frame after it), and before stream_ended
+    enters, leaves = _events(client, "zone_enter"), _events(client, "zone_leave")
+    assert sorted(e["track_id"] for e in enters) == sorted(e["track_id"] for e in leaves), (enters, leaves)
+    at_end = [e for e in events[:ended] if e.get("reason") == "the file ended: every track ended"]
+    assert at_end and all(e["event"] == "zone_leave" and e["snapshot"] is None and "file ended" in e["snapshot_error"]
+                          for e in at_end), at_end
+    assert {e["frame"] for e in at_end} == {frames[-1]["frame"]}, at_end
+    tracked_events = [e for e in events if e["event"] in ("zone_enter", "zone_leave", "line_cross") and e not in at_end]
     client.wait_for(lambda c: len(c.binary) >= len(tracked_events), 30)
     judged = [_check_snapshot(client, e) for e in tracked_events]
     print(f"{len(judged)} snapshots judged: the box drawn where the event says, on {sum(judged)} of them")
@@ -200,6 +208,7 @@ def test_a_file_stream_publishes_tracked_detections_and_the_crossings_of_its_gro
     frames = _messages(client, "detections")  # the last frame may have finished after stream_ended was sent
     assert st["source"] == crossing.path.as_uri() and st["reconnects"] == 0 and st["last_error"] is None
     assert st["processed"] == len(frames) and st["processed"] + st["dropped"] == st["decoded"] == len(crossing.truth.frames)
+    assert st["counts"]["zones"]["right"]["inside"] == {}, st["counts"]["zones"]  # nothing is in view once it ended
     door = st["counts"]["lines"]["door"]
     assert Counter({(k, d): n for d in ("in", "out") for k, n in door[d].items()}) == _expected(crossing)
     decoded = 'k2edge_stream_frames_total{outcome="decoded",stream="cam"}'
@@ -234,8 +243,9 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     _wait_crossings(client, crossing)
     assert _crossings(_messages(client, "events")) == _expected(crossing)
     tracked_events = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
-    assert tracked_events and all(e["snapshot"] is None and e["snapshot_error"].startswith("no snapshot: ")
-                                  and "File exists" in e["snapshot_error"] for e in tracked_events)
+    in_frames = [e for e in tracked_events if not e.get("reason")]  # not the leaves of the tracks the file's end ended
+    assert in_frames and all(e["snapshot"] is None and e["snapshot_error"].startswith("no snapshot: ")
+                             and "File exists" in e["snapshot_error"] for e in in_frames)
     assert not client.binary
     client.wait_for(lambda c: ((c.statuses[-1].get("storage") or {}).get("degraded") or "").startswith("cannot write media"), 30)
     client.wait_for(lambda c: (c.statuses[-1].get("streams", {}).get("dead", {}).get("state") == "reconnecting"), 30)
@@ -283,7 +293,9 @@ def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(ru
     published = {e["event_id"] for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")}
     assert {e["event_id"] for e in stored} == published
     with_media = [e for e in stored if e["snapshot"] is not None]
-    assert len(with_media) == len(stored)  # each had its snapshot when it was raised
+    in_frames = [e for e in stored if not e.get("reason")]  # the file's end ended the others: in no frame, no snapshot
+    assert len(with_media) == len(in_frames)  # each had its snapshot when it was raised
+    stored = in_frames
     files = sorted((state / "media").iterdir(), key=lambda p: p.stat().st_mtime)
     kept = {p.stem for p in files}
     assert sum(p.stat().st_size for p in files) <= budget and 0 < len(kept) < len(stored)
@@ -419,7 +431,9 @@ def test_clips_are_remuxed_around_each_event_and_announced(run_daemon, broker, c
     client.subscribe(STREAMS)
     run_daemon(models=[BOXES], streams=[_stream(video, clips=True, pre_s=1.0, post_s=1.0)])
     _wait_event(client, "stream_ended")
-    wanted = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")]
+    # the zone leaves the file's end made are in no frame: no clip (like an outage's)
+    wanted = [e for e in _messages(client, "events") if e["event"] in ("zone_enter", "zone_leave", "line_cross")
+              and not e.get("reason")]
     client.wait_for(lambda c: len(_events(c, "clip_ready")) >= len(wanted), 60)
     ready = {e["for_event"]: e for e in _events(client, "clip_ready")}
     assert set(ready) == {e["event_id"] for e in wanted}

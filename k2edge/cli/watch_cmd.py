@@ -174,11 +174,12 @@ def _watch(args) -> int:
                          "task = \"detection\" makes it a detector)")
     listener = _Listener()
     pace = "realtime" if args.realtime else "every"
-    reader = StreamReader(STREAM, spec, listener, backend=backend, pace=pace, fps=args.fps, read_timeout_s=args.read_timeout)
+    name = args.stream or STREAM  # the events and detections name the config's stream when it is given
+    reader = StreamReader(name, spec, listener, backend=backend, pace=pace, fps=args.fps, read_timeout_s=args.read_timeout)
     model = Path(args.model).stem if Path(args.model).stem != "model" else Path(args.model).resolve().parent.name
     if args.cloud_config:
         cloud = WatchCloud(settings, rules, say, as_json=args.json)
-    stream = listener.stream = Stream(STREAM, model, reader, zones, lines, max_lost_s=max_lost_s,
+    stream = listener.stream = Stream(name, model, reader, zones, lines, max_lost_s=max_lost_s,
                                       rules=rules if cloud is not None else ())
     writer = None
     frames = 0
@@ -186,9 +187,12 @@ def _watch(args) -> int:
 
     def emit(events: list[dict], frame: int | None, escalations: dict | None = None) -> None:
         for i, e in enumerate(events):
-            body = event_payload(STREAM, e, frame)
+            if e["event"] == "stream_ended":  # the file's end ends the tracks still open first, as the daemon does
+                tracks = stream.end_of_file()
+                emit(tracks.events, frame, tracks.escalations)
+            body = event_payload(name, e, frame)
             if cloud is not None and i in (escalations or {}):
-                cloud.submit(STREAM, body, escalations[i])
+                cloud.submit(name, body, escalations[i])
             if args.json:
                 body.pop("frame")  # event lines carry "event" and no "frame": a reader tells them from frame lines
                 say(json.dumps(body))
@@ -226,7 +230,7 @@ def _watch(args) -> int:
                 tracked = stream.track(item, detections)
                 latency = frame_latency(item.taken - item.frame.captured, t1 - t0, t2 - t1, 1,
                                         time.monotonic() - item.frame.captured)
-                body = detections_payload(STREAM, item.frame, model, None, tracked.detections, latency)
+                body = detections_payload(name, item.frame, model, None, tracked.detections, latency)
                 frames += 1
                 if args.json:
                     say(json.dumps(body))

@@ -181,16 +181,28 @@ class StreamPath:
             self.on_change()
 
     def _announce_end(self, stream: Stream, events: list[dict], index: int | None, stopping: bool = False) -> None:
-        """A file's stream_ended, once its frames are handed on: behind their events on the evidence thread
-        (those wait there for their snapshots and clips), else at once. With the evidence queue full it waits for
-        the next tick (not ahead of the frames in the queue), unless the daemon is stopping."""
+        """A file's stream_ended, once its frames are handed on, after the ends of the tracks still open
+        (:meth:`Stream.end_of_file`): behind the frames' events on the evidence thread (those wait there for their
+        snapshots and clips), else at once. With the evidence queue full it waits for the next tick (not ahead of
+        the frames in the queue), unless the daemon is stopping."""
         if not self._uses_evidence(stream):
-            self._publish_events(stream, events, index)
+            self._publish_end(stream, events, index)
         elif not self.evidence.submit((stream, _ENDED, events, index)):
             if stopping:
-                self._publish_events(stream, events, index)
+                self._publish_end(stream, events, index)
             else:
                 stream.keep_end((events, index))
+
+    def _publish_end(self, stream: Stream, events: list[dict], index: int | None) -> None:
+        tracks = stream.end_of_file()
+        escalations = tracks.escalations if self.escalations is not None else {}
+        if tracks.events:
+            # not in any frame: no snapshot, no clip (their escalations send the crops kept of the track)
+            why = "no snapshot: the file ended before the track did" if stream.snapshots else None
+            self._publish_events(stream, tracks.events, index, no_snapshot=why, escalations=escalations)
+        self._publish_events(stream, events, index)
+        if tracks.events and self.on_change is not None:
+            self.on_change()  # the zones' counts changed after the status with the last frame's
 
     def _uses_evidence(self, stream: Stream) -> bool:
         return self.evidence is not None and bool(stream.snapshots or stream.reader.packets is not None or stream.rules)
@@ -298,7 +310,7 @@ class StreamPath:
             return self._clip_ready(*job)
         if job[1] is _ENDED:
             stream, _, events, index = job
-            return self._publish_events(stream, events, index)
+            return self._publish_end(stream, events, index)
         stream, image, frame, pts, events, escalations = job
         snapshot_topic = topics.stream_snapshots_topic(self.prefix, stream.name)
         bodies, snapshots = [], {}

@@ -420,6 +420,19 @@ class Stream:
         why = "the file started again (loop = true)" if self.reader.loop else "the file was read again from its start"
         return self._end_every_track(f"{why}: every track ended")
 
+    def end_of_file(self) -> Tracked:
+        """The file ended (read to its end, not looping): every track ends at the last processed frame, with its
+        zone leaves, track ends and the rules' selections of them, so that an object still in view at the end is
+        counted out and judged like one that walked away. Called once, when no frame of the stream is in flight."""
+        events = self._end_every_track("the file ended: every track ended")
+        gone = set(self._outage_ended)
+        escalations = self._select(events, None, gone) if self.rules else {}
+        self._forget(self._outage_ended)
+        self._outage_ended = []
+        with self._lock:
+            self._counts = self.analytics.counts()
+        return Tracked([], events, escalations)
+
     def _end_every_track(self, reason: str) -> list[dict]:
         """End every track before this frame is tracked: their zone leaves and track ends, at the last processed
         frame, with ``reason``."""
