@@ -258,6 +258,9 @@ def test_a_source_that_never_opens_harms_nothing_and_sigterm_stops_the_readers(r
     assert d.terminate(timeout=60) == 0
     assert time.monotonic() - t0 < 30
     assert "hunter2" not in d.output()
+    # the retained offline status says what is read no more: the camera stopped, the file ended
+    client.wait_for(lambda c: c.statuses[-1]["state"] == "offline", 30)
+    assert {n: v["state"] for n, v in client.statuses[-1]["streams"].items()} == {"cam": "ended", "dead": "stopped"}
 
 
 def test_events_raised_while_the_broker_is_away_are_delivered_once_it_returns(run_daemon, broker, crossing, tmp_path):

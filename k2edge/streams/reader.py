@@ -185,6 +185,9 @@ class StreamReader:
         end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
+        with self._cond:  # read no more: the daemon's last status says so (an ended file or a source given up stays)
+            if self.state not in ("ended", "down"):
+                self.state = "stopped"
         return not any(t.is_alive() for t in self._threads)
 
     def _spawn(self) -> None:
