@@ -42,6 +42,22 @@ def test_without_the_token_or_password_nothing_is_shown(app):
     assert _get(app + "/api/streams", {"Authorization": "Basic !!!"})[0] == 401
 
 
+@pytest.mark.parametrize("token, password, said", [
+    ("t0ken", None, "unauthorised: give the token (Authorization: Bearer, or ?token=)"),
+    (None, "pa55", "unauthorised: give the password (HTTP Basic)"),
+    ("t0ken", "pa55", "unauthorised: give the token (Authorization: Bearer, or ?token=) or the password (HTTP Basic)"),
+])
+def test_a_refusal_names_only_the_ways_in_that_are_configured(token, password, said):
+    view = LiveView(None, token=token, password=password)
+    host, port = view.start("127.0.0.1", 0)
+    try:
+        status, headers, body = _get(f"http://{host}:{port}/api/streams")
+    finally:
+        view.stop()
+    assert status == 401 and json.loads(body) == {"error": said}
+    assert ("WWW-Authenticate" in headers) == (password is not None)
+
+
 def test_the_token_once_in_the_url_sets_a_cookie_and_bearer_and_basic_work(app):
     status, headers, body = _get(app + "/?token=s3cret-token")
     assert status == 200 and b"k2edge: streams" in body

@@ -103,6 +103,12 @@ class LiveView:
         return self._server.server_port if self._server is not None else None
 
     # what the endpoints return --------------------------------------------------------------------------
+    def how_to_sign_in(self) -> str:
+        """What a refused request should give: the ways this view is configured to take."""
+        ways = (["the token (Authorization: Bearer, or ?token=)"] if self.token is not None else []) + \
+            (["the password (HTTP Basic)"] if self.password is not None else [])
+        return "give " + " or ".join(ways)
+
     def authorised(self, headers, query: dict) -> tuple[bool, str | None]:
         """(allowed, a token to set as a cookie) for a request's headers and query."""
         if self.token is None and self.password is None:
@@ -202,8 +208,7 @@ class _Handler(BoundedHandler):
         allowed, cookie = self.app.authorised(self.headers, query)
         if not allowed:
             extra = {"WWW-Authenticate": 'Basic realm="k2edge"'} if self.app.password is not None else {}
-            return self._json({"error": "unauthorised: give the token (Authorization: Bearer, or ?token=) or the "
-                                        "password"}, HTTPStatus.UNAUTHORIZED, extra)
+            return self._json({"error": f"unauthorised: {self.app.how_to_sign_in()}"}, HTTPStatus.UNAUTHORIZED, extra)
         headers = {"Set-Cookie": f"{_COOKIE}={quote(cookie)}; HttpOnly; SameSite=Strict; Path=/"} if cookie else {}
         parts = [p for p in url.path.split("/") if p]
         if not parts:
