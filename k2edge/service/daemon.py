@@ -243,6 +243,9 @@ class Daemon:
         """The enabled ``[[streams]]``, each checked against its model's task; None without any (and without
         events of an earlier run still waiting in the event store to be delivered)."""
         enabled = [s for s in self.cfg.streams if s.enabled]
+        for j, s in enumerate(self.cfg.streams):
+            if s.enabled:
+                _rules_fit_labels(f"streams.{j}", s, runtimes[s.model])
         store = state_dir(self.cfg) / "events.sqlite"
         if not enabled and not store.exists():
             return None
@@ -528,6 +531,22 @@ def serve(cfg: DaemonConfig) -> int:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     return daemon.run()
+
+
+def _rules_fit_labels(where: str, stream, rt: ModelRuntime) -> None:
+    """A stream's escalation rules name labels its model has (a typo would be a rule that never fires, like a zone
+    name the config refuses).
+
+    Raises:
+        ConfigError: naming the rule, the label and the model's labels.
+    """
+    known = set(rt.labels)
+    for i, rule in enumerate(stream.escalation):
+        unknown = [label for label in rule.labels if label not in known]
+        if unknown and known:
+            shown = ", ".join(repr(x) for x in rt.labels[:12]) + (", ..." if len(rt.labels) > 12 else "")
+            raise ConfigError(f"{where}.escalation.{i}.labels: no label {unknown[0]!r} in model {rt.name!r} "
+                              f"({len(rt.labels)} labels: {shown})")
 
 
 def _usable_state_dir(state: Path) -> Path:
