@@ -389,6 +389,31 @@ def test_watch_prints_every_frame_of_a_file_as_the_daemon_publishes_it(tmp_path)
     assert bad.returncode == 1 and bad.stderr.strip().endswith("has no such stream; it has gate"), bad.stderr
 
 
+def test_the_shipped_clip_is_the_crossing_scenario_and_watch_reads_it(tmp_path):
+    """models/detector/samples/crossing.mp4 (the README's first watch command) is what scenario_crossing writes: with
+    the scenario's line, watch raises the crossings of its ground truth on every one of its frames."""
+    import json
+
+    from mqtt_support import ROOT
+    from stream_videos import scenario_crossing
+
+    sc = scenario_crossing(tmp_path / "cross.mp4")  # for its ground truth
+    clip = ROOT / "models/detector/samples/crossing.mp4"
+    with av.open(str(clip)) as c:
+        assert sum(1 for _ in c.decode(video=0)) == len(sc.truth.frames)
+    (x0, y0), (x1, y1) = sc.line
+    config = tmp_path / "k2edge.toml"
+    config.write_text('device_id = "t"\n[[models]]\nname = "boxes"\nonnx = "m.onnx"\n[[streams]]\nname = "gate"\n'
+                      f'source = "file:///x.mp4"\nmodel = "boxes"\n[[streams.lines]]\nname = "door"\n'
+                      f'start = [{x0}, {y0}]\nend = [{x1}, {y1}]\n')
+    out = _watch(clip, "--json", "--config", config, "--stream", "gate")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [x["frame"] for x in lines if "frame" in x] == list(range(len(sc.truth.frames)))
+    crossings = sorted((e["label"], e["direction"]) for e in lines if e.get("event") == "line_cross")
+    assert crossings == sorted((c.label, c.direction) for c in sc.crossings) and crossings
+
+
 def test_watch_refuses_bad_sources_in_one_line(tmp_path):
     """A missing file, a malformed URI, a bad --fps: exit 1 or 2 with one line, no traceback."""
     for args in ((tmp_path / "none.mp4",), ("rtsp://u:hunter2@/x",), (tmp_path / "none.mp4", "--fps", "0")):
