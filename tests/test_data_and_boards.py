@@ -129,6 +129,7 @@ def test_board_detection_on_fake_trees(tmp_path, model, mem_kib, key, cores):
 
 def test_not_a_jetson(tmp_path):
     assert detect_board(tmp_path) is None and l4t_release(tmp_path) is None
+    assert jtop_service(tmp_path)["hint"] == "not expected here: jtop runs on a Jetson"  # no Jetson advice off one
 
 
 def test_a_limit_on_an_image_folder_takes_every_class():

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .check import Int8Check
 
 log = logging.getLogger(__name__)
+_TOLD_CALIBRATION: set[str] = set()  # the calibration sets found beside a model and named in the log
 
 BATCH_AXIS_SIZES = (2, 3)
 """The two batch sizes a model is normalised at to find what follows its batch (neither is 1: a batch of 1
@@ -270,7 +271,8 @@ class Engine:
         if plan.runs_int8:
             if calib is None:
                 calib = find_calibration(model_path)
-                if calib is not None:
+                if calib is not None and str(calib) not in _TOLD_CALIBRATION:  # once, not for every engine of it
+                    _TOLD_CALIBRATION.add(str(calib))
                     log.info("using the calibration set beside the model: %s", calib)
             if calib is None:
                 raise BuildError(

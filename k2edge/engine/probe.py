@@ -109,7 +109,8 @@ def jtop_service(root: Path = Path("/")) -> dict:
         except (OSError, subprocess.SubprocessError):
             pass
     if not state["socket"]:
-        state["hint"] = "start it with: sudo systemctl enable --now jtop.service (pip install jetson-stats)"
+        state["hint"] = ("start it with: sudo systemctl enable --now jtop.service (pip install jetson-stats)"
+                         if l4t_release(root) is not None else "not expected here: jtop runs on a Jetson")
     return state
 
 
