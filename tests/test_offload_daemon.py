@@ -213,20 +213,22 @@ def test_cloud_work_resumed_after_a_restart_is_answered_like_a_live_cloud_answer
             client.publish(TOPIC, _img(SAMPLES[i], id=f"resume-{i}", deadline_ms=120_000))
         _wait(lambda: _outbox_rows(state, "1") == 4 and len(k2.chat_requests) >= 1, "four requests in the outbox")
         d.proc.send_signal(signal.SIGTERM)
-        # the drain hands the queued cloud work back to the outbox (unleased) before it waits for the running calls
-        _wait(lambda: _outbox_rows(state, "lease_owner IS NULL") >= 2, "queued cloud work handed back")
+        # the drain hands the queued cloud work back to the outbox (unleased) before it waits for the running call, and
+        # the request waiting for the call slot too: it would have started a call once the running one ended
+        _wait(lambda: _outbox_rows(state, "lease_owner IS NULL") >= 3, "queued and waiting cloud work handed back")
         # and the draining daemon leaves it there: its outbox loop (a poll a second) takes nothing back
         left = time.monotonic() + 2.5
         while time.monotonic() < left:
-            assert _outbox_rows(state, "lease_owner IS NULL") >= 2, "the draining daemon took handed-back work again"
+            assert _outbox_rows(state, "lease_owner IS NULL") >= 3, "the draining daemon took handed-back work again"
             time.sleep(0.1)
-    assert d.proc.wait(timeout=60) == 0  # the running calls failed when the stand-in stopped: answered locally
+        assert len(k2.chat_requests) == 1, "a call was started while the daemon drained"
+    assert d.proc.wait(timeout=60) == 0  # the running call failed when the stand-in stopped: answered locally
 
     with K2StandIn() as k2:
         k2.fallback = answer("a cloud answer")
         kw = dict(models=[model], env={"K2_TEST_KEY": "k"}, service={"state_dir": str(state)}, tables={"cloud": _cloud(k2)})
         run_daemon(**kw)
-        client.wait_for(lambda c: sum(a.get("source") == "cloud" for a, _ in c.answers) >= 2, timeout=60)
+        client.wait_for(lambda c: sum(a.get("source") == "cloud" for a, _ in c.answers) >= 3, timeout=60)
         resumed = [a for a, _ in client.answers if a.get("source") == "cloud"]
         client.publish(TOPIC, _img(SAMPLES[5], id="live-1"))
         client.wait_for(lambda c: any(a.get("id") == "live-1" for a, _ in c.answers), timeout=30)

@@ -15,7 +15,7 @@ from typing import Callable, Literal, Union
 from .breaker import CircuitBreaker
 from .budget import RequestBudget
 from .client import CloudAnswer, K2Client
-from .errors import BreakerOpen, CloudError, CloudRejected, CloudTimeout
+from .errors import BreakerOpen, CallNotStarted, CloudError, CloudRejected, CloudTimeout
 from .image import prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
 from .policy import CloudHealth, Decision, EscalationPolicy, EscalationRequest
@@ -33,6 +33,7 @@ Render = Callable[[OutboxItem, Union[CloudAnswer, CloudError]], dict]
 # a cloud whose median round trip is longer than a request has left is not asked -- except once this often, so that
 # a cloud quick again is found (its quick answer then clears the record of the slow ones)
 LATENCY_PROBE_S = 10.0
+SLOT_POLL_S = 0.1  # a request waiting for a concurrency slot looks this often whether the daemon began to stop
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class CloudBridge:
         self.outbox = outbox or Outbox(settings.outbox_path or Path(state_dir))
         self._slots = threading.BoundedSemaphore(settings.concurrency)
         self.slots = self._slots  # the concurrency slots, shared with the streams' escalations
+        self.closing = threading.Event()  # set as the daemon stops: a call not started by then is not started
         self._lock = threading.Lock()
         self._counts = {k: 0 for k in ("requests", "escalated", "cloud_answers", "cloud_unanswered", "degraded", "deferred",
                                        "refused", "delivered")}
@@ -234,7 +236,7 @@ class CloudBridge:
                                    "left before the deadline")
         elif not self.budget.try_acquire():
             failure = CloudError(f"the cloud request budget ({self.settings.requests_per_minute}/min) is spent")
-        elif not self._slots.acquire(timeout=max(0.0, end - reserve - self._clock())):
+        elif not self._slot(max(0.0, end - reserve - self._clock())):
             failure = CloudError(f"{self.settings.concurrency} cloud calls are already in flight")
         else:
             if probing:
@@ -257,6 +259,21 @@ class CloudBridge:
             finally:
                 self._slots.release()
         return self._fallback(req, d, computed, thunk, failure, elapsed)
+
+    def _slot(self, wait_s: float) -> bool:
+        """A concurrency slot within ``wait_s`` seconds, or False.
+
+        Raises:
+            CallNotStarted: the daemon began to stop (:attr:`closing`) while this waited: the call is not made.
+        """
+        until = time.monotonic() + wait_s
+        while not self.closing.is_set():
+            left = until - time.monotonic()
+            if self._slots.acquire(timeout=max(0.0, min(SLOT_POLL_S, left))):
+                return True
+            if left <= SLOT_POLL_S:
+                return False
+        raise CallNotStarted("the daemon is stopping: the cloud call was not started")
 
     def _fallback(self, req, d: Decision, computed, thunk, failure: CloudError, elapsed) -> Outcome:
         self._count("cloud_unanswered")

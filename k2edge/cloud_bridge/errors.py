@@ -19,6 +19,7 @@ __all__ = [
     "CloudRejected",
     "BreakerOpen",
     "OutboxError",
+    "CallNotStarted",
 ]
 
 
@@ -82,3 +83,8 @@ class BreakerOpen(CloudUnavailable):
 
 class OutboxError(K2EdgeError):
     """The outbox database cannot be opened or written."""
+
+
+class CallNotStarted(K2EdgeError):
+    """The daemon began to stop while a request waited for a concurrency slot: no call was made, and the request
+    is the caller's to hand back (its outbox row answers it at the next start)."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from .. import tracing
 from ..cloud_bridge import (BridgeRequest, CloudAnswer, CloudBridge, CloudError, CloudHealth, CloudRejected, Decision,
                             EscalationPolicy, EscalationRequest, LocalResult, Outcome)
+from ..cloud_bridge.errors import CallNotStarted
 from ..cloud_bridge.outbox import OutboxItem
 from ..cloud_bridge.retry import scrub
 from ..config.schema import DaemonConfig, state_dir
@@ -154,6 +155,7 @@ class Escalation:
         if self.pool is None:
             return
         self._stop.set()
+        self.bridge.closing.set()  # and a call waiting for a concurrency slot is not started: handed back by _call
         with self._lock:
             queued = [oid for oid, fut in self._waiting.items() if fut.cancel()]
             for oid in queued:
@@ -346,6 +348,9 @@ class Escalation:
                     outcome = self.bridge.carry_out(req, d, local, deadline.remaining() if deadline.set else budget)
                 if not settled.taken:
                     body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
+        except CallNotStarted:  # the drain began while this waited for a slot: back to the outbox, as a queued call
+            if settled.claim():
+                self.bridge.outbox.unlease(oid, "the daemon stopped before the cloud call", 0.0)
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours
             log.exception("request %s: cloud offload failed", req.id)
             body = self.replies.error(w, INTERNAL, f"internal error in the cloud offload: {type(exc).__name__}")
