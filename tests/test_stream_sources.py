@@ -242,11 +242,11 @@ def test_loop_starts_again_and_keeps_counting(tmp_path):
             got.append(f)
         else:
             time.sleep(0.005)
-    assert r.stop(5.0)
+    assert r.state == "up" and r.reconnects == 0  # a loop is no reconnect
+    assert r.stop(5.0) and r.state == "stopped"
     assert [f.index for f in got] == list(range(25))
     assert [round(f.pts * 15) for f in got[:25]] == [i % 10 for i in range(25)]
     assert [round(f.time * 15) for f in got] == list(range(25))  # the tracker's clock goes on across the loops
-    assert r.state == "up" and r.reconnects == 0
 
 
 def test_pace_every_under_a_thermal_limit_slows_instead_of_shedding_and_a_pause_is_no_stall(tmp_path):

@@ -203,10 +203,12 @@ def _curve(args) -> int:
 
     from ..cloud_bridge.curve import escalation_curve
     from ..model.datasets import existing, open_labelled
+    from ..model.ingest import model_file
 
     if not 1 <= args.step <= 100:
         raise K2EdgeError(f"--step must be within [1, 100], got {args.step}")
-    existing(args.dataset)  # a mistyped path is told before a build that may take minutes
+    model_file(args.model)  # the model, then the dataset: a mistyped path is told before a build that may take minutes
+    existing(args.dataset)
     engine = build_engine(args)
     if engine.card.task == "obb":
         raise K2EdgeError("cloud curve needs an evaluation of the model's answers, and oriented boxes have none yet "

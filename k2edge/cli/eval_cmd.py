@@ -34,8 +34,10 @@ def run(args) -> int:
                                    open_eval_set)
 
     from ..model.datasets import existing
+    from ..model.ingest import model_file
 
-    existing(args.dataset)  # a mistyped path is told before a build that may take minutes
+    model_file(args.model)  # the model, then the dataset: a mistyped path is told before a build that may take minutes
+    existing(args.dataset)
     engine = build_engine(args)
     dataset = open_eval_set(engine, args.dataset, args.limit)
     progress = Progress(len(dataset), "eval", json_output=args.json)

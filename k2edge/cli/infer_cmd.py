@@ -108,7 +108,10 @@ def run(args) -> int:
     annotated = Path(args.save_annotated) if args.save_annotated else None
     if annotated is not None and not annotated.resolve().parent.is_dir():
         raise InputError(f"--save-annotated {args.save_annotated!r}: its directory does not exist")
-    for path in args.inputs:  # a mistyped path is told before a build that may take minutes (an INT8 calibration)
+    from ..model.ingest import model_file
+
+    model_file(args.model)  # the model, then the inputs: a mistyped path is told before a build that may take minutes
+    for path in args.inputs:
         input_file(path)
     engine = build_engine(args)
     task = engine.card.task

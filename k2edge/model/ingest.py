@@ -85,6 +85,20 @@ class NormalisedModel:
         return {p.key: p.value for p in self.model.metadata_props}
 
 
+def model_file(source: str | os.PathLike) -> Path:
+    """``source`` as a model file's path, told before anything is built from it.
+
+    Raises:
+        ModelError: a directory, or nothing there.
+    """
+    path = Path(source)
+    if path.is_dir():
+        raise ModelError(f"{str(path)!r} is a directory; expected an ONNX model file")
+    if not path.is_file():
+        raise ModelError(f"model file {str(path)!r} does not exist")
+    return path
+
+
 def load_onnx(source: str | os.PathLike | bytes | onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
     """Load a model from a path, bytes or a ModelProto.
 
@@ -101,11 +115,7 @@ def load_onnx(source: str | os.PathLike | bytes | onnx.ModelProto) -> tuple[onnx
             return onnx.load_from_string(bytes(source)), "<bytes>"
         except Exception as exc:  # protobuf raises DecodeError or RuntimeWarning subclasses
             raise ModelError(f"not an ONNX model: {exc}") from None
-    path = Path(source)
-    if path.is_dir():
-        raise ModelError(f"{str(path)!r} is a directory; expected an ONNX model file")
-    if not path.is_file():
-        raise ModelError(f"model file {str(path)!r} does not exist")
+    path = model_file(source)
     try:
         model = onnx.load(str(path))
     except Exception as exc:
