@@ -33,7 +33,7 @@ class EscalationRule(_Strict):
     zone: str | None = Field(None, description="zone_enter / zone_leave: only this zone")
     line: str | None = Field(None, description="line_cross: only this line")
     labels: tuple[str, ...] = Field((), description="only tracks with these labels (the model's: one it lacks is "
-                                                    "refused at start); empty: every label")
+                                                    "a warning in the stream's status); empty: every label")
     when: Literal["always", "low_confidence"] = "always"
     threshold: float | None = Field(None, gt=0, le=1, description="low_confidence: escalate when the track's score "
                                     "by measure is below this")

@@ -243,16 +243,16 @@ class Daemon:
         """The enabled ``[[streams]]``, each checked against its model's task; None without any (and without
         events of an earlier run still waiting in the event store to be delivered)."""
         enabled = [s for s in self.cfg.streams if s.enabled]
-        for j, s in enumerate(self.cfg.streams):
-            if s.enabled:
-                _rules_fit_labels(f"streams.{j}", s, runtimes[s.model])
         store = state_dir(self.cfg) / "events.sqlite"
         if not enabled and not store.exists():
             return None
-        return StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
+        path = StreamPath(enabled, self.cfg.prefix, self.transport, EventStore(store), wakeups, self.metrics,
                           on_change=self.publish_status, passwords=passwords,
                           media=MediaStore(store.parent / "media", self.cfg.storage.max_bytes,
                                            self.cfg.storage.max_age_days * 86400), cloud=self.escalation.bridge)
+        for name, rt in runtimes.items():
+            path.follow_labels(name, rt.labels)
+        return path
 
     # the deploy lifecycle's host -------------------------------------------------------------------
     def build_runtime(self, m, version: str | None) -> ModelRuntime:
@@ -274,6 +274,8 @@ class Daemon:
         """A deploy or rollback swapped new engines in: policy, metrics, status."""
         rt = self.batchers[name].next_runtime()
         self.escalation.use(name, self._escalation_for(rt))
+        if self.streams is not None:
+            self.streams.follow_labels(name, rt.labels)
         if self.metrics is not None:
             self.metrics.set_model(name, rt.version, rt.profile_name, rt.int8_check, rt.memory)
         self.publish_status()
@@ -531,22 +533,6 @@ def serve(cfg: DaemonConfig) -> int:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     return daemon.run()
-
-
-def _rules_fit_labels(where: str, stream, rt: ModelRuntime) -> None:
-    """A stream's escalation rules name labels its model has (a typo would be a rule that never fires, like a zone
-    name the config refuses).
-
-    Raises:
-        ConfigError: naming the rule, the label and the model's labels.
-    """
-    known = set(rt.labels)
-    for i, rule in enumerate(stream.escalation):
-        unknown = [label for label in rule.labels if label not in known]
-        if unknown and known:
-            shown = ", ".join(repr(x) for x in rt.labels[:12]) + (", ..." if len(rt.labels) > 12 else "")
-            raise ConfigError(f"{where}.escalation.{i}.labels: no label {unknown[0]!r} in model {rt.name!r} "
-                              f"({len(rt.labels)} labels: {shown})")
 
 
 def _usable_state_dir(state: Path) -> Path:

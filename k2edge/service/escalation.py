@@ -349,7 +349,8 @@ class Escalation:
                 if not settled.taken:
                     body = answer_from_outcome(self.replies.template(w), outcome, self.thermal.state.state)
         except CallNotStarted:  # the drain began while this waited for a slot: back to the outbox, as a queued call
-            if settled.claim():
+            # (whose local fallback, when armed, may still answer before the daemon is gone)
+            if not settled.taken:
                 self.bridge.outbox.unlease(oid, "the daemon stopped before the cloud call", 0.0)
         except Exception as exc:  # the bridge translates cloud failures; anything else is ours
             log.exception("request %s: cloud offload failed", req.id)

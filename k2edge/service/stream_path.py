@@ -48,7 +48,7 @@ from ..streams.evidence.clips import ClipInfo, PacketRing
 from ..streams.payload import detections_payload, event_payload, frame_latency
 from ..streams.reader import Frame, StreamReader, state_event
 from ..streams.source import backend_for, parse_source
-from ..streams.stream import Stream, StreamFrame
+from ..streams.stream import Stream, StreamFrame, Tracked
 from . import topics
 from .batcher import BatchClient
 from .event_store import EventStore
@@ -107,6 +107,12 @@ class StreamPath:
         self.evidence = EvidenceWorker(self.evidence_step) if wanted else None
 
     # lifecycle ------------------------------------------------------------------------------------
+    def follow_labels(self, model: str, labels) -> None:
+        """``model``'s labels, at start and after a deploy: each of its streams checks its rules against them."""
+        for s in self.streams.values():
+            if s.model == model:
+                s.follow_labels(labels)
+
     def frames(self, model: str) -> "StreamFrames":
         """Model ``model``'s frame client (for its batcher)."""
         return StreamFrames(self, [s for s in self.streams.values() if s.model == model])
@@ -194,7 +200,9 @@ class StreamPath:
                 stream.keep_end((events, index))
 
     def _publish_end(self, stream: Stream, events: list[dict], index: int | None) -> None:
-        tracks = stream.end_of_file()
+        # a frame still in flight (a stop that did not wait for it) is being tracked on the batcher's thread: the tracks
+        # are left as they are then (no frame can be taken any more: the stream accepts none once the stop began)
+        tracks = stream.end_of_file() if not stream.unconcluded else Tracked([], [])
         escalations = tracks.escalations if self.escalations is not None else {}
         if tracks.events:
             # not in any frame: no snapshot, no clip (their escalations send the crops kept of the track)

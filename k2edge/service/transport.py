@@ -313,6 +313,8 @@ class MqttTransport:
                     log.warning("broker %s:%d unreachable (%s); retrying in %.1f s", m.host, m.port, exc, delay)
                     self._leaving.wait(delay)
                     continue
+                if self._closing:  # stop() came while this connected: its DISCONNECT found no socket to go on
+                    self.client.disconnect()
             try:
                 rc = self._loop_once(0.2)
             except Exception:  # a bug in a callback must not end the network thread

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ..config.stream_escalation import EscalationRule
 
-__all__ = ["Selection", "TrackStats", "render_prompt", "select"]
+__all__ = ["Selection", "TrackStats", "label_warnings", "render_prompt", "select"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,21 @@ class Selection:
     rule: EscalationRule
     prompt: str
     reason: str
+
+
+def label_warnings(rules: Sequence[EscalationRule], labels: Sequence[str]) -> list[str]:
+    """One line per rule that names a label the model lacks (such a rule can never fire); none without labels."""
+    known = set(labels)
+    if not known:
+        return []
+    shown = ", ".join(repr(x) for x in labels[:12]) + (", ..." if len(labels) > 12 else "")
+    out = []
+    for i, rule in enumerate(rules):
+        unknown = [x for x in rule.labels if x not in known]
+        if unknown:
+            out.append(f"escalation.{i}.labels: {', '.join(repr(x) for x in unknown)} not among the model's "
+                       f"{len(labels)} labels ({shown}): the rule can never fire for {'it' if len(unknown) == 1 else 'them'}")
+    return out
 
 
 def render_prompt(template: str, event: dict, stream: str) -> str:

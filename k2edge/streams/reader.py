@@ -6,6 +6,7 @@ States (:data:`STATES`)::
     reconnecting --first frame after a reopen--> up
     starting | reconnecting --a failure retrying cannot help (no such file, no video stream)--> down
     up --a file's end (loop = false)--> ended
+    any but ended and down --stop(), its threads gone--> stopped
 
 A frame waits in the reader's slot until the processing side takes it; a newer one replaces it
 and the older is counted as dropped, never queued. So a processed frame is at most one frame
@@ -53,7 +54,7 @@ from .throttle import FrameGate, NonrefSkip
 
 log = logging.getLogger(__name__)
 
-STATES = ("starting", "up", "reconnecting", "down", "ended")
+STATES = ("starting", "up", "reconnecting", "down", "ended", "stopped")
 RECONNECT_MIN_S = 0.1
 
 
@@ -185,10 +186,11 @@ class StreamReader:
         end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
+        ended = not any(t.is_alive() for t in self._threads)
         with self._cond:  # read no more: the daemon's last status says so (an ended file or a source given up stays)
-            if self.state not in ("ended", "down"):
+            if ended and self.state not in ("ended", "down"):
                 self.state = "stopped"
-        return not any(t.is_alive() for t in self._threads)
+        return ended
 
     def _spawn(self) -> None:
         gen = self._generation

@@ -132,6 +132,7 @@ class Stream:
         self.frame_errors = 0
         self.frame_size: tuple[int, int] | None = None  # (width, height), from the first processed frame
         self.warnings: list[str] = []
+        self._rule_warnings: list[str] = []  # rules naming labels the model lacks (follow_labels)
         self._in_flight = False
         self._open = 0  # frames taken whose detections and events are not handed on yet (conclude)
         self._end: tuple | None = None  # the reader's stream_ended, waiting for the frames before it (defer_end)
@@ -459,6 +460,18 @@ class Stream:
         for w in self.warnings:
             log.warning("stream %s: %s", self.name, w)
 
+    def follow_labels(self, labels) -> None:
+        """The model's labels (at start, and after a deploy): a rule naming one it lacks can never fire; said in
+        the status' warnings and logged (not refused: a deploy that relabels the model must not stop the next
+        start)."""
+        from .escalation_rules import label_warnings
+
+        found = label_warnings(self.rules, tuple(labels))
+        for w in found:
+            if w not in self._rule_warnings:
+                log.warning("stream %s: %s", self.name, w)
+        self._rule_warnings = found
+
     # the live view ------------------------------------------------------------------------------------
     def watch(self) -> None:
         """A live viewer asked for a frame: keep the newest processed frame for :data:`WATCH_S` seconds."""
@@ -540,6 +553,6 @@ class Stream:
                 "frame_size": list(self.frame_size) if self.frame_size else None, "decoded": r.decoded,
                 "processed": self.processed, "dropped": r.dropped, "shed": r.shed, "skipped": r.skipped, "limit": limit,
                 "corrupt": r.corrupt, "reconnects": r.reconnects,
-                "last_error": r.last_error, "warnings": list(self.warnings), "counts": counts,
+                "last_error": r.last_error, "warnings": [*self.warnings, *self._rule_warnings], "counts": counts,
                 "snapshots": snapshots if self.snapshots else None,
                 "clips": {**r.packets.status(), **clips} if r.packets is not None else None}
