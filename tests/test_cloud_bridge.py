@@ -790,6 +790,25 @@ def test_outbox_put_is_idempotent_and_claims_hold_a_lease(tmp_path):
     box.close()
 
 
+def test_a_stopping_delivery_loop_starts_no_more_calls_and_gives_its_claimed_rows_back_untried(tmp_path):
+    """The daemon stops while a delivery turn holds three claimed rows: the call under way finishes, the two not
+    started go back at once (due, not leased, their claim's attempt not counted) for the next start."""
+    clock = FakeClock(1000.0)
+    box = Outbox(tmp_path, lease_s=30, clock=clock)
+    for rid in ("a", "b", "c"):
+        box.put(rid, f"t/{rid}", None, {})
+    stop, sent = threading.Event(), []
+
+    def send(item):
+        sent.append(item.id)
+        stop.set()  # the drain begins during this call
+
+    assert box.deliver_once(send, stop=stop) == 1 and sent == ["a"]
+    assert [i.id for i in box.due()] == ["b", "c"]
+    assert [box.get(r).attempts for r in ("b", "c")] == [0, 0]
+    box.close()
+
+
 def test_outbox_crash_mid_delivery_retries_but_never_resends_a_delivered_id(tmp_path):
     """A process dies holding a lease: after restart the row is claimed again; once delivered, never again."""
     clock = FakeClock(1000.0)

@@ -174,6 +174,12 @@ class Outbox:
             "UPDATE outbox SET lease_owner = NULL, lease_until = NULL, next_attempt_at = ?, last_error = ? "
             "WHERE id = ? AND status = 'pending'", (now + max(0.0, retry_in_s), error[:500], request_id)))
 
+    def release(self, request_ids: list[str]) -> None:
+        """Give claimed rows back untried: no longer leased, due as they were, the claim's attempt not counted."""
+        self._run(lambda db: db.executemany(
+            "UPDATE outbox SET lease_owner = NULL, lease_until = NULL, attempts = MAX(0, attempts - 1) "
+            "WHERE id = ? AND status = 'pending'", [(i,) for i in request_ids]))
+
     def purge_delivered(self, older_than_s: float = 7 * 86400) -> int:
         """Delete delivered rows older than ``older_than_s`` (their ids are no longer remembered)."""
         cut = self._clock() - older_than_s
@@ -211,14 +217,20 @@ class Outbox:
 
     # delivery ----------------------------------------------------------------------------------
     def deliver_once(self, send: Callable[[OutboxItem], None], limit: int = 16,
-                     retry_in_s: Callable[[OutboxItem, Exception], float] | None = None) -> int:
+                     retry_in_s: Callable[[OutboxItem, Exception], float] | None = None,
+                     stop: threading.Event | None = None) -> int:
         """Claim due rows and ``send`` each; mark delivered when ``send`` returns, unlease when it raises.
 
         ``send`` raising :class:`Postpone` unleases the row without counting a failure
-        (e.g. the cloud budget is spent for this minute). Returns how many were delivered.
+        (e.g. the cloud budget is spent for this minute). Once ``stop`` is set, the rows not sent yet go back
+        untried (:meth:`release`): a stopping daemon starts no more cloud calls. Returns how many were delivered.
         """
         delivered = 0
-        for item in self.claim(limit):
+        items = self.claim(limit)
+        for n, item in enumerate(items):
+            if stop is not None and stop.is_set():
+                self.release([i.id for i in items[n:]])
+                break
             try:
                 send(item)
             except Exception as exc:
@@ -235,7 +247,7 @@ class Outbox:
         """The delivery loop for a worker thread: :meth:`deliver_once` until ``stop`` is set."""
         while not stop.is_set():
             try:
-                self.deliver_once(send, retry_in_s=retry_in_s)
+                self.deliver_once(send, retry_in_s=retry_in_s, stop=stop)
             except OutboxError:
                 log.exception("outbox delivery failed")
             stop.wait(poll_s)
