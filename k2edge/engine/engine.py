@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from .check import Int8Check
 
 log = logging.getLogger(__name__)
-_TOLD_CALIBRATION: set[str] = set()  # the calibration sets found beside a model and named in the log
 
 BATCH_AXIS_SIZES = (2, 3)
 """The two batch sizes a model is normalised at to find what follows its batch (neither is 1: a batch of 1
@@ -203,12 +202,13 @@ class Engine:
         plan = plan_partition(loaded.normalised, profile, board, precision)
         task = _resolve_task(loaded, card_overrides, labels)
         hits: dict[str, bool] = {}
-        quant, plan, int8_check, calib_source = cls._int8_step(
+        quant, plan, int8_check, dataset, _ = cls._int8_step(
             loaded.normalised, plan, calib, check, loaded.path, profile, task.labels, task.card, task.preprocess, cache,
             profile.edge_runtime, progress, precision, hits)
         runner = _backend_step(backend, loaded.normalised, plan, quant, cache, profile, threads_per_lane, spinning)
         hits["engine"] = runner.build.cached
-        info = BuildInfo(hits, time.perf_counter() - started, calib_source, tuple(runner.build.notes), int8_check)
+        info = BuildInfo(hits, time.perf_counter() - started, dataset.source if dataset is not None else None,
+                         tuple(runner.build.notes), int8_check)
         return cls(runner, plan, loaded.normalised, profile, task.card, task.labels, info)
 
     @classmethod
@@ -227,7 +227,10 @@ class Engine:
             step = cls._int8_step(loaded.normalised, plan, calib, check, loaded.path, profile, task.labels, task.card,
                                   task.preprocess, cache, profile.edge_runtime, progress, precision, hits)
             built.append((loaded, task, step))
-        (small, task, (quant, plan, int8_check, calib_source)), (large, _, (quant2, plan2, _, _)) = built
+            # the next batch size takes the sets as opened (found beside the model, read and logged once)
+            calib, check = step[3] if step[3] is not None else calib, step[4] if step[4] is not None else check
+        (small, task, (quant, plan, int8_check, dataset, _)), (large, _, (quant2, plan2, _, _, _)) = built
+        calib_source = dataset.source if dataset is not None else None
         if _placement(plan) != _placement(plan2):
             raise BuildError(f"{small.normalised.source}: the plan differs between batch sizes "
                              f"{BATCH_AXIS_SIZES[0]} and {BATCH_AXIS_SIZES[1]}; build one engine per batch size")
@@ -263,16 +266,15 @@ class Engine:
                    profile: Profile, label_names: tuple[str, ...], resolved: ModelCard, preprocess: Preprocess,
                    cache: EngineCache, er, progress, precision: str | None, hits: dict):
         """Calibrate and check the plan's INT8 layers (falling back where the chain allows); records the
-        cache hit in ``hits``. Returns ``(quant, plan, int8_check, calib_source)``, all None but the plan
-        when no layer runs INT8."""
+        cache hit in ``hits``. Returns ``(quant, plan, int8_check, calibration set, check set)``, all None but
+        the plan when no layer runs INT8 (the sets as opened: a second plan of the same build takes them)."""
         quant = None
         int8_check = None
-        calib_source = None
+        dataset = checking = None
         if plan.runs_int8:
             if calib is None:
                 calib = find_calibration(model_path)
-                if calib is not None and str(calib) not in _TOLD_CALIBRATION:  # once, not for every engine of it
-                    _TOLD_CALIBRATION.add(str(calib))
+                if calib is not None:
                     log.info("using the calibration set beside the model: %s", calib)
             if calib is None:
                 raise BuildError(
@@ -284,8 +286,6 @@ class Engine:
             sample_shape = normalised.graph.shape(normalised.graph.inputs[0])[1:]
             dataset = calib if isinstance(calib, Dataset) else open_calibration(calib, label_names)
             check_fits(dataset, sample_shape, "calibration set")
-            calib_source = dataset.source
-            checking = None
             if check is not None:
                 checking = check if isinstance(check, Dataset) else open_calibration(check, label_names, "check set")
                 check_fits(checking, sample_shape, "check set")
@@ -297,7 +297,7 @@ class Engine:
             quant, plan, int8_check = decision.quant, decision.plan, decision.check
             hits["int8"] = decision.cached
             _report_check(int8_check, precision)
-        return quant, plan, int8_check, calib_source
+        return quant, plan, int8_check, dataset, checking
 
     # lifecycle -------------------------------------------------------------------------------
     def activate(self) -> "Engine":
