@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .analytics import Analytics, Line as CountLine, Zone, frame_warnings
-from .escalation_rules import Selection, TrackStats, select
+from .escalation_rules import Selection, TrackStats, label_warnings, select
 from .reader import Frame, StreamReader
 from .throttle import StreamLimit, limit_events, stream_limit
 from .tracker import ByteTracker
@@ -464,8 +464,6 @@ class Stream:
         """The model's labels (at start, and after a deploy): a rule naming one it lacks can never fire; said in
         the status' warnings and logged (not refused: a deploy that relabels the model must not stop the next
         start)."""
-        from .escalation_rules import label_warnings
-
         found = label_warnings(self.rules, tuple(labels))
         for w in found:
             if w not in self._rule_warnings:
