@@ -343,6 +343,17 @@ def test_request_budget_is_a_sliding_minute():
     assert RequestBudget(None).try_acquire() and RequestBudget(None).remaining() is None
 
 
+def test_a_request_whose_call_was_not_made_goes_back_to_the_budget():
+    """refund gives back the latest spend, and a stream's spend to its share too."""
+    budget = RequestBudget(2, FakeClock(0.0))
+    assert budget.try_acquire() and budget.try_acquire_share(1.0) and budget.remaining() == 0
+    budget.refund(shared=True)
+    assert budget.remaining() == 1 and budget.try_acquire_share(0.5)  # the share's one request is free again
+    budget.refund()
+    assert budget.remaining() == 1 and budget.snapshot()["refused"] == 0
+    RequestBudget(None).refund()
+
+
 # the policy -------------------------------------------------------------------------------------------
 def local(scores, num_classes=10):
     return LocalResult(tuple({"index": i, "label": f"c{i}", "score": s} for i, s in enumerate(scores)), None, num_classes)
@@ -684,6 +695,28 @@ def test_budget_spent_answers_locally(k2, tmp_path):
     second = bridge.handle(BridgeRequest("r2", "digits"), UNSURE, 3.0, "normal")
     assert second.source == "edge" and second.degraded and "budget" in second.reason
     assert len(k2.chat_requests) == 1
+    bridge.close()
+
+
+def test_escalations_that_made_no_call_spend_no_budget(k2, tmp_path):
+    """The budget counts the calls K2 sees: a request that found every concurrency slot taken until its deadline,
+    and one refused by the open breaker, are answered locally and spend nothing of it."""
+    bridge = make_bridge(k2, tmp_path, requests_per_minute=5, concurrency=1, breaker_failures=1, max_retries=0,
+                         timeout_s=2.0)
+    k2.script(hang(5.0))
+    slow = threading.Thread(target=bridge.handle, args=(BridgeRequest("r1", "digits"), UNSURE, 10.0, "normal"))
+    slow.start()
+    until = time.monotonic() + 10
+    while not k2.chat_requests and time.monotonic() < until:  # r1's call is at K2: its slot is taken for 2 s
+        time.sleep(0.01)
+    busy = bridge.handle(BridgeRequest("r2", "digits"), UNSURE, 0.3, "normal")
+    assert busy.source == "edge" and "already in flight" in busy.reason
+    assert bridge.status()["budget"]["remaining"] == 4  # r1's call only
+    slow.join()
+    assert bridge.breaker.state == "open"  # r1 timed out
+    refused = bridge.handle(BridgeRequest("r3", "digits"), UNSURE, 3.0, "normal")
+    assert refused.source == "edge" and "breaker" in refused.reason
+    assert bridge.status()["budget"]["remaining"] == 4 and len(k2.chat_requests) == 1
     bridge.close()
 
 

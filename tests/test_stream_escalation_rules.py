@@ -271,6 +271,25 @@ def test_an_outage_keeps_jobs_waiting_and_a_crash_after_storing_the_follow_up_ne
         assert esc2.jobs.due(1e12, set()) == []
 
 
+def test_a_job_waiting_for_a_concurrency_slot_spends_none_of_the_streams_share(tmp_path):
+    """Every slot taken (a request's call in flight): the job waits, each try taking and giving back a request of
+    the streams' share (6 tries took all 5 of it, and the job then waited for the window, a minute); once the slot
+    is free, it is asked and spends one."""
+    with K2StandIn() as k2:
+        esc, events, pub = _setup(tmp_path, k2, requests_per_minute=10, stream_share=0.5, concurrency=1)
+        body = _event(events, EscalationRule(on="line_cross", prompt="what {label}?"), esc, image=False)
+        budget = esc.bridge.budget
+        assert esc.bridge.slots.acquire(timeout=1)  # the one slot: a request's call
+        for _ in range(6):  # each waits 0.5 s for the slot
+            (job,) = esc.jobs.due(1e12, set())
+            assert esc.run(job) is None
+        assert "cloud calls are in flight" in esc.jobs.get(body["event_id"])["last_error"]
+        assert budget.remaining() == 10 and budget.share_resets_in_s(0.5) == 0 and k2.chat_requests == []
+        esc.bridge.slots.release()
+        (job,) = esc.jobs.due(1e12, set())
+        assert esc.run(job) == "described" and budget.remaining() == 9 and len(_follow_ups(pub)) == 1
+
+
 def test_a_job_whose_event_was_never_stored_is_dropped_at_start_and_the_queue_is_bounded(tmp_path, monkeypatch):
     """The job is written first; a crash before its event was stored leaves an orphan, dropped at the next start.
     Past MAX_WAITING jobs an event goes out marked skipped, counted."""

@@ -236,7 +236,7 @@ class CloudBridge:
                                    "left before the deadline")
         elif not self.budget.try_acquire():
             failure = CloudError(f"the cloud request budget ({self.settings.requests_per_minute}/min) is spent")
-        elif not self._slot(max(0.0, end - reserve - self._clock())):
+        elif not self._slot_or_refund(max(0.0, end - reserve - self._clock())):
             failure = CloudError(f"{self.settings.concurrency} cloud calls are already in flight")
         else:
             if probing:
@@ -246,6 +246,9 @@ class CloudBridge:
                 detections = list(computed.detections) if computed is not None and computed.detections is not None else None
                 answer = self.client.complete(req.image, req.mime, req.prompt, top_k, end - reserve - self._clock(),
                                               detections=detections)
+            except BreakerOpen as exc:  # refused before any call: it spent nothing
+                self.budget.refund()
+                failure = exc
             except CloudError as exc:
                 failure = exc
             else:
@@ -259,6 +262,17 @@ class CloudBridge:
             finally:
                 self._slots.release()
         return self._fallback(req, d, computed, thunk, failure, elapsed)
+
+    def _slot_or_refund(self, wait_s: float) -> bool:
+        """:meth:`_slot`, giving the budget back the request it took when no call will be made."""
+        try:
+            if self._slot(wait_s):
+                return True
+        except CallNotStarted:
+            self.budget.refund()
+            raise
+        self.budget.refund()
+        return False
 
     def _slot(self, wait_s: float) -> bool:
         """A concurrency slot within ``wait_s`` seconds, or False.
@@ -380,7 +394,8 @@ class CloudBridge:
         try:
             answer = self.client.complete(image, r.get("mime"), r.get("prompt"), r.get("top_k"), deadline,
                                           detections=r.get("detections"))
-        except BreakerOpen as exc:
+        except BreakerOpen as exc:  # refused before any call: it spent nothing
+            self.budget.refund()
             raise Postpone(str(exc), max(1.0, self.breaker.retry_in_s())) from None
         except CloudError as exc:
             self.last_error = scrub(str(exc))

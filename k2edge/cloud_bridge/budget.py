@@ -86,6 +86,19 @@ class RequestBudget:
             self._shared.append(now)
             return True
 
+    def refund(self, shared: bool = False) -> None:
+        """Give back one request spent by :meth:`try_acquire` (``shared``: by :meth:`try_acquire_share`) whose call was
+        never made (no concurrency slot, an open breaker, the daemon stopping): the budget caps the calls K2 sees,
+        not the attempts to make one. The latest spend goes back (the count is what limits; the window's oldest
+        spend still says when it resets)."""
+        if self.per_minute is None:
+            return
+        with self._lock:
+            if self._spent:
+                self._spent.pop()
+            if shared and self._shared:
+                self._shared.pop()
+
     def share_resets_in_s(self, share: float) -> float:
         """Seconds until :meth:`try_acquire_share` may succeed (0 when it may now; the window when the share is 0)."""
         if self.per_minute is None:

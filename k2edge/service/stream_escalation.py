@@ -291,6 +291,7 @@ class StreamEscalations:
             return self._wait(job, max(0.2, b.budget.share_resets_in_s(share)),
                               f"the streams' share ({share:g}) of the request budget is spent")
         if not b.slots.acquire(timeout=0.5):
+            b.budget.refund(shared=True)  # no call made: each wait for a slot took a request of the streams' share
             return self._wait(job, 0.2, f"{self.settings.concurrency} cloud calls are in flight")
         try:
             deadline = self.settings.timeout_s * (self.settings.max_retries + 1) + 1.0
@@ -299,6 +300,8 @@ class StreamEscalations:
                 answer = b.client.ask(_prepared(job.images), job_text(job.request), deadline,
                                       json_mode=job.request["verify"])
         except CloudError as exc:
+            if isinstance(exc, BreakerOpen):  # refused before any call: it spent nothing
+                b.budget.refund(shared=True)
             return self._failed_call(job, exc)
         finally:
             b.slots.release()
