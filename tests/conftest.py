@@ -164,13 +164,16 @@ def run_daemon(tmp_path, broker):
         started.append(d)
         if wait:
             watcher = Client(broker.port).connect()
-            try:
-                watcher.wait_for(lambda c: any(s.get("state") == "online" and s.get("device") == device
-                                               and s.get("time", 0) >= since for s in c.statuses), 120)
+            try:  # online, or the daemon exited (a refused config): its output says why, at once
+                watcher.wait_for(lambda c: d.proc.poll() is not None or any(
+                    s.get("state") == "online" and s.get("device") == device and s.get("time", 0) >= since
+                    for s in c.statuses), 120)
             except TimeoutError:
                 raise AssertionError(d.output()) from None
             finally:
                 watcher.close()
+            if d.proc.poll() is not None:
+                raise AssertionError(f"the daemon exited ({d.proc.returncode}) before it was online:\n{d.output()}")
         return d
 
     yield start

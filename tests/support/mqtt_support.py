@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -43,8 +44,35 @@ def tensor_request(arr, rid: str | None = None, **extra) -> dict:
     return body
 
 
+def _ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing listens on now, outside the kernel's ephemeral range.
+
+    A port the kernel handed out (bind to 0) is free only until it hands it out again, and it does, as the local
+    port of the next outgoing connection: with the suite's two workers connecting to brokers all the time, a daemon
+    given such a port for its metrics found it taken ("Address already in use"). Ports below the ephemeral range are
+    never given to outgoing connections, so only another free_port could pick the same one (chosen at random).
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(20000, 32768) if p not in ephemeral] or list(range(20000, 30000))
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -283,7 +311,7 @@ class Client:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"timed out; {len(self.answers)} answers, statuses {[s.get('state') for s in self.statuses]}")
-                self._cond.wait(left)
+                self._cond.wait(min(left, 0.5))  # a predicate may watch more than messages (a process's exit)
 
     def wait_answers(self, n: int, timeout: float = 30.0) -> list[dict]:
         self.wait_for(lambda c: len(c.answers) >= n, timeout)
