@@ -30,8 +30,10 @@ import onnx
 
 from .calibration import runs, session
 from .quantize import unquantise_layers
+from .suffix import SharedPrefix, Suffix
 
 SENSITIVITY_SAMPLES = 6  # calibration samples each candidate runs on (one ORT session per unit)
+PROBE_CHUNK = 16  # variants probed per run of their base; the values held for them: +267 MiB peak on DBNet 480
 
 
 def output_error(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
@@ -68,15 +70,65 @@ class OutputProbe:
     def error(self, model: onnx.ModelProto) -> float:
         return output_error(self.reference, self._run(model))
 
-    def errors(self, models: Iterable[onnx.ModelProto]) -> Iterator[float]:
+    def errors(self, models: Iterable[onnx.ModelProto], base: onnx.ModelProto | None = None) -> Iterator[float]:
         """:meth:`error` of each of ``models``, in order, a model per core at a time: its session is made and its
         samples run on that core (a unit's session costs about what its six samples do, so made one after another
-        they left the other core idle: YOLOv8n's 191 sessions, 9 of the fallback's 28 s)."""
-        def one(model: onnx.ModelProto) -> float:
-            sess = session(model, optimise=True)
-            return output_error(self.reference, self._joined([sess.run(None, {self.input_name: b}) for b, _ in self.batches]))
+        they left the other core idle: YOLOv8n's 191 sessions, 9 of the fallback's 28 s).
 
-        return runs(None, None, models, one)
+        With ``base`` (the model each of ``models`` is a variant of), each runs only the part the base does not
+        compute (:mod:`.suffix`), fed with the base's values, ``PROBE_CHUNK`` models to one run of the base."""
+        prefix = SharedPrefix(base) if base is not None else None
+
+        def whole(model: onnx.ModelProto) -> list[list[np.ndarray]]:
+            sess = session(model, optimise=True)
+            return [sess.run(None, {self.input_name: b}) for b, _ in self.batches]
+
+        for chunk in _chunks(models, PROBE_CHUNK):
+            cuts = [prefix.suffix(m) if prefix is not None else None for m in chunk]
+            values = self._base_values(base, {n for c in cuts if c is not None for n in c.needs()})
+
+            def one(k: int) -> float:
+                got = whole(chunk[k]) if cuts[k] is None else self._suffix_run(cuts[k], values)
+                return output_error(self.reference, self._joined(got))
+
+            yield from runs(None, None, range(len(chunk)), one)
+
+    def _base_values(self, base: onnx.ModelProto | None, names: set[str]) -> list[dict[str, np.ndarray]]:
+        """Per batch, the base's values of ``names`` (its input's among them): one run of the base over the batches."""
+        if base is None or not names:
+            return []
+        inputs = {i.name for i in base.graph.input}
+        wanted = sorted(names - inputs)
+        observed = onnx.ModelProto()
+        observed.CopyFrom(base)
+        del observed.graph.output[:]
+        observed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in wanted)
+        got = runs(session(observed, optimise=True), wanted, ({self.input_name: b} for b, _ in self.batches)) \
+            if wanted else ([] for _ in self.batches)
+        return [{**dict(zip(wanted, values)), **{n: b for n in names & inputs}} for values, (b, _) in zip(got, self.batches)]
+
+    def _suffix_run(self, cut: Suffix, values: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        """A variant's outputs on each batch: its suffix run on the base's values, its other outputs the base's."""
+        first = values[0]
+        model = cut.model({name: onnx.helper.np_dtype_to_tensor_dtype(first[src].dtype) for name, src in cut.feeds.items()})
+        sess = session(model, optimise=True) if model is not None else None
+        order = [o.name for o in model.graph.output] if model is not None else []
+        out = []
+        for held in values:
+            ran = dict(zip(order, sess.run(order, {name: held[src] for name, src in cut.feeds.items()}))) if sess else {}
+            out.append([ran[name] if kind == "suffix" else held[name] for kind, name in cut.outputs])
+        return out
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    chunk: list = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def sensitivity(probe: OutputProbe, qdq: onnx.ModelProto, original: onnx.ModelProto, units: dict[str, tuple[str, ...]],
@@ -85,7 +137,7 @@ def sensitivity(probe: OutputProbe, qdq: onnx.ModelProto, original: onnx.ModelPr
     output error that goes away with that unit alone back in float (with its quantisers); see the module docstring."""
     base = probe.error(qdq)
     out = {}
-    errors = probe.errors(unquantise_layers(qdq, original, unit) for unit in units.values())
+    errors = probe.errors((unquantise_layers(qdq, original, unit) for unit in units.values()), base=qdq)
     for i, (name, err) in enumerate(zip(units, errors)):
         out[name] = (base - err) / base if base > 0 else 0.0
         if progress:
@@ -94,13 +146,15 @@ def sensitivity(probe: OutputProbe, qdq: onnx.ModelProto, original: onnx.ModelPr
 
 
 def int8_alone_costs(probe: OutputProbe, alone: Callable[[str], onnx.ModelProto], units: dict[str, tuple[str, ...]],
-                     progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
+                     progress: Callable[[str, int, int], None] | None = None,
+                     none: onnx.ModelProto | None = None) -> dict[str, float]:
     """Per unit: the output error with that unit alone in INT8 and every other unit out of it (``alone(unit)`` makes
-    that model). The reverse of :func:`sensitivity`: where the loss is many small ones (PP-OCRv4's DBNet: after the
-    four most sensitive layers the map's cosine stays at 0.981 down to 48 % INT8), what each layer costs on its own
-    ranks them better than what each removes from the whole."""
+    that model; ``none``, every unit out: what each differs from, run once for the probes). The reverse of
+    :func:`sensitivity`: where the loss is many small ones (PP-OCRv4's DBNet: after the four most sensitive layers the
+    map's cosine stays at 0.981 down to 48 % INT8), what each layer costs on its own ranks them better than what each
+    removes from the whole."""
     out = {}
-    for i, (name, err) in enumerate(zip(units, probe.errors(alone(name) for name in units))):
+    for i, (name, err) in enumerate(zip(units, probe.errors((alone(name) for name in units), base=none))):
         out[name] = err
         if progress:
             progress("int8 cost alone", i + 1, len(units))

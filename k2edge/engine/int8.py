@@ -469,7 +469,8 @@ def _fall_back(model, plan, inputs: DecisionInputs, runner: CheckRunner, probe, 
         # keep the ranking that keeps more (not on a check too small for a verdict: it could not vouch for the INT8 the
         # second ranking keeps)
         costs = int8_alone_costs(probe(), lambda u: finish_qdq(
-            bases[-1], model, tuple(n for v in units if v != u for n in units[v]) + held, floats), units, progress)
+            bases[-1], model, tuple(n for v in units if v != u for n in units[v]) + held, floats), units, progress,
+            none=finish_qdq(bases[-1], model, tuple(n for v in units for n in units[v]) + held, floats))
         other = rank_by_cost_per_flop(costs, flops, list(units))
         k, tried_other = search(other)
         searched_all = best is not None or k is None or _kept(flops, other[:k]) < FIRST_SEARCH_KEEPS
