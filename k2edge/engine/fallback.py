@@ -96,7 +96,7 @@ class OutputProbe:
     def _base_values(self, base: onnx.ModelProto | None, names: set[str]) -> list[dict[str, np.ndarray]]:
         """Per batch, the base's values of ``names`` (its input's among them): one run of the base over the batches."""
         if base is None or not names:
-            return []
+            return [{} for _ in self.batches]
         inputs = {i.name for i in base.graph.input}
         wanted = sorted(names - inputs)
         observed = onnx.ModelProto()
@@ -109,8 +109,7 @@ class OutputProbe:
 
     def _suffix_run(self, cut: Suffix, values: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
         """A variant's outputs on each batch: its suffix run on the base's values, its other outputs the base's."""
-        first = values[0]
-        model = cut.model({name: onnx.helper.np_dtype_to_tensor_dtype(first[src].dtype) for name, src in cut.feeds.items()})
+        model = cut.model({name: onnx.helper.np_dtype_to_tensor_dtype(values[0][src].dtype) for name, src in cut.feeds.items()})
         sess = session(model, optimise=True) if model is not None else None
         order = [o.name for o in model.graph.output] if model is not None else []
         out = []
