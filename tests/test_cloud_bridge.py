@@ -702,12 +702,12 @@ def test_escalations_that_made_no_call_spend_no_budget(k2, tmp_path):
     """The budget counts the calls K2 sees: a request that found every concurrency slot taken until its deadline,
     and one refused by the open breaker, are answered locally and spend nothing of it."""
     bridge = make_bridge(k2, tmp_path, requests_per_minute=5, concurrency=1, breaker_failures=1, max_retries=0,
-                         timeout_s=2.0)
-    k2.script(hang(5.0))
+                         timeout_s=3.0)
+    k2.script(hang(6.0))
     slow = threading.Thread(target=bridge.handle, args=(BridgeRequest("r1", "digits"), UNSURE, 10.0, "normal"))
     slow.start()
     until = time.monotonic() + 10
-    while not k2.chat_requests and time.monotonic() < until:  # r1's call is at K2: its slot is taken for 2 s
+    while not k2.chat_requests and time.monotonic() < until:  # r1's call is at K2: its slot is taken for 3 s
         time.sleep(0.01)
     busy = bridge.handle(BridgeRequest("r2", "digits"), UNSURE, 0.3, "normal")
     assert busy.source == "edge" and "already in flight" in busy.reason
