@@ -703,7 +703,7 @@ def test_escalations_that_made_no_call_spend_no_budget(k2, tmp_path):
     and one refused by the open breaker, are answered locally and spend nothing of it."""
     bridge = make_bridge(k2, tmp_path, requests_per_minute=5, concurrency=1, breaker_failures=1, max_retries=0,
                          timeout_s=3.0)
-    k2.script(hang(6.0))
+    k2.script(hang(3.5))
     slow = threading.Thread(target=bridge.handle, args=(BridgeRequest("r1", "digits"), UNSURE, 10.0, "normal"))
     slow.start()
     until = time.monotonic() + 10
