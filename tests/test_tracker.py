@@ -76,14 +76,52 @@ def test_a_lost_track_keeps_its_id_across_a_short_miss():
 def test_a_track_keeps_its_id_across_dropped_frames():
     """Frames the daemon could not process (a cold engine, a busy device) never reach the tracker: an object
     moving 4 px a frame, 20 px wide, seen again 9 frames later is 36 px on. The filter predicts as many frame
-    intervals as the time says (at 15 fps and at a stream that always skips every other frame), so it stays one
-    track; one step ahead, its box would not overlap the prediction and a second track would start."""
+    frames ahead as the update says were decoded since the last one (each frame, and a stream that always skips
+    every other one), so it stays one track; one step ahead, its box would not overlap the prediction and a second
+    track would start."""
     for every in (1, 2):  # the stream's pace: each frame, or every other one (an overloaded device)
         t = ByteTracker()
         frames = list(range(0, 20, every)) + list(range(28, 40, every))
-        ids = [t.update(np.array([_box(20 + 4 * f, 60)]), np.array([0.9]), ["a"], t=f / 15).ids.tolist()
-               for f in frames]
+        ids = [t.update(np.array([_box(20 + 4 * f, 60)]), np.array([0.9]), ["a"], t=f / 15,
+                        frames=f - last).ids.tolist() for last, f in zip([0] + frames, frames)]
         assert ids == [[1]] * len(frames), (every, ids)
+
+
+def test_a_stream_tells_its_tracker_the_frames_it_did_not_process():
+    """The daemon's Stream passes the difference of its frames' indices: a box moving 4 px a frame, frames 10-17
+    never processed (the reader kept only the newest), stays one track id."""
+    import time
+
+    from k2edge.streams.reader import Frame, StreamReader
+    from k2edge.streams.source import parse_source
+    from k2edge.streams.stream import Stream, StreamFrame
+
+    class Quiet:
+        def on_frame(self, r): pass
+
+        def on_state(self, r, *a): pass
+
+    s = Stream("cam", "boxes", StreamReader("cam", parse_source("file:///nowhere.mp4"), Quiet()), max_lost_s=1.0)
+    t0, ids = time.monotonic() - 50, set()
+    for i in [*range(10), *range(18, 30)]:
+        x = 20 + 4 * i
+        frame = Frame(i, i / 15, time.time(), t0 + i / 15, t0 + i / 15, np.zeros((240, 320, 3), np.uint8))
+        tracked = s.track(StreamFrame(s, frame, time.monotonic()),
+                          [{"index": 1, "label": "7", "score": 0.9, "box": [x, 80.0, x + 20, 100.0]}])
+        ids |= {d["track_id"] for d in tracked.detections}
+    assert ids == {1}, ids
+
+
+def test_frames_arriving_in_bursts_keep_one_track():
+    """A 30 fps camera whose frames arrive four at a time (1 ms apart, then 130 ms: a network that stalls), timed by
+    their arrival: the object, 2 px a frame, stays one track, as each is one frame after the last. (Predicting by
+    the time elapsed, over the median spacing of the last updates, made the 130 ms gap 130 frames, and each burst
+    a new track.)"""
+    t = ByteTracker()
+    times = [b * 0.133 + k * 0.001 for b in range(10) for k in range(4)]
+    ids = [t.update(np.array([_box(20 + 2 * f, 60)]), np.array([0.9]), ["a"], t=at, frames=1).ids.tolist()
+           for f, at in enumerate(times)]
+    assert ids == [[1]] * len(times), ids
 
 
 def test_a_lost_track_ends_after_max_lost_seconds_whatever_the_frame_rate():
@@ -462,12 +500,13 @@ def test_every_object_keeps_one_id_across_eight_dropped_frames(detected_video, f
     the object it overlaps by IoU >= 0.5). Predicting one frame ahead split 2 or 3 of the 5 objects in each."""
     scenario, frames = detected_video
     fps = scenario.truth.fps
-    tracker, ids, judged = ByteTracker(), {}, 0
+    tracker, ids, judged, last = ByteTracker(), {}, 0, None
     for f, (boxes, scores, labels) in enumerate(frames):
         if first <= f < first + 8:
             continue
         truth = scenario.truth.frames[f]
-        for s in tracker.update(boxes, scores, labels, t=f / fps).active:
+        since, last = (f - last if last is not None else None), f
+        for s in tracker.update(boxes, scores, labels, t=f / fps, frames=since).active:
             iou = box_iou(np.array([s.box]), np.array([b for _, _, b in truth]).reshape(-1, 4))[0]
             if len(iou) and iou.max() >= 0.5:
                 ids.setdefault(truth[int(np.argmax(iou))][0], set()).add(s.id)

@@ -159,6 +159,7 @@ class Stream:
         self._keep_crops = max((r.keeps_crops for r in self.rules), default=0)
         self._track_end = any(r.on == "track_end" for r in self.rules)
         self._outage_ended: list[int] = []  # tracks ended by an outage or a loop, until this frame's rules saw them
+        self._last_index: int | None = None  # the last tracked frame's index (the tracker predicts the frames since)
         self._last_restarts: int | None = None  # the last processed frame's Frame.restarts
 
     # the line's feed ----------------------------------------------------------------------------------
@@ -309,7 +310,10 @@ class Stream:
             events = self._after_outage(captured) + self._after_restart(item.frame)
             boxes = np.asarray([d["box"] for d in detections], dtype=np.float64).reshape(-1, 4)
             scores = np.asarray([d["score"] for d in detections], dtype=np.float64)
-            update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=item.frame.time)
+            index, last = item.frame.index, self._last_index
+            self._last_index = index
+            update = self.tracker.update(boxes, scores, [d["label"] for d in detections], t=item.frame.time,
+                                         frames=index - last if last is not None else None)
             out = [{**d, "track_id": int(t)} for d, t in zip(detections, update.ids)]
             self._boxes.update({a.id: [round(v, 2) for v in a.box] for a in update.active})
             image = item.frame.image if self.rules and item.frame.picture is not None else None

@@ -34,10 +34,11 @@ after 2 missed updates 0.894, with MOTA 0.974 against 0.958 and 3 ID switches ag
 
 Time is in seconds (each update's ``t``, the frame's capture time): a track unmatched for more
 than ``max_lost_s`` ends, whatever the frame rate or the frames dropped meanwhile, and the filter
-predicts as many frame intervals as lie between two updates (the interval: the median spacing of the
-last :data:`INTERVAL_WINDOW` updates), so an object moving while frames were dropped is looked for
-where it went, not one frame on (8 dropped frames split 2 or 3 of the 5 digits of the crossing video
-into two tracks each). A track born
+predicts as many frames ahead as the update's ``frames`` says were decoded since the last one (the
+daemon's frame indices count the frames it did not process), so an object moving while frames were
+dropped is looked for where it went, not one frame on (8 dropped frames split 2 or 3 of the 5 digits of
+the crossing video into two tracks each). Counting frames, not seconds: frames that arrive in a burst
+after a network stall are still one frame apart each. A track born
 after the first update is tentative until its second detection (:attr:`TrackState.confirmed`);
 the analytics ignore tentative tracks.
 """
@@ -60,8 +61,7 @@ UNTRACKED = 0  # the id of a detection that joined no track (ids start at 1)
 LABEL_WINDOW = 10  # a track's label: the most frequent over its last this many matched detections
 NOMINAL_FPS = 30.0  # an update without a time is 1 / NOMINAL_FPS s after the previous one
 RELABEL_GAP = 2  # a track missed in this many updates or more is found again only under a label it had lately
-INTERVAL_WINDOW = 16  # the frame interval: the median spacing of the last this many updates
-MAX_STEPS = 300  # the most frame intervals one update predicts (a longer gap ends every track anyway)
+MAX_STEPS = 300  # the most frames one update predicts (a longer gap ends every track anyway)
 
 _SECOND_STAGE_IOU = 0.5  # ByteTrack's second association: cost 1 - IoU <= 0.5
 _TENTATIVE_IOU = 0.3     # ByteTrack's unconfirmed-track association: cost <= 0.7
@@ -244,7 +244,6 @@ class ByteTracker:
         self._next_id = 1
         self._frame = 0
         self._time: float | None = None
-        self._spacing: deque = deque(maxlen=INTERVAL_WINDOW)  # the last updates' spacing (s)
 
     @property
     def tracks(self) -> int:
@@ -257,7 +256,8 @@ class ByteTracker:
         self._tracks = []
         return ids
 
-    def update(self, boxes: np.ndarray, scores: np.ndarray, labels: Sequence[str], t: float | None = None) -> TrackUpdate:
+    def update(self, boxes: np.ndarray, scores: np.ndarray, labels: Sequence[str], t: float | None = None,
+               frames: int | None = None) -> TrackUpdate:
         """Associate one frame's detections with the tracks, start and end tracks.
 
         Args:
@@ -266,6 +266,9 @@ class ByteTracker:
             labels: N labels.
             t: the frame's time in seconds (any clock that only goes forward: the daemon passes the
                 frame's monotonic capture time); None: 1 / :data:`NOMINAL_FPS` after the previous update.
+            frames: how many of the source's frames this one is after the previous update (the daemon passes the
+                difference of their frame indices, which count the frames decoded and not processed); the filter
+                predicts that many frames ahead. None: one (ByteTrack's one step an update).
 
         Returns:
             The :class:`TrackUpdate`: an id per input row, the tracks matched this frame, the ids ended.
@@ -281,9 +284,8 @@ class ByteTracker:
         self._frame += 1
         if t is None:
             t = 0.0 if self._time is None else self._time + 1.0 / NOMINAL_FPS
-        steps = self._steps(float(t))
         self._time = float(t)
-        self._predict(steps)
+        self._predict(int(min(max(frames, 1), MAX_STEPS)) if frames is not None else 1)
         n = len(scores)
         owner = np.full(n, -1, dtype=np.int64)  # det -> index into self._tracks
         matched: set[int] = set()
@@ -345,18 +347,6 @@ class ByteTracker:
         active.sort(key=lambda s: s.id)
         removed = self._retire(matched)
         return TrackUpdate(ids=ids, active=active, removed=removed)
-
-    def _steps(self, t: float) -> int:
-        """How many frame intervals lie between the previous update and ``t``: 1 at the stream's own pace,
-        more where frames were dropped (the interval is the median spacing of the last updates, so a stream
-        that always skips every other frame still predicts one step an update)."""
-        if self._time is None:
-            return 1
-        dt = t - self._time
-        interval = float(np.median(self._spacing)) if self._spacing else dt
-        if dt > 0:
-            self._spacing.append(dt)
-        return int(min(max(round(dt / interval), 1), MAX_STEPS)) if interval > 0 else 1
 
     def _predict(self, steps: int) -> None:
         if not self._tracks:
