@@ -334,7 +334,7 @@ def test_request_budget_is_a_sliding_minute():
     spent = []
     for t in (0.0, 10.0, 20.0, 20.0):
         clock.t = t
-        spent.append(budget.try_acquire())
+        spent.append(budget.try_acquire() is not None)
     assert spent == [True, True, True, False]
     assert budget.remaining() == 0 and budget.resets_in_s() == pytest.approx(40.0)
     clock.t = 60.0
@@ -344,14 +344,27 @@ def test_request_budget_is_a_sliding_minute():
 
 
 def test_a_request_whose_call_was_not_made_goes_back_to_the_budget():
-    """refund gives back the latest spend, and a stream's spend to its share too."""
-    budget = RequestBudget(2, FakeClock(0.0))
-    assert budget.try_acquire() and budget.try_acquire_share(1.0) and budget.remaining() == 0
-    budget.refund(shared=True)
+    """refund gives back that very spend (a stream's to its share too), not the latest: the window still resets when
+    the others age out; a spend already out of the window gives nothing back."""
+    clock = FakeClock(0.0)
+    budget = RequestBudget(2, clock)
+    first = budget.try_acquire()
+    clock.t = 10.0
+    shared = budget.try_acquire_share(1.0)
+    assert first and shared and budget.remaining() == 0
+    budget.refund(shared)
     assert budget.remaining() == 1 and budget.try_acquire_share(0.5)  # the share's one request is free again
-    budget.refund()
+    clock.t = 20.0
+    budget.refund(first)  # the spend at 0 goes; the one at 20 (the share's) stays
+    assert budget.remaining() == 1 and budget.resets_in_s() == 0.0
+    assert budget.try_acquire() and budget.resets_in_s() == pytest.approx(50.0)  # the share's spend at 10
+    clock.t = 75.0
+    late = budget.try_acquire()
+    clock.t = 140.0  # late aged out: nothing of the window goes with it
+    budget.try_acquire()
+    budget.refund(late)
     assert budget.remaining() == 1 and budget.snapshot()["refused"] == 0
-    RequestBudget(None).refund()
+    RequestBudget(None).refund(RequestBudget(None).try_acquire())
 
 
 # the policy -------------------------------------------------------------------------------------------
@@ -717,6 +730,27 @@ def test_escalations_that_made_no_call_spend_no_budget(k2, tmp_path):
     refused = bridge.handle(BridgeRequest("r3", "digits"), UNSURE, 3.0, "normal")
     assert refused.source == "edge" and "breaker" in refused.reason
     assert bridge.status()["budget"]["remaining"] == 4 and len(k2.chat_requests) == 1
+    bridge.close()
+
+
+def test_a_request_the_half_open_breaker_turns_away_spends_no_budget(k2, tmp_path):
+    """Half-open, one probe call is out: a second request passes the policy (the cloud is not known down) and the
+    client refuses it before any call (BreakerOpen); it is answered locally and gives its request back."""
+    bridge = make_bridge(k2, tmp_path, requests_per_minute=10, concurrency=2, breaker_failures=1,
+                         breaker_cooldown_s=0.2, max_retries=0, timeout_s=3.0)
+    k2.script(status(500), hang(3.5))
+    assert bridge.handle(BridgeRequest("r1", "digits"), UNSURE, 3.0, "normal").source == "edge"
+    until = time.monotonic() + 10
+    while bridge.breaker.state != "half_open" and time.monotonic() < until:
+        time.sleep(0.01)
+    probe = threading.Thread(target=bridge.handle, args=(BridgeRequest("r2", "digits"), UNSURE, 10.0, "normal"))
+    probe.start()
+    while len(k2.chat_requests) < 2 and time.monotonic() < until:  # the probe is at K2
+        time.sleep(0.01)
+    turned = bridge.handle(BridgeRequest("r3", "digits"), UNSURE, 3.0, "normal")
+    assert turned.source == "edge" and "breaker" in turned.reason, turned.reason
+    assert bridge.status()["budget"]["remaining"] == 8 and len(k2.chat_requests) == 2  # r1's and the probe's calls
+    probe.join()
     bridge.close()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Literal, Union
 
 from .breaker import CircuitBreaker
-from .budget import RequestBudget
+from .budget import RequestBudget, Spend
 from .client import CloudAnswer, K2Client
 from .errors import BreakerOpen, CallNotStarted, CloudError, CloudRejected, CloudTimeout
 from .image import prepare_image
@@ -234,9 +234,9 @@ class CloudBridge:
                 self._probed = self._clock()  # the first turned away starts the clock of the first probe
             failure = CloudTimeout(f"the cloud's median latency ({typical:.0f} ms) exceeds the {max(0.0, left_ms):.0f} ms "
                                    "left before the deadline")
-        elif not self.budget.try_acquire():
+        elif (spend := self.budget.try_acquire()) is None:
             failure = CloudError(f"the cloud request budget ({self.settings.requests_per_minute}/min) is spent")
-        elif not self._slot_or_refund(max(0.0, end - reserve - self._clock())):
+        elif not self._slot_or_refund(max(0.0, end - reserve - self._clock()), spend):
             failure = CloudError(f"{self.settings.concurrency} cloud calls are already in flight")
         else:
             if probing:
@@ -247,7 +247,7 @@ class CloudBridge:
                 answer = self.client.complete(req.image, req.mime, req.prompt, top_k, end - reserve - self._clock(),
                                               detections=detections)
             except BreakerOpen as exc:  # refused before any call: it spent nothing
-                self.budget.refund()
+                self.budget.refund(spend)
                 failure = exc
             except CloudError as exc:
                 failure = exc
@@ -263,15 +263,15 @@ class CloudBridge:
                 self._slots.release()
         return self._fallback(req, d, computed, thunk, failure, elapsed)
 
-    def _slot_or_refund(self, wait_s: float) -> bool:
-        """:meth:`_slot`, giving the budget back the request it took when no call will be made."""
+    def _slot_or_refund(self, wait_s: float, spend: Spend) -> bool:
+        """:meth:`_slot`, giving the budget back ``spend`` when no call will be made."""
         try:
             if self._slot(wait_s):
                 return True
         except CallNotStarted:
-            self.budget.refund()
+            self.budget.refund(spend)
             raise
-        self.budget.refund()
+        self.budget.refund(spend)
         return False
 
     def _slot(self, wait_s: float) -> bool:
@@ -386,7 +386,8 @@ class CloudBridge:
             return render(item, CloudError(f"the cloud did not answer within outbox_ttl_s ({self.settings.outbox_ttl_s:g} s)"))
         if self.breaker.state == "open":
             raise Postpone("the cloud circuit breaker is open", max(1.0, self.breaker.retry_in_s()))
-        if not self.budget.try_acquire():
+        spend = self.budget.try_acquire()
+        if spend is None:
             raise Postpone("the cloud request budget is spent", max(1.0, self.budget.resets_in_s()))
         r = item.payload.get("request", {})
         image = base64.b64decode(r["image_b64"]) if r.get("image_b64") else None
@@ -395,7 +396,7 @@ class CloudBridge:
             answer = self.client.complete(image, r.get("mime"), r.get("prompt"), r.get("top_k"), deadline,
                                           detections=r.get("detections"))
         except BreakerOpen as exc:  # refused before any call: it spent nothing
-            self.budget.refund()
+            self.budget.refund(spend)
             raise Postpone(str(exc), max(1.0, self.breaker.retry_in_s())) from None
         except CloudError as exc:
             self.last_error = scrub(str(exc))

@@ -5,9 +5,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["RequestBudget"]
+__all__ = ["RequestBudget", "Spend"]
+
+
+@dataclass(frozen=True)
+class Spend:
+    """One request taken from the budget (what :meth:`RequestBudget.refund` gives back); always true."""
+
+    at: float | None  # when, on the budget's clock; None: an unlimited budget recorded nothing
+    shared: bool = False  # taken from the streams' share
 
 
 class RequestBudget:
@@ -42,18 +51,18 @@ class RequestBudget:
             self._trim(self._clock())
             return max(0, self.per_minute - len(self._spent))
 
-    def try_acquire(self) -> bool:
-        """Spend one request if the budget allows; False (and nothing spent) when it is used up."""
+    def try_acquire(self) -> Spend | None:
+        """Spend one request if the budget allows: the :class:`Spend`; None (nothing spent) when it is used up."""
         if self.per_minute is None:
-            return True
+            return Spend(None)
         with self._lock:
             now = self._clock()
             self._trim(now)
             if len(self._spent) >= self.per_minute:
                 self.refused += 1
-                return False
+                return None
             self._spent.append(now)
-            return True
+            return Spend(now)
 
     def resets_in_s(self) -> float:
         """Seconds until one more request is allowed (0 when one is allowed now)."""
@@ -70,34 +79,34 @@ class RequestBudget:
         """The most requests a ``share`` of the budget may spend in any window (None when unlimited)."""
         return None if self.per_minute is None else int(self.per_minute * share)
 
-    def try_acquire_share(self, share: float) -> bool:
+    def try_acquire_share(self, share: float) -> Spend | None:
         """Spend one request of the ``share`` of the budget kept for one kind of caller (streams): allowed while
         that kind spent less than ``share`` of the budget in the window and the whole budget has room, so the
-        rest stays for :meth:`try_acquire`'s callers. False (nothing spent) otherwise."""
+        rest stays for :meth:`try_acquire`'s callers. None (nothing spent) otherwise."""
         if self.per_minute is None:
-            return True
+            return Spend(None, shared=True)
         cap = self.share_cap(share)
         with self._lock:
             now = self._clock()
             self._trim(now)
             if len(self._shared) >= cap or len(self._spent) >= self.per_minute:
-                return False
+                return None
             self._spent.append(now)
             self._shared.append(now)
-            return True
+            return Spend(now, shared=True)
 
-    def refund(self, shared: bool = False) -> None:
-        """Give back one request spent by :meth:`try_acquire` (``shared``: by :meth:`try_acquire_share`) whose call was
-        never made (no concurrency slot, an open breaker, the daemon stopping): the budget caps the calls K2 sees,
-        not the attempts to make one. The latest spend goes back (the count is what limits; the window's oldest
-        spend still says when it resets)."""
-        if self.per_minute is None:
+    def refund(self, spend: Spend) -> None:
+        """Give back ``spend``, a request whose call was never made (no concurrency slot, an open breaker, the daemon
+        stopping): the budget caps the calls K2 sees, not the attempts to make one. That very spend goes, so the
+        window still resets when the others age out; one already aged out is not in the window to give back."""
+        if spend.at is None:
             return
         with self._lock:
-            if self._spent:
-                self._spent.pop()
-            if shared and self._shared:
-                self._shared.pop()
+            for spent in (self._spent, self._shared) if spend.shared else (self._spent,):
+                try:
+                    spent.remove(spend.at)  # spends at one instant are alike: any of them is this one
+                except ValueError:
+                    pass
 
     def share_resets_in_s(self, share: float) -> float:
         """Seconds until :meth:`try_acquire_share` may succeed (0 when it may now; the window when the share is 0)."""

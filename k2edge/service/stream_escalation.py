@@ -287,11 +287,12 @@ class StreamEscalations:
                                                 f"; last error: {self.jobs.get(job.event_id)['last_error']}"}, "failed")
         if b.breaker.state == "open":
             return self._wait(job, max(0.5, b.breaker.retry_in_s()), "the cloud circuit breaker is open")
-        if not b.budget.try_acquire_share(share):
+        spend = b.budget.try_acquire_share(share)
+        if spend is None:
             return self._wait(job, max(0.2, b.budget.share_resets_in_s(share)),
                               f"the streams' share ({share:g}) of the request budget is spent")
         if not b.slots.acquire(timeout=0.5):
-            b.budget.refund(shared=True)  # no call made: each wait for a slot took a request of the streams' share
+            b.budget.refund(spend)  # no call made: each wait for a slot took a request of the streams' share
             return self._wait(job, 0.2, f"{self.settings.concurrency} cloud calls are in flight")
         try:
             deadline = self.settings.timeout_s * (self.settings.max_retries + 1) + 1.0
@@ -301,7 +302,7 @@ class StreamEscalations:
                                       json_mode=job.request["verify"])
         except CloudError as exc:
             if isinstance(exc, BreakerOpen):  # refused before any call: it spent nothing
-                b.budget.refund(shared=True)
+                b.budget.refund(spend)
             return self._failed_call(job, exc)
         finally:
             b.slots.release()
