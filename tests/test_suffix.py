@@ -87,3 +87,48 @@ def test_a_variant_the_base_computes_whole_needs_no_run_and_a_subgraph_runs_whol
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     with_if = helper.make_model(g)
     assert SharedPrefix(with_if).suffix(with_if) is None
+
+
+def test_cuts_the_graphs_edges_need_run_as_the_whole_variant():
+    """A node kept for an output the base lacks (MaxPool's Indices) with its other output read downstream, a changed
+    initializer that is a graph output, and a variant input of another type (run whole): each variant's outputs by
+    the probe equal a whole run."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    def init(name, a):
+        return nh.from_array(np.asarray(a), name)
+
+    def model(nodes, inits, outputs, shape=(1, 4)):
+        g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, list(shape))],
+                         [h.make_tensor_value_info(o, T.FLOAT, None) for o in outputs], inits)
+        return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+    def pooled(indices: bool, w: float, extra: float | None = None, shape=(1, 4)):
+        nodes = [h.make_node("Unsqueeze", ["x", "ax"], ["x4"]),
+                 h.make_node("MaxPool", ["x4"], ["p", "i"] if indices else ["p"], kernel_shape=[1]),
+                 h.make_node("Mul", ["p", "W"], ["y"])]
+        inits = [init("ax", np.array([0], np.int64)), init("W", np.full(4, w, np.float32))]
+        outputs = ["y"]
+        if indices:
+            nodes.append(h.make_node("Cast", ["i"], ["yi"], to=T.FLOAT))
+            outputs.append("yi")
+        if extra is not None:
+            inits.append(init("W3", np.full(4, extra, np.float32)))
+            outputs.append("W3")
+        return model(nodes, inits, outputs, shape)
+
+    base = pooled(False, 1.0, extra=1.0)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    probe = OutputProbe(base, "x", [(x, 1), (x + 1, 1)])
+    variants = [pooled(True, 2.0, extra=1.0), pooled(False, 1.0, extra=3.0), pooled(False, 2.0, 1.0, shape=(1, "n"))]
+    cuts = [SharedPrefix(base).suffix(v) for v in variants]
+    assert cuts[0] is not None and cuts[1] is not None and cuts[2] is None
+    assert [n.op_type for n in cuts[0].nodes] == ["MaxPool", "Mul", "Cast"] and not cuts[1].nodes
+    values = probe._base_values(base, cuts[0].needs() | cuts[1].needs())
+    for v, cut in zip(variants, cuts[:2]):
+        got, want = probe._joined(probe._suffix_run(cut, values)), _whole(v, probe)
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+    # the base's outputs as the reference: the second variant by its suffix, the third run whole
+    assert list(probe.errors(variants[1:], base=base)) == pytest.approx([probe.error(v) for v in variants[1:]])

@@ -117,14 +117,26 @@ class SharedPrefix:
         nodes = [n for n in variant.graph.node if any(o and o not in known for o in n.output)]
         if len(nodes) == len(variant.graph.node):
             return None  # nothing shared: the whole model
+        produced = {o for n in nodes for o in n.output if o}
         feeds: dict[str, str] = {}
         carried: set[str] = set()
         for n in nodes:
             for name in n.input:
+                if not name or name in produced:
+                    continue  # left out, or computed in the suffix (a node kept for an output the base lacks)
                 if name in inits:
                     carried.add(name)  # a weight: carried into the suffix, not fed
-                elif name and name in known:
+                elif name in known:
                     feeds[name] = self.by_signature[sig[name]]
-        outputs = [("base", self.by_signature[sig[o.name]]) if o.name in known else ("suffix", o.name)
-                   for o in variant.graph.output]
+                else:
+                    return None  # a graph input the base does not have (another type): run whole
+        outputs = []
+        for o in variant.graph.output:
+            if o.name in known:
+                outputs.append(("base", self.by_signature[sig[o.name]]))
+            elif o.name in produced or o.name in inits:
+                carried |= {o.name} & inits  # a changed initializer that is an output: the suffix returns it
+                outputs.append(("suffix", o.name))
+            else:
+                return None
         return Suffix(variant, nodes, [t for t in variant.graph.initializer if t.name in carried], feeds, outputs)
