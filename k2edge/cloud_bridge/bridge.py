@@ -246,10 +246,9 @@ class CloudBridge:
                 detections = list(computed.detections) if computed is not None and computed.detections is not None else None
                 answer = self.client.complete(req.image, req.mime, req.prompt, top_k, end - reserve - self._clock(),
                                               detections=detections)
-            except BreakerOpen as exc:  # refused before any call: it spent nothing
-                self.budget.refund(spend)
-                failure = exc
             except CloudError as exc:
+                if not exc.attempts:  # no HTTP attempt (the breaker, no time left, a body not built): nothing spent
+                    self.budget.refund(spend)
                 failure = exc
             else:
                 self._count("cloud_answers")
@@ -395,10 +394,11 @@ class CloudBridge:
         try:
             answer = self.client.complete(image, r.get("mime"), r.get("prompt"), r.get("top_k"), deadline,
                                           detections=r.get("detections"))
-        except BreakerOpen as exc:  # refused before any call: it spent nothing
-            self.budget.refund(spend)
-            raise Postpone(str(exc), max(1.0, self.breaker.retry_in_s())) from None
         except CloudError as exc:
+            if not exc.attempts:  # no HTTP attempt (the breaker, a body not built): nothing spent
+                self.budget.refund(spend)
+            if isinstance(exc, BreakerOpen):
+                raise Postpone(str(exc), max(1.0, self.breaker.retry_in_s())) from None
             self.last_error = scrub(str(exc))
             if exc.retryable:
                 raise

@@ -301,7 +301,7 @@ class StreamEscalations:
                 answer = b.client.ask(_prepared(job.images), job_text(job.request), deadline,
                                       json_mode=job.request["verify"])
         except CloudError as exc:
-            if isinstance(exc, BreakerOpen):  # refused before any call: it spent nothing
+            if not exc.attempts:  # no HTTP attempt (the breaker, no time left, a body not built): nothing spent
                 b.budget.refund(spend)
             return self._failed_call(job, exc)
         finally:
