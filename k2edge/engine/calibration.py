@@ -204,6 +204,18 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def batched(items: Iterable, n: int) -> Iterator[list]:
+    """``items`` in lists of ``n`` (the last may be shorter), taken lazily (``itertools.batched`` from Python 3.12)."""
+    group: list = []
+    for item in items:
+        group.append(item)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
 def runs(sess, outputs: list[str] | None, feeds: Iterable[dict], run: Callable | None = None) -> Iterator[list]:
     """``sess.run(outputs, feed)`` (or ``run(feed)``) for each feed, yielded in the feeds' order, with one run per core
     in flight (``sess`` single-threaded: :func:`session`'s default). At most that many feeds are taken ahead, so a

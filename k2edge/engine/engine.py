@@ -30,6 +30,7 @@ from ..profile import Profile, load_profile
 from ..tasks import Geometry, Preprocess, TaskDecoder
 from .base import Backend, LaneInfo, TensorSpec
 from .cache import EngineCache, digest
+from .calibration import batched
 from .prefetch import PrefetchRing
 
 if TYPE_CHECKING:
@@ -376,7 +377,7 @@ class Engine:
         prefetch = er.dma_prefetch if prefetch is None else prefetch
         depth = depth or er.prefetch_depth
         in_flight_cap = max_in_flight or max(2, len(self.plan.devices) + depth)
-        groups = _batched(items, self.batch_size)
+        groups = batched(items, self.batch_size)
         pending: list[tuple[list, Future, float]] = []
 
         def drain(limit: int):
@@ -499,14 +500,3 @@ def _report_check(check, precision: str | None) -> None:
         log.warning("INT8 misses its accuracy tolerance and --precision int8 forbids falling back: %s", check.summary())
     else:
         log.warning("INT8 misses its accuracy tolerance even with fallback; keeping the best found: %s", check.summary())
-
-
-def _batched(items: Iterable, n: int) -> Iterator[list]:
-    group = []
-    for item in items:
-        group.append(item)
-        if len(group) == n:
-            yield group
-            group = []
-    if group:
-        yield group

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import onnx
 
-from .calibration import runs, session
+from .calibration import batched, runs, session
 from .quantize import unquantise_layers
 from .suffix import SharedPrefix, Suffix
 
@@ -83,7 +83,7 @@ class OutputProbe:
             sess = session(model, optimise=True)
             return [sess.run(None, {self.input_name: b}) for b, _ in self.batches]
 
-        for chunk in _chunks(models, PROBE_CHUNK):
+        for chunk in batched(models, PROBE_CHUNK):
             cuts = [prefix.suffix(m) if prefix is not None else None for m in chunk]
             values = self._base_values(base, {n for c in cuts if c is not None for n in c.needs()})
 
@@ -117,17 +117,6 @@ class OutputProbe:
             ran = dict(zip(order, sess.run(order, {name: held[src] for name, src in cut.feeds.items()}))) if sess else {}
             out.append([ran[name] if kind == "suffix" else held[name] for kind, name in cut.outputs])
         return out
-
-
-def _chunks(items: Iterable, size: int) -> Iterator[list]:
-    chunk: list = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 def sensitivity(probe: OutputProbe, qdq: onnx.ModelProto, original: onnx.ModelProto, units: dict[str, tuple[str, ...]],
