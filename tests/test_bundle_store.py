@@ -68,7 +68,8 @@ def test_anti_rollback_and_allow_downgrade(store, releases):
     _deploy(store, releases["1.1.0"])
     older = store.install(releases["1.0.0"])
     assert older.status == "not_newer" and "not newer than the running 1.1.0" in older.detail
-    assert store.install(releases["1.1.0"]).status == "not_newer"  # the same version is not newer either
+    same = store.install(releases["1.1.0"])  # the very version that runs: nothing to refuse, nothing to build
+    assert same.status == "current" and same.ok and "runs already; its files in" in same.detail and "check out" in same.detail
     assert store.versions("digits") == ["1.1.0"]
     down = store.install(releases["1.0.0"], allow_downgrade=True)
     assert down.status == "installed" and down.previous == "1.1.0"
@@ -118,22 +119,86 @@ def test_same_version_other_content_is_a_conflict(store, releases, ops, tmp_path
 
 
 def test_a_re_signed_version_carries_its_new_signature_onto_the_disk(releases, ops, tmp_path):
-    """Key rotation: the same version re-signed with the new key, redeployed, loads once the old key is gone."""
+    """Key rotation as docs/fleet.md tells it: the running version re-signed with the new key and deployed again
+    (no allow_downgrade) takes the new signature, so it loads once the old key is gone."""
     import shutil
 
     from k2edge.bundle import sign_bundle
 
     new_key, new_pub, new_id = generate_keys(tmp_path / "new")
     both = ModelStore(tmp_path / "state", load_trust([ops[1], new_pub]))
+    _deploy(both, releases["1.0.0"])
     _deploy(both, releases["1.1.0"])
-    resigned = tmp_path / "resigned.k2b"
-    shutil.copy(releases["1.1.0"], resigned)
-    sign_bundle(resigned, new_key)
-    again = both.install(resigned, allow_downgrade=True)
-    assert again.status == "installed" and again.key_id == new_id
-    assert json.loads((again.paths["dir"] / "manifest.sig").read_text())["key_id"] == new_id
+    for version in ("1.0.0", "1.1.0"):  # the previous version (a later rollback's) and the current one
+        resigned = tmp_path / f"resigned-{version}.k2b"
+        shutil.copy(releases[version], resigned)
+        sign_bundle(resigned, new_key)
+        again = both.install(resigned, allow_downgrade=version == "1.0.0")
+        assert again.status == ("current" if version == "1.1.0" else "installed") and again.key_id == new_id
+        assert json.loads((again.paths["dir"] / "manifest.sig").read_text())["key_id"] == new_id
+    assert both.pointer("digits") == {"current": "1.1.0", "previous": "1.0.0", "rollback": None}
     only_new = ModelStore(tmp_path / "state", load_trust([new_pub]))
     assert only_new.load("digits").line == "loaded digits 1.1.0"
+    assert only_new.rollback("digits").line == "rolled_back digits 1.0.0"
+
+
+def test_a_version_installed_again_over_a_damaged_or_cut_folder_is_replaced(store, releases):
+    """The same manifest is not enough: a version folder whose files no longer verify (a damaged file, a folder a
+    power loss cut short) is replaced from the verified bundle, never handed to a build as it is."""
+    _deploy(store, releases["1.0.0"])
+    _deploy(store, releases["1.1.0"])
+    kept = store.root / "digits" / "1.0.0"
+    (kept / "model.onnx").write_bytes(flip_byte((kept / "model.onnx").read_bytes()))
+    assert store.load("digits", "1.0.0").status == "hash_mismatch"
+    again = store.install(releases["1.0.0"], allow_downgrade=True)
+    assert again.status == "installed" and "did not verify (hash_mismatch" in again.detail and "replaced" in again.detail
+    assert store.load("digits", "1.0.0").line == "loaded digits 1.0.0"
+    (kept / "manifest.json").unlink()  # what an rmtree cut short could leave (before removals renamed first)
+    again = store.install(releases["1.0.0"], allow_downgrade=True)
+    assert again.status == "installed" and "replaced from the bundle" in again.detail
+    assert store.load("digits", "1.0.0").ok
+    current = store.root / "digits" / "1.1.0" / "model.onnx"
+    current.write_bytes(current.read_bytes()[:100])  # the running version's: it would not load at the next start
+    assert store.install(releases["1.1.0"]).status == "current"
+    assert store.load("digits").line == "loaded digits 1.1.0"
+    assert sorted(p.name for p in (store.root / "digits").iterdir()) == ["1.0.0", "1.1.0", "state.json"]
+
+
+def test_a_removal_cut_short_leaves_no_half_version(store, releases, monkeypatch):
+    """Versions are renamed to a staging name before they are deleted: a deletion cut short (a power loss) leaves
+    a staging folder, cleaned later, never a version folder that claims to be installed."""
+    _deploy(store, releases["1.0.0"])
+    _deploy(store, releases["1.1.0"])
+    monkeypatch.setattr(store_module.shutil, "rmtree", lambda path, ignore_errors=False: None)  # cut before a byte went
+    _deploy(store, releases["1.2.0"])
+    names = sorted(p.name for p in (store.root / "digits").iterdir())
+    assert names[1:] == ["1.1.0", "1.2.0", "state.json"] and names[0].startswith(".staging-removed-1.0.0-")
+    assert store.versions("digits") == ["1.1.0", "1.2.0"]
+    monkeypatch.undo()
+    assert store.install(releases["1.0.0"], allow_downgrade=True).ok
+    assert sorted(p.name for p in (store.root / "digits").iterdir()) == ["1.0.0", "1.1.0", "1.2.0", "state.json"]
+
+
+@pytest.mark.parametrize("damage", ["{", '{"current": "1.2.0\\n"}', "[]", '{"current": "1.2.0", "previous": 3}', "unreadable"])
+def test_a_damaged_pointer_stops_every_change(store, releases, damage):
+    """state.json says what runs and so what anti-rollback allows: one that cannot be read refuses installs,
+    activations and rollbacks with the versions on disk named, where it used to read as 'never activated' (a
+    downgrade without allow_downgrade, newer versions deleted)."""
+    _deploy(store, releases["1.1.0"])
+    _deploy(store, releases["1.2.0"])
+    pointer = store.root / "digits" / "state.json"
+    if damage == "unreadable":
+        pointer.unlink()
+        pointer.mkdir()  # read_bytes: IsADirectoryError, as root too
+    else:
+        pointer.write_text(damage)
+    for result in (store.install(releases["1.0.0"]), store.activate("digits", "1.1.0"), store.rollback("digits"),
+                   store.load("digits")):
+        assert result.status == "failed" and f"{pointer} cannot be read" in result.detail, result.line
+        assert "the versions on disk are 1.1.0, 1.2.0" in result.detail
+    assert store.versions("digits") == ["1.1.0", "1.2.0"]
+    with pytest.raises(store_module.DamagedState, match="anti-rollback"):
+        store.current("digits")
 
 
 def test_expected_name_is_enforced(store, releases):
@@ -221,14 +286,16 @@ def test_extraction_writes_only_inside_the_version_folder(store, releases, tmp_p
 
 def test_audit_records_every_result_and_rotates_by_size(store, releases, tmp_path):
     log = AuditLog(tmp_path / "state" / "audit.log", max_bytes=2048, backups=3)
-    results = [store.install(releases["1.0.0"]), store.activate("digits", "1.0.0"), store.install(releases["1.0.0"])]
-    records = [log.write(r, action=a, source=str(releases["1.0.0"]), device="t1")
+    results = [store.install(releases["1.1.0"]), store.activate("digits", "1.1.0"), store.install(releases["1.0.0"])]
+    records = [log.write(r, action=a, source=str(releases["1.1.0"]), device="t1")
                for r, a in zip(results, ("install", "activate", "install"))]
     assert [r["status"] for r in records] == ["installed", "activated", "not_newer"]
     assert [r["ok"] for r in records] == [True, True, False]
     first = records[0]
-    assert first["model"] == "digits" and first["version"] == "1.0.0" and first["device"] == "t1"
+    assert first["model"] == "digits" and first["version"] == "1.1.0" and first["device"] == "t1"
     assert len(first["key_id"]) == 64 and len(first["manifest_sha256"]) == 64 and first["time"].endswith("Z")
+    # the activation says which signed content became current, as the install did
+    assert (records[1]["key_id"], records[1]["manifest_sha256"]) == (first["key_id"], first["manifest_sha256"])
     assert json.loads(json.dumps(first)) == first
     assert log.records() == records
     for i in range(40):
@@ -302,6 +369,7 @@ def test_semver_precedence():
     assert parsed == sorted(reversed(parsed)) and all(a < b for a, b in zip(parsed, parsed[1:]))
     assert parse_version("1.0.0+build.1") == parse_version("1.0.0+build.2")
     assert str(parse_version("1.2.3-rc.1+g1")) == "1.2.3-rc.1+g1"
-    for bad in ("1.0", "01.0.0", "1.0.0-", "v1.0.0", "1.0.0-01", ""):
+    # a trailing newline, and digits that are not ASCII ('\u0660' ranks as 0 but names another folder)
+    for bad in ("1.0", "01.0.0", "1.0.0-", "v1.0.0", "1.0.0-01", "", "1.3.0\n", "1.1\u0660.0", "1.0.0-rc.\u0661"):
         with pytest.raises(ValueError, match="semantic version"):
             parse_version(bad)

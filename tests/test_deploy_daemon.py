@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import ssl
 import subprocess
 import sys
@@ -329,7 +330,7 @@ def test_refused_deploys_are_audited_and_the_running_version_keeps_serving(tmp_p
     assert same.returncode == 0 and "runs already" in same.stdout, same.stdout
     refusals = [(r["status"], r["action"]) for r in _audits(audit)]
     assert refusals == [("hash_mismatch", "install"), ("untrusted_key", "install"), ("not_newer", "install"),
-                        ("not_newer", "install")]
+                        ("current", "install")]
     tampered = next(r for r in _audits(audit) if r["status"] == "hash_mismatch")
     assert "model.onnx" in tampered["detail"] and tampered["ok"] is False and tampered["device"] == "t1"
     assert sorted(p.name for p in (tmp_path / "state-t1" / "models" / "digits").iterdir()) == ["1.1.0", "state.json"]
@@ -556,16 +557,31 @@ def test_a_daemon_stopped_mid_deploy_finishes_it_from_the_redelivered_message(st
 
 
 def test_a_pointer_that_cannot_be_written_swaps_the_old_engines_back(tmp_path, broker, keys, releases):
-    """The last step of a deploy fails (state.json cannot be replaced): answered failed, 1.0.0 serves on."""
+    """The last step of a deploy fails (state.json cannot be replaced: immutable, as a broken disk refuses a write):
+    answered failed, 1.0.0 serves on. A state.json that cannot even be read (a folder in its place) refuses the
+    deploy before anything is unpacked."""
     cfg = _config(tmp_path, broker, keys, releases["1.0.0"])
     daemon = _daemon(cfg, tmp_path, broker)
-    pointer = tmp_path / "state-t1" / "models" / "digits" / "state.json"
+    folder = tmp_path / "state-t1" / "models" / "digits"
+    pointer = folder / "state.json"
+    kept = pointer.read_bytes()
     pointer.unlink()
     pointer.mkdir()
-    (pointer / "blocker").write_text("a folder where the pointer file goes: os.replace fails, as on a broken disk\n")
-    proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", str(releases["1.1.0"]),
-                   "--timeout", "240")
-    assert proc.returncode == 1 and proc.stdout.startswith("t1: failed digits 1.1.0: failed: cannot write"), proc.stdout
+    deploy = ["deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", str(releases["1.1.0"]), "--timeout", "240"]
+    proc = _k2edge(*deploy)
+    assert proc.returncode == 1 and proc.stdout.startswith(f"t1: failed digits 1.1.0: failed: {pointer} cannot be read"), \
+        proc.stdout
+    assert sorted(p.name for p in folder.iterdir()) == ["1.0.0", "state.json"]
+    pointer.rmdir()
+    pointer.write_bytes(kept)
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(pointer)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not possible on this file system (the part above ran)")
+    try:
+        proc = _k2edge(*deploy)
+    finally:
+        subprocess.run(["chattr", "-i", str(pointer)], check=True)
+    assert proc.returncode == 1 and proc.stdout.startswith(f"t1: failed digits 1.1.0: failed: cannot write {pointer}"), \
+        proc.stdout
     assert proc.stdout.strip().endswith("[running: digits 1.0.0]")
     client = Client(broker.port).connect()
     answer = _ask(client, "after-failure")
@@ -626,6 +642,34 @@ def test_removing_a_key_revokes_the_installed_version_it_signed(tmp_path, broker
     d = _daemon(resigned, tmp_path, broker)
     assert _status(broker.port)["models"][0]["model_version"] == "1.3.0"
     assert d.terminate() == 0
+
+
+def test_a_key_rotation_as_docs_fleet_tells_it_keeps_the_device_starting(tmp_path, broker, keys, releases):
+    """Both keys trusted, the running version re-signed with the new key and deployed again (no allow_downgrade),
+    then the old key removed: the device starts on the re-signed version. (The redeploy used to be answered
+    'runs already' with the old signature left on disk, and the device then refused to start.) A state.json that
+    cannot be read then stops the start with one line naming what is on disk."""
+    from k2edge.bundle import sign_bundle
+
+    both = _config(tmp_path, broker, keys, releases["1.0.0"], trust={"keys": [str(keys["pub"]), str(keys["rogue_pub"])]})
+    d = _daemon(both, tmp_path, broker)
+    resigned = tmp_path / "digits-1.0.0-new-key.k2b"
+    shutil.copy(releases["1.0.0"], resigned)
+    sign_bundle(resigned, keys["rogue_key"])
+    proc = _k2edge("deploy", "--broker", f"127.0.0.1:{broker.port}", "--device", "t1", "--timeout", "120", str(resigned))
+    assert proc.returncode == 0 and "runs already" in proc.stdout and "check out" in proc.stdout, proc.stdout + proc.stderr
+    assert d.terminate() == 0
+    only_new = _config(tmp_path, broker, keys, releases["1.0.0"], trust={"keys": [str(keys["rogue_pub"])]})
+    d = _daemon(only_new, tmp_path, broker)
+    assert _status(broker.port)["models"][0]["model_version"] == "1.0.0"
+    assert d.terminate() == 0
+    pointer = tmp_path / "state-t1" / "models" / "digits" / "state.json"
+    pointer.write_text("{")
+    proc = _k2edge("serve", "--config", str(only_new), timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert last.startswith(f"k2edge serve: error: model digits: {pointer} cannot be read (not JSON: "), last
+    assert "the versions on disk are 1.0.0" in last, last
 
 
 def test_a_bundle_whose_int8_check_fails_is_not_deployed(tmp_path, broker, keys, releases):

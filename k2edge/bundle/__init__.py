@@ -20,7 +20,7 @@ from .keys import TrustStore, generate_keys, key_id, load_private_key, load_publ
 from .manifest import Manifest
 from .result import CHECK_ORDER, FAILED, STORE_REFUSALS, SUCCESS, VERIFIED, BundleError, BundleResult
 from .semver import Version, parse_version
-from .store import ModelStore
+from .store import DamagedState, ModelStore
 from .verify import verify_bundle, verify_directory
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "BundleError",
     "BundleResult",
     "CHECK_ORDER",
+    "DamagedState",
     "FAILED",
     "Limits",
     "Manifest",

@@ -26,8 +26,8 @@ SIGNATURE_NAME = "manifest.sig"
 _RESERVED = {MANIFEST_NAME, SIGNATURE_NAME}
 # a model name becomes an MQTT topic level and a directory name
 NAME_MAX = 128
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*\Z")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def path_problem(path: str) -> str | None:

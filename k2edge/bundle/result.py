@@ -17,9 +17,10 @@ from ..errors import K2EdgeError
 __all__ = ["BundleError", "BundleResult", "CHECK_ORDER", "FAILED", "STORE_REFUSALS", "SUCCESS", "VERIFIED"]
 
 VERIFIED = "verified"
-SUCCESS: tuple[str, ...] = (VERIFIED, "installed", "activated", "rolled_back", "loaded")
+SUCCESS: tuple[str, ...] = (VERIFIED, "installed", "current", "activated", "rolled_back", "loaded")
 """What went right: verified (checked only), installed (unpacked into the state directory, not yet
-current), activated (made current), rolled_back (the previous version made current), loaded
+current), current (the version that runs, installed again: its files checked and mended, its signature
+the bundle's), activated (made current), rolled_back (the previous version made current), loaded
 (the current version re-verified for loading)."""
 
 CHECK_ORDER: tuple[str, ...] = (

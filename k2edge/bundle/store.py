@@ -10,7 +10,11 @@ Layout (``STATE`` is the daemon's state directory, ``$STATE_DIRECTORY`` under sy
 A version is unpacked into a staging folder, every file and folder fsynced, and renamed into
 place; ``state.json`` is replaced the same way (write, fsync, rename, fsync the folder). A power
 loss at any point leaves either the old pointer or the new one, each naming a complete folder,
-so the version that ran before keeps running. Only the current and previous versions stay on disk.
+so the version that ran before keeps running. Only the current and previous versions stay on disk;
+a version is removed by renaming it to a staging name first, so a cut removal leaves no half version.
+A version installed again with the same manifest is checked file by file: a damaged or incomplete
+folder is replaced from the verified bundle, an intact one keeps its files and takes the bundle's
+signature (a key rotation's re-signed release).
 
 The daemon's order for a deploy: :meth:`ModelStore.install` (verify + unpack; nothing changes
 for the running model), build the engines from ``result.paths``, swap, then
@@ -21,27 +25,34 @@ once from different processes; one process serialises them (a lock covers thread
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 from typing import Collection
 
-from ..errors import first_line
+from ..errors import K2EdgeError, first_line
 from ..durable import fsync_dir, write_replacing
 from .archive import ArchiveProblem, Limits, extract_verified, open_bundle
-from .keys import TrustStore
+from .keys import Signature, TrustStore
 from .manifest import Manifest
 from .result import FAILED, BundleResult
 from .semver import parse_version
 from .verify import verify_directory, verify_stream
 
-__all__ = ["ModelStore"]
+__all__ = ["DamagedState", "ModelStore"]
 
 POINTER = "state.json"
 _STAGING = ".staging-"
+
+
+class DamagedState(K2EdgeError):
+    """A model's ``state.json`` exists but cannot be read: which version runs, and so what anti-rollback
+    allows, is unknown. Nothing is installed, activated or rolled back until a person mends it."""
 
 
 class ModelStore:
@@ -64,15 +75,40 @@ class ModelStore:
 
     def pointer(self, name: str) -> dict:
         """``{"current": VERSION | None, "previous": VERSION | None, "rollback": REQUEST | None}`` for
-        ``name``; ``rollback`` names the request of the last rollback, if the last change was one."""
+        ``name``; ``rollback`` names the request of the last rollback, if the last change was one.
+
+        Raises:
+            DamagedState: ``state.json`` exists but cannot be read, or does not hold a pointer.
+        """
+        path = self.root / name / POINTER
         try:
-            data = json.loads((self.root / name / POINTER).read_text())
-        except (OSError, ValueError):
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
             return {"current": None, "previous": None, "rollback": None}
-        return {"current": data.get("current"), "previous": data.get("previous"), "rollback": data.get("rollback")}
+        except OSError as exc:
+            raise DamagedState(self._damaged(name, path, exc.strerror or first_line(exc))) from None
+        except ValueError as exc:
+            raise DamagedState(self._damaged(name, path, f"not JSON: {first_line(exc)}")) from None
+        if not isinstance(data, dict) or not _a_version(data.get("current")) or \
+                not (data.get("previous") is None or _a_version(data["previous"])) or \
+                not isinstance(data.get("rollback"), (str, type(None))):
+            raise DamagedState(self._damaged(name, path, 'not {"current": VERSION, "previous": VERSION | null}'))
+        return {"current": data["current"], "previous": data.get("previous"), "rollback": data.get("rollback")}
+
+    def _damaged(self, name: str, path: Path, why: str) -> str:
+        on_disk = self.versions(name)
+        example = json.dumps({"current": on_disk[-1], "previous": on_disk[-2] if len(on_disk) > 1 else None}) \
+            if on_disk else None
+        return (f"{path} cannot be read ({why}); it says which version of {name} runs and what is older (anti-rollback), "
+                f"so nothing is installed, activated or rolled back until it is mended: the versions on disk are "
+                f"{', '.join(on_disk) or 'none'}" + (f"; e.g. write {example} into it" if example else ""))
 
     def current(self, name: str) -> str | None:
-        """The version that runs, or None when none was ever activated."""
+        """The version that runs, or None when none was ever activated.
+
+        Raises:
+            DamagedState: as :meth:`pointer`.
+        """
         return self.pointer(name)["current"]
 
     def versions(self, name: str) -> list[str]:
@@ -106,9 +142,10 @@ class ModelStore:
                 a daemon serves.
 
         Returns:
-            ``installed`` with ``paths`` and ``previous`` (the current version, which keeps running),
-            or the verification refusal, ``not_newer``, ``version_conflict`` or ``failed``; nothing
-            is written for a refusal.
+            ``installed`` with ``paths`` and ``previous`` (the current version, which keeps running);
+            ``current`` when the bundle is the version that runs (same manifest: its files checked,
+            mended from the bundle if damaged, and its signature the bundle's); or the verification
+            refusal, ``not_newer``, ``version_conflict`` or ``failed``, for which nothing is written.
         """
         with self._lock:
             result = None
@@ -121,39 +158,53 @@ class ModelStore:
                     refusal = self._admit(m, result, allow_downgrade, expected_name, verified.manifest_bytes)
                     if refusal is not None:
                         return refusal
-                    current = self.current(m.name)
+                    ptr = self.pointer(m.name)
                     target = self.root / m.name / m.version
-                    if not target.exists():
-                        self._unpack(f, verified, target)
-                    else:  # the same manifest, installed before (checked by _admit); perhaps re-signed
-                        self._refresh_signature(target, verified.signature_bytes)
+                    placed = self._place(f, verified, target)
             except ArchiveProblem as exc:  # unreadable, too large, or changed since it was verified
                 return _with(result or BundleResult(exc.status, exc.detail), status=exc.status, detail=exc.detail)
             except OSError as exc:
                 return _with(result or BundleResult(FAILED, ""), status=FAILED,
                              detail=f"cannot install into {self.root}: {exc.strerror or first_line(exc)}")
-            return _with(result, status="installed", paths=_role_paths(target, m), previous=current,
-                         detail=f"{result.detail}; unpacked into {target}")
+            except DamagedState as exc:
+                return _with(result or BundleResult(FAILED, ""), status=FAILED, detail=str(exc))
+            if m.version == ptr["current"]:
+                return _with(result, status="current", paths=_role_paths(target, m), previous=ptr["previous"],
+                             detail=f"{m.name} {m.version} runs already; {placed}")
+            return _with(result, status="installed", paths=_role_paths(target, m), previous=ptr["current"],
+                         detail=f"{result.detail}; {placed}")
 
     def _admit(self, m: Manifest, result: BundleResult, allow_downgrade: bool, expected_name: str | Collection[str] | None,
                manifest_bytes: bytes) -> BundleResult | None:
         wrong = name_refusal(m.name, expected_name)
         if wrong is not None:
             return _with(result, status="bad_manifest", detail=wrong)
+        target = self.root / m.name / m.version
+        on_disk = _manifest_on_disk(target)
+        if on_disk is not None and on_disk != manifest_bytes:
+            return _with(result, status="version_conflict",
+                         detail=f"version {m.version} is installed already with other content; give the bundle a new version")
         current = self.current(m.name)
+        if current == m.version:  # the very version that runs: checked, mended and re-signed, never rebuilt
+            return None
         if current is not None and not allow_downgrade and parse_version(m.version) <= parse_version(current):
             return _with(result, status="not_newer", detail=f"version {m.version} is not newer than the running {current} "
                                                            "(anti-rollback; a deploy may say allow_downgrade)")
-        target = self.root / m.name / m.version
-        if target.exists():
-            try:
-                same = (target / "manifest.json").read_bytes() == manifest_bytes
-            except OSError:
-                same = False
-            if not same:
-                return _with(result, status="version_conflict",
-                             detail=f"version {m.version} is installed already with other content; give the bundle a new version")
         return None
+
+    def _place(self, f, verified, target: Path) -> str:
+        """Put the verified bundle's files at ``target``; says what was done. A folder already there with the
+        same manifest (checked by :meth:`_admit`) whose files still verify keeps them and takes the bundle's
+        signature; one that does not (a file damaged on disk, a folder cut short) is replaced."""
+        if target.exists():
+            kept = verify_directory(target, self.trust, self.limits, self.allow_unsigned)
+            if kept.ok:
+                self._refresh_signature(target, verified.signature_bytes)
+                return f"its files in {target} check out"
+            self._unpack(f, verified, target)
+            return f"{target} did not verify ({kept.line}): replaced from the bundle"
+        self._unpack(f, verified, target)
+        return f"unpacked into {target}"
 
     def _unpack(self, f, verified, target: Path) -> None:
         folder = target.parent
@@ -164,6 +215,8 @@ class ModelStore:
         try:
             os.chmod(staging, 0o750)
             extract_verified(f, verified.manifest, verified.manifest_bytes, verified.signature_bytes, staging, self.limits)
+            if target.exists():  # a damaged copy: moved aside first (a version folder is whole or absent)
+                _remove(target)
             os.rename(staging, target)
             fsync_dir(folder)
         except BaseException:
@@ -185,13 +238,18 @@ class ModelStore:
         """Make an installed version current (the old current becomes previous) and delete the rest.
 
         Returns:
-            ``activated`` (``previous`` set), ``not_installed``, or ``failed`` (the pointer is unchanged).
+            ``activated`` (``previous`` set; ``key_id`` and ``sha256`` of the version made current), ``not_installed``,
+            or ``failed`` (the pointer is unchanged).
         """
         with self._lock:
             folder = self.root / name / version
-            if not (folder / "manifest.json").is_file():
+            manifest = _manifest_on_disk(folder)
+            if manifest is None:
                 return BundleResult("not_installed", f"{name} {version} is not installed in {self.root}", name, version)
-            old = self.pointer(name)
+            try:
+                old = self.pointer(name)
+            except DamagedState as exc:
+                return BundleResult(FAILED, str(exc), name, version)
             previous = old["current"] if old["current"] != version else old["previous"]
             try:
                 self._write_pointer(name, version, previous)
@@ -199,8 +257,8 @@ class ModelStore:
                 return BundleResult(FAILED, f"cannot write {folder.parent / POINTER}: {exc.strerror}", name, version)
             self._prune(name, {version, previous})
             return BundleResult("activated", f"{name} {version} is current" + (f"; {previous} kept for rollback" if previous else ""),
-                                name, version, paths=_role_paths(folder, Manifest.parse((folder / "manifest.json").read_bytes())),
-                                previous=previous)
+                                name, version, key_id=_signer(folder), sha256=hashlib.sha256(manifest).hexdigest(),
+                                paths=_role_paths(folder, Manifest.parse(manifest)), previous=previous)
 
     def rollback(self, name: str, request: str | None = None) -> BundleResult:
         """Make the previous version current again, after re-verifying it (the two swap places).
@@ -217,7 +275,10 @@ class ModelStore:
             previous version, or ``failed``.
         """
         with self._lock:
-            ptr = self.pointer(name)
+            try:
+                ptr = self.pointer(name)
+            except DamagedState as exc:
+                return BundleResult(FAILED, str(exc), name)
             if request is not None and ptr["rollback"] == request and ptr["current"] is not None:
                 done = self._verify_installed(name, ptr["current"])
                 return _with(done, status="rolled_back", previous=ptr["previous"],
@@ -243,7 +304,10 @@ class ModelStore:
             ``loaded`` with ``paths``, ``not_installed``, or the refusal that version now earns
             (a file changed on disk, its key no longer trusted, ...).
         """
-        version = version or self.current(name)
+        try:
+            version = version or self.current(name)
+        except DamagedState as exc:
+            return BundleResult(FAILED, str(exc), name)
         if version is None:
             return BundleResult("not_installed", f"no version of {name} in {self.root}", name)
         return self._verify_installed(name, version)
@@ -273,9 +337,44 @@ class ModelStore:
     def _prune(self, name: str, keep: set) -> None:
         for p in (self.root / name).iterdir():
             if p.is_dir() and (p.name.startswith(_STAGING) or p.name not in keep):
-                shutil.rmtree(p, ignore_errors=True)
+                _remove(p)
             elif p.is_file() and p.name.startswith((".sig-", ".state-")):  # a write that never got renamed
                 p.unlink(missing_ok=True)
+
+
+def _remove(folder: Path) -> None:
+    """Delete a folder, renaming it to a staging name first: a power loss in the middle leaves a staging
+    folder (removed at the next install or activation), never a version folder with half its files."""
+    if not folder.name.startswith(_STAGING):
+        aside = folder.with_name(f"{_STAGING}removed-{folder.name}-{secrets.token_hex(4)}")
+        os.rename(folder, aside)
+        fsync_dir(folder.parent)
+        folder = aside
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _manifest_on_disk(folder: Path) -> bytes | None:
+    """An installed version's manifest.json, or None where there is none to read (no folder, or one cut short)."""
+    try:
+        return (folder / "manifest.json").read_bytes()
+    except OSError:
+        return None
+
+
+def _signer(folder: Path) -> str | None:
+    """The key id in an installed version's manifest.sig (verified when it was installed), for its records."""
+    try:
+        return Signature.parse((folder / "manifest.sig").read_bytes()).key_id
+    except (OSError, ValueError):
+        return None
+
+
+def _a_version(value) -> bool:
+    try:
+        parse_version(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _role_paths(folder: Path, m: Manifest) -> dict:

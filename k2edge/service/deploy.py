@@ -31,7 +31,6 @@ in the same atomic replace as the change, so a redelivered rollback is recognise
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from .. import tracing
-from ..bundle import AuditLog, BundleResult, Limits, ModelStore, audit_record, load_trust
+from ..bundle import AuditLog, BundleResult, DamagedState, Limits, ModelStore, audit_record, load_trust
 from ..bundle.audit import AUDIT_NAME
 from ..config.card import ModelCard, find_card
 from ..config.schema import ConfigError, DaemonConfig, ModelConfig
@@ -239,7 +238,12 @@ class Versions:
             ConfigError: the version to run is refused (audited), or a bare onnx is not allowed.
         """
         store, audit = self.store, self.trail.audit
-        if store is not None and (current := store.current(m.name)) is not None:
+        try:
+            current = store.current(m.name) if store is not None else None
+        except DamagedState as exc:  # anti-rollback cannot be judged: a person decides which version runs
+            audit(BundleResult(FAILED, str(exc), m.name), "load", f"state:{store.root / m.name}")
+            raise ConfigError(f"model {m.name}: {exc}") from None
+        if current is not None:
             result = store.load(m.name)
             audit(result, "load", f"state:{store.root / m.name / current}")
             if not result.ok:
@@ -424,25 +428,14 @@ class ModelLifecycle:
         result = self.store.install(data, allow_downgrade=req.allow_downgrade, expected_name=self._names())
         self.audit(result, "install", source, request=job.digest)
         job.log["key_id"] = result.key_id
+        if result.status == "current":  # this very version runs: its files checked, its signature the bundle's
+            return self._answer_body(DEPLOYED, result.name, result.version, check="already_current", reason=result.detail)
         if not result.ok:
-            if result.status == "not_newer" and self._is_current(result):
-                return self._answer_body(DEPLOYED, result.name, result.version, check="already_current",
-                                         reason=f"{result.name} {result.version} from this very bundle runs already")
             return self._answer_body(FAILED if result.status == FAILED else REFUSED, result.name, result.version,
                                      result.detail, result.status)
         name, version = result.name, result.version
         return self._switch(name, version, result.paths, source, "activate", DEPLOYED,
                             lambda: self.store.activate(name, version))
-
-    def _is_current(self, result: BundleResult) -> bool:
-        """The bundle is the one that runs: same version, same manifest (so the same files)."""
-        if result.version is None or result.version != self._running_version(result.name):
-            return False
-        try:
-            manifest = (self.store.root / result.name / result.version / "manifest.json").read_bytes()
-        except OSError:
-            return False
-        return hashlib.sha256(manifest).hexdigest() == result.sha256
 
     def _rollback(self, job: _Job) -> dict:
         self._set_progress("receiving", kind="rollback")
@@ -457,7 +450,12 @@ class ModelLifecycle:
             return self._answer_body(REFUSED, req.model, reason=f"no model {req.model!r} here; served: {sorted(self._names())}",
                                      check="unknown_model")
         source, name = f"mqtt:{job.topic}", req.model
-        ptr = self.store.pointer(name)
+        try:
+            ptr = self.store.pointer(name)
+        except DamagedState as exc:
+            result = BundleResult(FAILED, str(exc), name)
+            self.audit(result, "rollback", source, request=job.digest)
+            return self._answer_body(FAILED, name, self._running_version(name), result.detail, "failed")
         if ptr["rollback"] == job.digest and ptr["current"] == self._running_version(name):
             return self._answer_body(ROLLED_BACK, name, ptr["current"], check="rolled_back", previous=ptr["previous"],
                                      reason=f"{name} was rolled back to {ptr['current']} by this request already")
