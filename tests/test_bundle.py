@@ -285,6 +285,8 @@ def test_same_inputs_make_the_same_bundle_bytes(tmp_path, monkeypatch):
     (lambda m: {**m, "version": "1.0"}, "version: must be a semantic version"),
     (lambda m: {**m, "model": "nope.onnx"}, "model 'nope.onnx' is not among files"),
     (lambda m: {**m, "name": "../x"}, "name: must be letters"),
+    (lambda m: {**m, "name": "digits\n"}, "name: must be letters"),  # '$' matched before a trailing newline
+    (lambda m: {**m, "version": "1.3.0\n"}, "version: must be a semantic version"),
     (lambda m: {**m, "created": "yesterday"}, "created: must be an ISO 8601 time"),
     (lambda m: {**m, "files": m["files"] + m["files"][:1]}, "more than once"),
     (lambda m: {**m, "shiny": True}, "shiny: unknown key"),

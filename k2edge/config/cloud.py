@@ -19,7 +19,7 @@ from .tables import Strict, bound
 __all__ = ["CloudSettings", "EscalationSettings", "MOONSHOT_BASE_URL", "K2_TEMPERATURE", "shown_key_path"]
 
 MOONSHOT_BASE_URL = "https://api.moonshot.ai/v1"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 K2_TEMPERATURE = 0.6  # Moonshot's recommendation for Kimi K2 Instruct
 
 

@@ -17,8 +17,8 @@ __all__ = ["Number", "SettingsError", "Strict", "bound", "topic_level", "validat
 M = TypeVar("M", bound=BaseModel)
 
 _TOPIC_LEVELS = {  # what a name that becomes an MQTT topic level may hold
-    False: (re.compile(r"^[A-Za-z0-9_.:-]+$"), "letters, digits, '_', '.', ':' or '-'"),
-    True: (re.compile(r"^[A-Za-z0-9_-]+$"), "letters, digits, '_' or '-'"),  # stream, zone and line names
+    False: (re.compile(r"^[A-Za-z0-9_.:-]+\Z"), "letters, digits, '_', '.', ':' or '-'"),
+    True: (re.compile(r"^[A-Za-z0-9_-]+\Z"), "letters, digits, '_' or '-'"),  # stream, zone and line names
 }
 
 

@@ -34,8 +34,8 @@ import msgspec
 DEPLOYED, ROLLED_BACK, REFUSED, FAILED = "deployed", "rolled_back", "refused", "failed"
 ANSWER_STATUSES = (DEPLOYED, ROLLED_BACK, REFUSED, FAILED)
 TAR_TYPES = ("application/x-tar", "application/gzip", "application/x-gzip")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 
 
 class ControlError(Exception):

@@ -39,7 +39,7 @@ THERMAL_DIR = "sys/class/thermal"
 INA3221_DRIVER_DIRS = ("sys/bus/i2c/drivers/ina3221", "sys/bus/i2c/drivers/ina3221x")
 HWMON_CLASS_DIR = "sys/class/hwmon"
 INPUT_RAILS = ("VDD_IN", "POM_5V_IN")
-_LABEL_RE = re.compile(r"^in(\d+)_label$")
+_LABEL_RE = re.compile(r"^in(\d+)_label\Z")
 _SUM_OF_SHUNTS = 7
 # Plausible die temperatures; -256 °C is how Tegra reports an offline sensor.
 _MIN_C, _MAX_C = -40.0, 200.0

@@ -13,7 +13,7 @@ from typing import Mapping, NamedTuple
 
 __all__ = ["ChildSpan", "Link", "RootSpan", "Sampler", "TraceParent", "format_traceparent", "parse_traceparent", "wall_ns"]
 
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\Z")
 
 # OpenTelemetry semantic conventions (messaging 1.26+, GenAI 1.28+), and ours under k2edge.*
 MESSAGING_SYSTEM = "messaging.system"

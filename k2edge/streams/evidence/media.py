@@ -21,8 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_EVENT_ID = re.compile(r"^[0-9a-f]{32}$")
-_MEDIUM = re.compile(r"^[0-9a-f]{32}\.(jpg|mp4)$")
+_EVENT_ID = re.compile(r"^[0-9a-f]{32}\Z")
+_MEDIUM = re.compile(r"^[0-9a-f]{32}\.(jpg|mp4)\Z")
 DEFAULT_MAX_BYTES = 2 * 1024 ** 3
 DEFAULT_MAX_AGE_S = 30 * 86400.0
 
