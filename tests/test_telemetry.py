@@ -22,6 +22,7 @@ from k2edge.telemetry import (
     thermal_sampler,
     validate_settings,
 )
+from k2edge.telemetry.jtop_source import START_HINT, JtopSource
 from k2edge.telemetry.energy import energy_j, energy_per_inference, peak_temperature
 from k2edge.telemetry.sysfs import SysfsSource
 from k2edge.telemetry.trace import TraceSource, load_trace, write_trace
@@ -183,6 +184,42 @@ def test_jtop_service_not_running_is_unknown_with_the_fix():
     assert src.state == "unknown"
     assert src.message.startswith("jtop.service is not running: sudo systemctl enable --now jtop.service")
     assert src.sample().temperatures_c == {}
+
+
+def test_jtop_started_after_the_daemon_or_lost_is_connected_again():
+    """jtop.service down at start, then started: the source connects again after its backoff (it used to stay
+    unknown until the daemon restarted); a service lost while reading is closed and connected again too."""
+    service = {"up": False, "starts": 0}
+    module = fake_jtop_module()
+    original = module.jtop
+
+    class jtop(original):  # noqa: N801 - the test double of jetson-stats' class, whose service comes and goes
+        def start(self):
+            service["starts"] += 1
+            if not service["up"]:
+                raise JtopException("The jtop.service is not active. Please run:\nsudo systemctl restart jtop.service")
+
+        @property
+        def temperature(self):
+            if not service["up"]:
+                raise ConnectionResetError("jtop.service went away")
+            return original.temperature
+
+    module.jtop = jtop
+    now = [0.0]
+    src = open_source("jtop", jtop_module=module, clock=lambda: now[0])
+    assert src.state == "unknown" and START_HINT in src.message and service["starts"] == 1
+    service["up"] = True
+    assert src.sample().temperatures_c == {} and service["starts"] == 1  # within the backoff: no new try
+    now[0] += JtopSource.RETRY_S[0] * 2  # past the first delay (at most twice the first)
+    assert src.sample().temperatures_c == {"cpu": 45.5, "tj": 47.25} and src.state == "ok"
+    service["up"] = False
+    assert src.sample().temperatures_c == {} and src.state == "unknown" and "jtop lost jtop.service" in src.message
+    service["up"] = True
+    assert src.sample().temperatures_c == {}  # waits its backoff again
+    now[0] += JtopSource.RETRY_S[0] * 2
+    assert src.sample().temperatures_c and src.state == "ok" and service["starts"] == 3
+    src.close()
 
 
 def test_jtop_not_installed_is_unknown(monkeypatch):
@@ -353,6 +390,28 @@ def test_power_budget_holds_warm_until_the_average_falls_below_it():
     assert "power_budget_w 10 W" in warm.reason
     hot = ThermalGovernor(ThermalSettings(power_budget_w=10.0, power_state="hot", filter_samples=1))
     assert hot.update(Sample(0.0, {"tj": 50.0}, {}, 20.0)).state == "hot"
+
+
+def test_power_readings_that_stop_age_out_of_the_window():
+    """A power rail that stops answering (or a source lost altogether) is not judged on its last average for
+    ever: the readings leave the window, and the state follows the temperature (or goes unknown)."""
+    g = ThermalGovernor(ThermalSettings(power_budget_w=10.0, power_window_s=10.0, filter_samples=3))
+    t = 0.0
+    for _ in range(20):  # 10 s at 15 W, cool
+        t += 0.5
+        st = g.update(Sample(t, {"gpu": 50.0}, {"VDD_IN": 15.0}, 15.0))
+    assert st.state == "warm" and st.power_avg_w == pytest.approx(15.0)
+    states = []
+    for _ in range(40):  # 20 s with temperatures and no power reading
+        t += 0.5
+        states.append(g.update(Sample(t, {"gpu": 50.0}, {}, None)))
+    assert states[0].state == "warm" and states[-1].state == "normal" and states[-1].power_avg_w is None
+    assert "below soft_c" in states[-1].reason
+    again = ThermalGovernor(ThermalSettings(power_budget_w=10.0, power_window_s=10.0, filter_samples=3))
+    for i in range(4):
+        again.update(Sample(0.5 * i, {"gpu": 50.0}, {}, 15.0))
+    lost = [again.update(None, "jtop lost jtop.service") for _ in range(3)]
+    assert lost[-1].state == "unknown" and "jtop lost" in lost[-1].reason and lost[-1].power_avg_w is None
 
 
 def test_transitions_are_logged_and_kept_for_telemetry(caplog):

@@ -104,7 +104,7 @@ def open_source(kind: str = "auto", root: str | os.PathLike = Path("/"), trace: 
     if kind == "jtop":
         from .jtop_source import JtopSource
 
-        return JtopSource(jtop_module=options.get("jtop_module"))
+        return JtopSource(**{k: options[k] for k in ("jtop_module", "clock") if k in options})
     if kind == "sysfs":
         from .sysfs import SysfsSource
 

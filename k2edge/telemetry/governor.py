@@ -14,7 +14,8 @@ Rules (all limits from :class:`ThermalSettings`):
   sensor hovering at a limit does not flap.
 * Power: with ``power_budget_w`` set, the average input power over the last ``power_window_s``
   seconds above the budget holds the state at least at ``power_state`` (warm by default), until
-  the average falls ``power_hysteresis_w`` below the budget.
+  the average falls ``power_hysteresis_w`` below the budget. Readings age out of the window: with
+  none in it (the rail gone, ``filter_samples`` failed reads) power holds no state.
 * ``unknown`` after ``filter_samples`` readings in a row with no watched temperature (a missing
   sensor, a source that cannot read): reported, never an exception.
 
@@ -114,6 +115,7 @@ class ThermalGovernor:
         self._limits = (float("-inf"), s.soft_c, s.hard_c, s.critical_c)
         self._window: deque[tuple[str, float] | None] = deque(maxlen=s.filter_samples)
         self._power: deque[tuple[float, float]] = deque()
+        self._power_missing = 0
         self._temp_level = 0
         self._power_over = False
         self._transitions: deque[Transition] = deque(maxlen=history)
@@ -210,13 +212,21 @@ class ThermalGovernor:
         return level, f"{sensor} {temp:.1f} °C below soft_c {s.soft_c:g} °C"
 
     def _power_average(self, sample: Sample | None) -> float | None:
-        if sample is not None and sample.total_power_w is not None:
-            self._power.append((sample.t, sample.total_power_w))
+        """The average input power over the last ``power_window_s`` before this sample, or None without a reading in
+        it: readings that stopped (a rail gone, the source lost) age out of the window instead of being judged on."""
+        if sample is None:  # no clock to age them by: dropped after as many failed reads as make a temperature unknown
+            self._power_missing += 1
+            if self._power_missing >= self.settings.filter_samples:
+                self._power.clear()
+        else:
+            self._power_missing = 0
+            if sample.total_power_w is not None:
+                self._power.append((sample.t, sample.total_power_w))
+            horizon = sample.t - self.settings.power_window_s
+            while self._power and self._power[0][0] < horizon:
+                self._power.popleft()
         if not self._power:
             return None
-        horizon = self._power[-1][0] - self.settings.power_window_s
-        while len(self._power) > 1 and self._power[0][0] < horizon:
-            self._power.popleft()
         pts = list(self._power)
         span = pts[-1][0] - pts[0][0]
         if span <= 0:

@@ -6,8 +6,9 @@ jetson-stats 4.x API used here (``from jtop import jtop, JtopException``): ``jto
 ``temperature`` -> ``{name: {"temp": °C, "online": bool}}`` and ``power`` ->
 ``{"rail": {NAME: {"power": mW, ...}}, "tot": {"power": mW, "name": "VDD_IN"?}}`` (the total is
 ``VDD_IN`` where the module has it, taken out of ``rail``, else the sum of the rails).
-The logic here is deliberately thin: the sysfs source reads the same sensors and is the one
-tested on fake trees.
+A connection refused at start or lost later is made again, with a jittered backoff (5 s doubling to
+60 s), so starting jtop.service after the daemon brings the readings back. The logic here is deliberately
+thin: the sysfs source reads the same sensors and is the one tested on fake trees.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import time
 from types import ModuleType
 
+from ..backoff import backoff
 from .base import Sample, TelemetrySource
 
 log = logging.getLogger(__name__)
@@ -27,46 +29,68 @@ INSTALL_HINT = "pip install jetson-stats, then " + START_HINT
 
 
 class JtopSource(TelemetrySource):
-    """A live jtop connection.
+    """A live jtop connection, made again when jtop.service was not running or went away.
 
     Args:
         interval_s: jtop's update interval.
         jtop_module: the ``jtop`` module (injected by tests; imported here otherwise).
+        clock: the time source (tests); ``time.monotonic``.
     """
 
     kind = "jtop"
+    RETRY_S = (5.0, 60.0)
+    """Reconnection delays: jittered, doubling from 5 s to at most 60 s while jtop.service stays away."""
 
-    def __init__(self, interval_s: float = 0.5, jtop_module: ModuleType | None = None) -> None:
+    def __init__(self, interval_s: float = 0.5, jtop_module: ModuleType | None = None,
+                 clock=time.monotonic) -> None:
         super().__init__()
-        self._jetson = None
-        module = jtop_module
-        if module is None:
+        self._jetson, self._interval_s, self._clock = None, interval_s, clock
+        self._attempt, self._next_try = 0, 0.0
+        self._module = jtop_module
+        if self._module is None:
             try:
                 import jtop as module  # noqa: PLC0415 - Jetson-only dependency
             except ImportError:
                 self._unknown(f"jetson-stats (jtop) is not installed: {INSTALL_HINT}")
                 return
+            self._module = module
+        self._connect()
+
+    def _connect(self) -> None:
+        """Start a jtop connection; on failure the source is unknown and the next try waits its backoff."""
+        module = self._module
         try:
-            jetson = module.jtop(interval=interval_s)
+            jetson = module.jtop(interval=self._interval_s)
             jetson.start()
         except module.JtopException as exc:
             detail = " ".join(str(exc).split())
-            self._unknown(f"jtop.service is not running: {START_HINT} ({detail})")
+            self._retry_later(f"jtop.service is not running: {START_HINT} ({detail})")
             return
         except (OSError, ValueError) as exc:
-            self._unknown(f"jtop could not connect to jtop.service ({exc}): {START_HINT}")
+            self._retry_later(f"jtop could not connect to jtop.service ({exc}): {START_HINT}")
             return
-        self._jetson = jetson
+        if self._attempt:
+            log.info("jtop: connected to jtop.service again")
+        self._jetson, self._attempt = jetson, 0
+
+    def _retry_later(self, message: str) -> None:
+        self._unknown(message)
+        self._next_try = self._clock() + backoff(self._attempt, *self.RETRY_S)
+        self._attempt += 1
 
     def _read(self) -> Sample:
         t = time.monotonic()
         if self._jetson is None:
-            return Sample(t)
+            if self._module is not None and self._clock() >= self._next_try:
+                self._connect()
+            if self._jetson is None:
+                return Sample(t)
         try:
             temperatures = _temperatures(self._jetson.temperature)
             rails, total = _power(self._jetson.power)
         except Exception as exc:  # jtop surfaces a lost service as assorted errors from its thread
-            self._unknown(f"jtop lost jtop.service ({type(exc).__name__}: {exc}): {START_HINT}")
+            self.close()
+            self._retry_later(f"jtop lost jtop.service ({type(exc).__name__}: {exc}): {START_HINT}")
             return Sample(t)
         self.state, self.message = "ok", ""
         return Sample(t, temperatures, rails, total)
