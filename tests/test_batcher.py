@@ -168,3 +168,41 @@ def test_a_quick_model_runs_its_batches_here_unless_staging_them_took_long_enoug
         assert sum(lane.runs for lane in rt.engines[1].lanes()) >= 1  # a worker ran it
     finally:
         rt.deactivate()
+
+
+def test_a_local_answer_held_for_later_outlives_a_swap_that_deactivates_its_engines(demo_model, tmp_path):
+    """In the hot state a request decided before inference carries its local answer, to run later, into the cloud
+    hand-off (the fallback at its deadline, or on a cloud failure). A deploy meanwhile swaps the batcher to the new
+    version and deactivates the old one: the held answer still runs on the engines it was staged for (it used to
+    raise 'backend is not active', answered as an internal error), and they are released once it is gone."""
+    import functools
+    import gc
+
+    from k2edge.service.request_path import run_one
+
+    cache = tmp_path / "cache"
+    old = ModelRuntime(ModelConfig(name="m", onnx=demo_model), 4, None, cache).activate()
+    new = ModelRuntime(ModelConfig(name="m", onnx=demo_model), 4, None, cache, version="2").activate()
+    cond = threading.Condition()
+    batcher = Batcher("m", old, thermal_sampler(), [], cond, 0.0)
+    batcher.start()
+    try:
+        sample, geometry = old.stage(None, np.zeros(old.sample_shape, dtype=old.input_dtype), 10**7)
+        item = type("Item", (), {})()
+        item.sample, item.geometry, item.req, item.result = sample, geometry, type("Req", (), {"top_k": None})(), None
+        later = old.held(functools.partial(run_one, old, item))
+        assert batcher.swap(new, 30.0) is old
+        old.deactivate()  # what the deploy does once the swap is done
+        engines = list(old._all())
+        assert all(e.active for e in engines)  # held: not released yet
+        local = later()
+        assert local.top_k and item.result is not None
+        del later
+        gc.collect()
+        assert not any(e.active for e in engines)  # the last held answer gone: released
+        plain = ModelRuntime(ModelConfig(name="m", onnx=demo_model), 4, None, cache).activate()
+        plain.deactivate()  # nothing held: released at once
+        assert not any(e.active for e in plain._all())
+    finally:
+        batcher.stop()
+        new.deactivate()

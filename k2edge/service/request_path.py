@@ -157,7 +157,7 @@ class RequestQueue(BatchClient):
             if d is None:
                 live.append(w)
             else:
-                body = self._carry_out(w, d, functools.partial(run_one, rt, w))
+                body = self._carry_out(w, d, rt.held(functools.partial(run_one, rt, w)))
                 if body is not None:
                     replies.append((w, body))
         staged = clock()

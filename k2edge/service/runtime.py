@@ -8,8 +8,11 @@ import copy
 import ctypes
 import io
 import logging
+import threading
 import time
+import weakref
 from concurrent.futures import Future
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -22,6 +25,7 @@ from ..tasks.preprocess import image_error
 from ..tasks.result import LocalResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 BATCH1_BUDGET_S = 0.25  # activation times batch 1 up to five times, stopping once this much has gone
@@ -95,7 +99,7 @@ class ModelRuntime:
         self.engines = self.normal
         self.profile_name = self.normal_profile
         # shared with the with_profile() views of this version
-        self._state = {"active": False, "memory": {}}
+        self._state = {"active": False, "memory": {}, "held": 0, "retiring": False, "lock": threading.Lock()}
         first = self.engines[1]
         self.card = first.card
         self.task = first.card.task
@@ -246,14 +250,46 @@ class ModelRuntime:
             self.max_batch = max(self.engines)
 
     def deactivate(self) -> None:
-        """Release every engine (of both profiles).
+        """Release every engine (of both profiles), or, while a computation :meth:`held` for later still
+        exists, once the last one is gone.
 
         Raises:
             RuntimeStateError: not active.
         """
-        if not self._state["active"]:
-            raise RuntimeStateError(f"model {self.name} {self.version or ''}: not active".replace("  ", " "))
-        self._state["active"] = False
+        state = self._state
+        with state["lock"]:
+            if not state["active"]:
+                raise RuntimeStateError(f"model {self.name} {self.version or ''}: not active".replace("  ", " "))
+            state["active"] = False
+            state["retiring"] = state["held"] > 0
+        if state["retiring"]:
+            log.info("model %s %s: its engines are released once %d pending local answer(s) are settled",
+                     self.name, self.version or "", state["held"])
+            return
+        self._release()
+
+    def held(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn``, a computation on these engines to run later (a local answer a cloud escalation may fall back
+        to), holding the engines until ``fn`` is gone: a deploy that swaps this version out and deactivates it
+        meanwhile leaves the engines to the fallback, and they are released when the last such ``fn`` is
+        dropped. ``fn`` must be an object of its own (e.g. a ``functools.partial``), not one kept elsewhere."""
+        state = self._state
+        with state["lock"]:
+            state["held"] += 1
+        weakref.finalize(fn, self._unhold).atexit = False
+        return fn
+
+    def _unhold(self) -> None:
+        state = self._state
+        with state["lock"]:
+            state["held"] -= 1
+            release = state["retiring"] and state["held"] == 0
+            if release:
+                state["retiring"] = False
+        if release:
+            self._release()
+
+    def _release(self) -> None:
         for e in self._all():
             e.deactivate()
 
