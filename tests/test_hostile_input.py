@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from k2edge.service.protocol import MAX_MESSAGE_CHARS, RequestError, error_body, parse_request
+from k2edge.service.protocol import MAX_MESSAGE_CHARS, RequestError, error_body, parse_request, peek_key
 
 TENSOR = {"dtype": "float32", "shape": [1, 32, 32], "data": base64.b64encode(bytes(4096)).decode()}
 
@@ -42,6 +42,16 @@ def test_a_number_too_large_to_parse_is_bad_request_with_the_id():
     assert err.code == "bad_request" and "tensor.shape" in err.message
     err = _parse(b"x", "image/png", {"id": "big4", "attempt": "9" * 5000})
     assert (err.code, err.request_id) == ("bad_request", "big4") and "attempt" in err.message
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0661", "1\n", " 1", "1_0", "0x1", "+1", "nan"])
+@pytest.mark.parametrize("key", ["attempt", "top_k", "deadline_ms"])
+def test_a_number_in_a_user_property_is_ascii_digits(key, value):
+    """'²' passed str.isdigit() and then broke int() inside peek_key: a traceback and no answer at all; int() and
+    float() also took '١', '1_0' and ' 1\n'. Each is now bad_request under the request's id."""
+    err = _parse(b"\xff\xd8x", "image/jpeg", {"id": "h1", key: value})
+    assert (err.code, err.request_id) == ("bad_request", "h1") and f"user property {key} must be a number" in err.message
+    assert peek_key(b"", {"id": "h1", "attempt": value}) == ("h1", 0)
 
 
 @pytest.mark.parametrize("payload, where", [

@@ -61,7 +61,7 @@ def fetch_bundle(url: str, sha256: str, max_bytes: int, ca_file: str | os.PathLi
                 if resp.status_code != 200:
                     raise FetchError("failed", f"{url}: HTTP {resp.status_code} {resp.reason_phrase}")
                 length = resp.headers.get("content-length", "")
-                if length.isdigit() and int(length) > max_bytes:
+                if length.isascii() and length.isdigit() and int(length) > max_bytes:
                     raise FetchError("too_large", f"{url} is {int(length)} bytes; the limit is {max_bytes} "
                                                   "(deploy.max_bundle_bytes)")
                 for chunk in resp.iter_bytes():

@@ -113,7 +113,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
     def _not_allowed(self) -> None:
         # a body left unread would reset the connection under the answer: read a small one, close after a large one
         length = self.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) <= MAX_DISCARDED_BODY:
+        if length.isascii() and length.isdigit() and int(length) <= MAX_DISCARDED_BODY:
             self.rfile.read(int(length))
         elif length or self.headers.get("Transfer-Encoding"):
             self.close_connection = True

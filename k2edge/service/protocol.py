@@ -137,6 +137,10 @@ def parse_request(payload: bytes, model: str, content_type: str | None, user_pro
     return _finish(body, model, received, expiry_s, default_deadline_ms)
 
 
+_INTEGER = re.compile(r"-?[0-9]+\Z")
+_DECIMAL = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
+
+
 def _from_user_properties(props: dict[str, str]) -> _Body:
     unknown = sorted(set(props) - set(FIELDS) - {"image", "tensor"})
     rid, attempt = peek_key(b"", props)
@@ -148,11 +152,10 @@ def _from_user_properties(props: dict[str, str]) -> _Body:
         if key in ("image", "tensor"):
             raise RequestError(BAD_REQUEST, f"user property {key} is not allowed: the payload is the image", rid, attempt)
         if key in ("top_k", "attempt", "deadline_ms"):
-            try:
-                number = float(value) if key == "deadline_ms" else int(value)
-            except ValueError:
-                raise RequestError(BAD_REQUEST, f"user property {key} must be a number, got {value[:40]!r}", rid, attempt) from None
-            fields[key] = number
+            # ASCII digits only: int() and float() also take '١', '1_0', ' 1\n' and 'nan'
+            if not (_DECIMAL if key == "deadline_ms" else _INTEGER).match(value) or len(value) > 40:
+                raise RequestError(BAD_REQUEST, f"user property {key} must be a number, got {value[:40]!r}", rid, attempt)
+            fields[key] = float(value) if key == "deadline_ms" else int(value)
         elif key in ("allow_cloud", "deferrable"):
             if value.lower() not in ("true", "false"):
                 raise RequestError(BAD_REQUEST, f"user property {key} must be true or false, got {value[:40]!r}", rid, attempt)
@@ -205,7 +208,7 @@ def peek_key(payload: bytes, user_properties: dict[str, str] | None = None) -> t
     if "id" in props:
         rid = props["id"] if valid_level(props["id"]) else None
         attempt = props.get("attempt", "0")
-        return rid, int(attempt) if attempt.isdigit() and len(attempt) <= 4 and int(attempt) <= MAX_ATTEMPT else 0
+        return rid, int(attempt) if attempt.isascii() and attempt.isdigit() and len(attempt) <= 4 and int(attempt) <= MAX_ATTEMPT else 0
     try:
         fields = _ANY_JSON.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):

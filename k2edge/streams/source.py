@@ -111,7 +111,7 @@ def parse_source(uri: str, password: str | None = None) -> SourceSpec:
             raise ValueError(f"source {shown!r}: no device (v4l2:///dev/video0)")
         return SourceSpec("v4l2", device if device.startswith("/") else f"/dev/{device}", shown, True)
     sensor = (parts.netloc or parts.path.strip("/"))
-    if not sensor.isdigit():
+    if not (sensor.isascii() and sensor.isdigit()):
         raise ValueError(f"source {shown!r}: csi:// takes a sensor id, e.g. csi://0")
     return SourceSpec("csi", sensor, shown, True)
 
