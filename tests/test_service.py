@@ -235,6 +235,12 @@ def test_config_example_loads_and_resolves_paths():
     # the known keys of a table that may be left out, and of a repeated one's items
     ('[tracing]\nsampler = 1\n[[models]]\nname = "a"\nonnx = "m"', "tracing.sampler: unknown key (known keys: endpoint, "),
     ('[[models]]\nname = "a"\nonnx = "m"\nturbo = 1', "models.0.turbo: unknown key (known keys: name, onnx, bundle, "),
+    # a table written as an array of tables, or as a value, and the other way round (these were tracebacks)
+    ('[[mqtt]]\nhost = "x"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt: must be one table, got an array of tables (in TOML: [mqtt], not [[mqtt]])"),
+    ('mqtt = "localhost"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt: must be a table of keys (in TOML: a [mqtt] section), got 'localhost'"),
+    ('http = 8080\n[[models]]\nname = "a"\nonnx = "m"', "http: must be a table of keys (in TOML: a [http] section), got 8080"),
+    ('[[service]]\nmax_batch = 2\n[[models]]\nname = "a"\nonnx = "m"', "service: must be one table, got an array of tables"),
+    ('[models]\nname = "a"\nonnx = "m"', "models: must be an array of tables, got one table (in TOML: [[models]], not [models])"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:
@@ -249,6 +255,7 @@ def test_config_errors_name_the_key(tmp_path, text, fragment):
     ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "bad.json"', "models.0.profile: profile file"),
     ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\ncalib = "nope"', "models.0.calib: "),
     ('[[models]]\nname = "a"\nonnx = "m"\nprofile = "c2"\ncheck = "nope.npz"', "models.0.check: "),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[models]]\nname = "b"\nonnx = "modle.onnx"', "models.0.onnx: "),
 ])
 def test_the_daemon_checks_every_profile_before_it_starts_anything(tmp_path, text, fragment):
     """check_profiles (the daemon's first step) names the key; reading the config alone does not need the profiles

@@ -318,17 +318,17 @@ class DaemonConfig(_Strict):
 
 def _resolve(data: dict, base: Path) -> dict:
     """Make relative paths in the file relative to the file's directory."""
-    def fix(section: dict, keys):
-        for k in keys:
+    def fix(section, keys):  # a table given as something else is left to the validation, which names it
+        for k in keys if isinstance(section, dict) else ():
             if isinstance(section.get(k), str) and section[k] and not os.path.isabs(section[k]):
                 section[k] = str(base / section[k])
 
-    fix(data.get("mqtt", {}), ("tls_ca_file", "tls_cert_file", "tls_key_file", "password_file"))
-    fix(data.get("service", {}), ("cache_dir", "state_dir"))
-    fix(data.get("http", {}), ("token_file", "password_file"))
-    fix(data.get("cloud", {}) if isinstance(data.get("cloud"), dict) else {}, ("api_key_file", "outbox_path"))
-    fix(data.get("thermal", {}) if isinstance(data.get("thermal"), dict) else {}, ("trace", "sysfs_root"))
-    fix(data.get("deploy", {}) if isinstance(data.get("deploy"), dict) else {}, ("ca_file",))
+    fix(data.get("mqtt"), ("tls_ca_file", "tls_cert_file", "tls_key_file", "password_file"))
+    fix(data.get("service"), ("cache_dir", "state_dir"))
+    fix(data.get("http"), ("token_file", "password_file"))
+    fix(data.get("cloud"), ("api_key_file", "outbox_path"))
+    fix(data.get("thermal"), ("trace", "sysfs_root"))
+    fix(data.get("deploy"), ("ca_file",))
     trust = data.get("trust")
     if isinstance(trust, dict) and isinstance(trust.get("keys"), list):
         trust["keys"] = [str(base / k) if isinstance(k, str) and k and not os.path.isabs(k) else k for k in trust["keys"]]
@@ -382,8 +382,8 @@ def check_profiles(cfg: DaemonConfig) -> None:
     names the key.
 
     Raises:
-        ConfigError: ``models.N.profile`` or ``models.N.escalation.warm_profile`` names no valid profile, or
-            ``models.N.calib`` / ``models.N.check`` no file or folder.
+        ConfigError: ``models.N.profile`` or ``models.N.escalation.warm_profile`` names no valid profile,
+            ``models.N.calib`` / ``models.N.check`` no file or folder, or ``models.N.onnx`` no file.
     """
     from ..errors import ProfileError
     from ..profile import load_profile
@@ -402,6 +402,9 @@ def check_profiles(cfg: DaemonConfig) -> None:
                     load_profile(profile)
                 except ProfileError as exc:
                     raise ConfigError(f"{path}: models.{i}.{key}: {exc}") from None
+        if m.onnx is not None and not m.onnx.is_file():  # before any model is built: a build can take minutes
+            raise ConfigError(f"{path}: models.{i}.onnx: {str(m.onnx)!r} " +
+                              ("is a directory, not an .onnx file" if m.onnx.is_dir() else "does not exist"))
 
 
 def state_dir(cfg: DaemonConfig) -> Path:

@@ -36,6 +36,14 @@ def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list
             parts.append(f"{loc}: {ctx.get('error', err['msg'])}" if loc else str(ctx.get("error", err["msg"])))
         elif kind == "literal_error":
             parts.append(f"{loc}: must be one of {ctx.get('expected')}, got {got!r}")
+        elif kind == "model_type" and isinstance(got, list) and got and all(isinstance(g, dict) for g in got):
+            parts.append(f"{loc}: must be one table, got an array of tables (in TOML: [{err['loc'][-1]}], not "
+                         f"[[{err['loc'][-1]}]])")
+        elif kind == "model_type":
+            parts.append(f"{loc}: must be a table of keys (in TOML: a [{err['loc'][-1]}] section), got {got!r}")
+        elif kind in ("tuple_type", "list_type") and isinstance(got, dict):
+            parts.append(f"{loc}: must be an array of tables, got one table (in TOML: [[{err['loc'][-1]}]], not "
+                         f"[{err['loc'][-1]}])")
         else:
             parts.append(f"{loc}: {err['msg'].lower()}, got {got!r}")
     return "; ".join(parts)
