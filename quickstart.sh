@@ -89,7 +89,7 @@ demo() {
     tmp=$(mktemp -d)
     port=$(free_port)
     # TCP_NODELAY on the broker: without it every MQTT round trip waits ~40 ms for Nagle's algorithm
-    printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nuser %s\n' "$port" "$(id -un)" > "$tmp/mosquitto.conf"
+    printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_queued_messages 100000\nuser %s\n' "$port" "$(id -un)" > "$tmp/mosquitto.conf"
     echo "== plan: where each layer of the demo model runs under profile c2 (block-wise, INT8) on an AGX Orin"
     "$k2" plan "$model" --profile c2
     echo

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -222,8 +223,11 @@ def test_deadlines_are_never_answered_late(run_daemon, broker, slow_model):
     client.close()
 
 
-def test_sigterm_drains_in_flight_work_then_goes_offline(run_daemon, broker, slow_model):
-    """SIGTERM with about two seconds of measured work left: all of it is answered, then the status says offline."""
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 0), (signal.SIGHUP, 75)])
+def test_sigterm_drains_in_flight_work_then_goes_offline(run_daemon, broker, slow_model, sig, status):
+    """SIGTERM with about two seconds of measured work left: all of it is answered, then the status says offline.
+    SIGHUP (systemctl reload) drains the same way and exits 75, which the unit restarts; it used to kill the
+    daemon on the spot, its backlog unanswered and systemd, seeing a clean signal death, not restarting it."""
     d = run_daemon(models=[slow_model.model()], service={"max_batch": 1})
     client = Client(broker.port).connect()
     x = np.zeros(slow_model.input_shape, np.float32)
@@ -232,7 +236,9 @@ def test_sigterm_drains_in_flight_work_then_goes_offline(run_daemon, broker, slo
         client.publish("k2edge/t1/infer/slow", _tensor_request(x, rid=f"s{i}"))
     client.wait_answers(1, timeout=60)  # the daemon is working through them
     signalled = time.monotonic()
-    assert d.terminate(timeout=60 + n * slow_model.seconds * 4) == 0
+    assert d.terminate(timeout=60 + n * slow_model.seconds * 4, sig=sig) == status
+    if sig == signal.SIGHUP:
+        assert "SIGHUP: k2edge has no reload in place: draining, then exiting with status 75" in d.output()
     answers = client.wait_answers(n, timeout=30)
     assert sorted(a["id"] for a in answers) == sorted(f"s{i}" for i in range(n))
     assert all(a["status"] == "ok" for a in answers)

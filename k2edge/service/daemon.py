@@ -51,6 +51,10 @@ from .transport import MqttTransport
 
 log = logging.getLogger(__name__)
 
+RESTART_STATUS = 75
+"""The exit status after a SIGHUP's drain (EX_TEMPFAIL): the systemd unit's ``RestartForceExitStatus`` starts the
+daemon again, which is how ``systemctl reload k2edge`` applies a changed config."""
+
 
 class Daemon:
     """The serving process. ``run()`` builds, starts and serves it, and blocks until drained; returns
@@ -86,6 +90,7 @@ class Daemon:
         self.cfg = cfg
         self.notify = notifier or Notifier()
         self._draining = threading.Event()  # shared with admission: a signal stops it at once
+        self._restart = False  # SIGHUP: the drain ends in RESTART_STATUS
         self._control_ready = threading.Event()  # the control connection had its subscriptions once
         self._status_lock = threading.Lock()
         self._built = threading.Event()  # everything run() builds exists: status may be published
@@ -147,7 +152,8 @@ class Daemon:
         self.escalation.start()
         self.thermal.start()
         self._serve()
-        return self._drain()
+        status = self._drain()
+        return RESTART_STATUS if self._restart and status == 0 else status
 
     # building -------------------------------------------------------------------------------------------
     def _request_filters(self) -> list[str]:
@@ -378,6 +384,15 @@ class Daemon:
             log.info("drain requested: finishing accepted requests")
         self._draining.set()  # admission stops at once, not at the serving loop's next turn
 
+    def request_restart(self, *_):
+        """SIGHUP: there is no reload in place; a drain, then exit status :data:`RESTART_STATUS`, which the systemd
+        unit restarts (``RestartForceExitStatus``), so the config is read again and nothing accepted is lost."""
+        if not self._restart:
+            log.info("SIGHUP: k2edge has no reload in place: draining, then exiting with status %d for systemd to "
+                     "start it again with the config as it is now", RESTART_STATUS)
+        self._restart = True
+        self.request_drain()
+
     def _serve(self) -> None:
         """Until a drain is requested: READY=1 once connected, the watchdog, the status, the telemetry."""
         cfg = self.cfg
@@ -523,13 +538,14 @@ class Daemon:
 
 
 def serve(cfg: DaemonConfig) -> int:
-    """Run the daemon with SIGTERM/SIGINT draining it, and SIGUSR1 writing every thread's stack to stderr (the
+    """Run the daemon with SIGTERM/SIGINT draining it, SIGHUP draining it for a restart, and SIGUSR1 writing every thread's stack to stderr (the
     journal): where a daemon that does not answer, or does not stop, is waiting."""
     import faulthandler
 
     daemon = Daemon(cfg)
     signal.signal(signal.SIGTERM, daemon.request_drain)
     signal.signal(signal.SIGINT, daemon.request_drain)
+    signal.signal(signal.SIGHUP, daemon.request_restart)  # its default, a death without a drain, lost the backlog
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     return daemon.run()

@@ -184,17 +184,17 @@ class DaemonProcess:
                                      stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         return self
 
-    def terminate(self, timeout: float = 60) -> int:
-        """SIGTERM, and the exit status once the daemon has drained. A daemon still running after ``timeout`` has its
-        threads' stacks written to its log (SIGUSR1), is killed, and fails the test with the log's end."""
-        self.proc.send_signal(signal.SIGTERM)
+    def terminate(self, timeout: float = 60, sig: int = signal.SIGTERM) -> int:
+        """SIGTERM (or ``sig``), and the exit status once the daemon has drained. A daemon still running after
+        ``timeout`` has its threads' stacks written to its log (SIGUSR1), is killed, and fails the test with the log's end."""
+        self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.send_signal(signal.SIGUSR1)
             time.sleep(1.0)  # the stacks written before the kill
             self.kill()
-            raise AssertionError(f"the daemon did not stop within {timeout:g} s of SIGTERM; its log ends:\n"
+            raise AssertionError(f"the daemon did not stop within {timeout:g} s of {signal.Signals(sig).name}; its log ends:\n"
                                  + self.output()[-20000:]) from None
 
     def kill(self) -> None:
