@@ -54,6 +54,8 @@ def register(p) -> None:
     p.add_argument("--out", default="pareto-sweep", metavar="DIR",
                    help="output directory: results.json, results.csv, pareto.png, recommended.json (default ./pareto-sweep)")
     p.add_argument("--resume", action="store_true", help="continue the sweep in --out: keep what was measured there, run only what is missing")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results.json already in --out (without it, or --resume, an existing one is refused)")
     p.add_argument("--board", choices=BOARD_CHOICES, help="board to plan for (default: this board, else orin-agx)")
     p.add_argument("--cache", metavar="DIR", help="engine cache directory (default: ~/.cache/k2edge)")
     p.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto",
@@ -77,17 +79,12 @@ def run(args) -> int:
     from pathlib import Path
 
     from ..sweep import MeasureSettings, NoRecommendation, SweepSpec, run_sweep, sweep_configs
-    from ..durable import make_dir
-    from ..sweep.errors import SweepError
     from ..sweep.progress import default_progress
     from ..sweep.report import print_table
 
     configs, notes = sweep_configs(args.profiles, args.grid)
     settings = MeasureSettings(runs=args.runs, warmup=args.warmup, requests=args.requests, limit=args.limit)
-    out = Path(args.out)
-    problem = make_dir(out)
-    if problem:
-        raise SweepError(f"--out {args.out!r} {problem}")
+    out = Path(args.out)  # created by the sweep once every input is checked: a refused sweep leaves nothing behind
     spec = SweepSpec(model=Path(args.model), dataset=Path(args.dataset), out=out, calib=args.calib, check=args.check, board=board_of(args),
                      backend=args.backend, cache_dir=args.cache, input_shapes=dict(args.input_shape) or None,
                      settings=settings, goal=args.goal, max_latency_ms=args.max_latency_ms, min_accuracy=args.min_accuracy,
@@ -95,7 +92,7 @@ def run(args) -> int:
     progress = default_progress(args.json)
     for note in notes:
         progress.note(f"note: {note}")
-    outcome = run_sweep(spec, configs, resume=args.resume, progress=progress)
+    outcome = run_sweep(spec, configs, resume=args.resume, overwrite=args.overwrite, progress=progress)
     doc = outcome.doc
     if args.json:
         print_json(doc)

@@ -13,7 +13,8 @@ from pathlib import Path
 from dataclasses import replace
 
 from .frontier import pareto_front
-from .results import MEASURED, accuracy_metric, accuracy_of, point_of, recommended_profile, write_csv, write_json_atomic
+from .results import (MEASURED, accuracy_metric, accuracy_of, int8_check_status, int8_flop_share, point_of,
+                      recommended_profile, write_csv, write_json_atomic)
 
 FRONT_COLOUR = "#1a9850"
 OTHER_COLOUR = "#7f7f7f"
@@ -51,6 +52,15 @@ def _lanes_text(record: dict) -> str:
     return text + (f" ({'cpu lanes' if len(lanes) > 1 else 'cpu lane'})" if cpu else "")
 
 
+def _check_text(record: dict) -> str:
+    """``failed (int8 72 %)``: the INT8 check's status and the INT8 share of the learned-layer FLOPs; ``-`` without INT8."""
+    status = int8_check_status(record)
+    if status is None:
+        return "-"
+    share = int8_flop_share(record)
+    return status if share is None else f"{status} (int8 {100 * share:.0f} %)"
+
+
 def _num(v, fmt: str, none: str = "-") -> str:
     return none if v is None else format(v, fmt)
 
@@ -85,6 +95,8 @@ def render_table(doc: dict, compact: bool = False):
     columns = [("", True), ("config", True), ("lanes", True), (f"p50 ms {runs}", True), ("p90 ms", False),
                ("p99 ms", True), ("mean ms", False), (f"inf/s {runs}", True), (metric, True), ("J/inf", True),
                ("peak °C", False)]
+    if any(int8_check_status(r) for r in doc["configs"]):
+        columns.append(("INT8 check", True))
     columns = [name for name, keep in columns if keep or not compact]
     for name in columns:
         table.add_column(name, justify="left" if name in ("", "config", "lanes") else "right",
@@ -106,6 +118,7 @@ def render_table(doc: dict, compact: bool = False):
             f"inf/s {runs}": _range_text(r["throughput_per_s"], sp.get("throughput_per_s") or {}, ",.0f", compact),
             metric: f"{100 * accuracy_of(r):.2f} %", "J/inf": _num(r.get("energy_j_per_inference"), "#.3g", "n/a"),
             "peak °C": _num(r.get("peak_temperature_c"), ".1f", "n/a"),
+            "INT8 check": Text(_check_text(r), style="red") if int8_check_status(r) == "failed" else _check_text(r),
         }
         style = "bold green" if r.get("on_front") else None
         if r["name"] == rec:

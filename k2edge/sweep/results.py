@@ -6,6 +6,8 @@
 * ``schema``, ``k2edge_version``, ``status`` (``running``, ``interrupted``, ``complete``),
   ``started``, ``updated`` (UTC, ISO 8601);
 * ``model`` (path, sha256 of the file), ``dataset`` (path, samples, fingerprint), ``calibration``,
+  ``inputs`` (``card``, ``calib``, ``check``: path and sha256 of what was given or found, each null when
+  there is none; ``--resume`` refuses a change),
   ``board`` (planned for), ``backend`` (requested, name, version), ``machine`` (host, OS, CPU,
   cores, detected Jetson board, L4T, CUDA devices, and ``accelerators``: what really ran),
   ``telemetry`` (state, message), ``settings`` (runs, warmup, requests, limit, goal, constraints);
@@ -146,6 +148,25 @@ def _damage(doc: dict) -> str | None:
     for i, r in enumerate(configs):
         if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not isinstance(r.get("name"), str):
             return f"configs[{i}] has no 'key' and 'name'"
+        if r.get("status") in MEASURED and (missing := _missing_figures(r)):
+            return f"configs[{i}] ({r['name']}) is {r['status']} but has no {missing}"
+    return None
+
+
+def _missing_figures(r: dict) -> str | None:
+    """The first figure a measured record lacks that the resume, the table or the plot reads (None: none)."""
+    if not isinstance(r.get("runs"), list) or not all(isinstance(run, dict) for run in r["runs"]):
+        return "'runs' list"
+    lat = r.get("latency_ms")
+    if not isinstance(lat, dict):
+        return "'latency_ms'"
+    for k in ("mean", "p50", "p90", "p99"):
+        if not isinstance(lat.get(k), (int, float)):
+            return f"'latency_ms.{k}'"
+    if not isinstance(r.get("throughput_per_s"), (int, float)):
+        return "'throughput_per_s'"
+    if not isinstance(accuracy_of(r), (int, float)):
+        return "accuracy ('top1' or 'map50')"
     return None
 
 
@@ -172,13 +193,39 @@ def check_resumable(previous: dict, current: dict, path: Path) -> None:
             diffs.append(f"--{key} {previous.get(key)} (now {current[key]})")
     if previous.get("backend", {}).get("name") != current["backend"]["name"]:
         diffs.append(f"backend {previous.get('backend', {}).get('name')} (now {current['backend']['name']})")
+    before = previous.get("inputs") or {}  # a result written before inputs were recorded cannot be compared
+    for key, now_input in (current.get("inputs") or {}).items():
+        if key in before and _sha(before[key]) != _sha(now_input):
+            diffs.append(f"--{key} {_input_text(before[key])} (now {_input_text(now_input)})")
     if diffs:
         raise SweepError(f"--resume: {path} was measured with {', '.join(diffs)}; rerun with the same settings or another --out")
 
 
+def _sha(entry) -> str | None:
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
+def _input_text(entry) -> str:
+    if not isinstance(entry, dict) or not entry.get("path"):
+        return "none"
+    return f"{entry['path']} (sha256 {str(entry.get('sha256'))[:12]})"
+
+
+def int8_check_status(r: dict) -> str | None:
+    """The INT8 accuracy check's status (``passed``, ``fallback``, ``inconclusive``, ``failed``); None: no INT8."""
+    check = r.get("int8_check")
+    return check.get("status") if isinstance(check, dict) else None
+
+
+def int8_flop_share(r: dict) -> float | None:
+    """The share of the learned-layer FLOPs that run in INT8 (``k2edge build``'s figure); None when unknown."""
+    shares = (r.get("plan") or {}).get("precision_flops") or {}
+    return shares.get("int8") if isinstance(shares, dict) else None
+
+
 CSV_FIELDS = (
     "name", "key", "status", "error", "runs", "on_front", "recommended", "lanes", "partition", "offload_ratio", "gpu_flop_share",
-    "prefetch", "precision_chain", "batch_size", "latency_mean_ms", "latency_p50_ms", "latency_p90_ms", "latency_p99_ms",
+    "prefetch", "precision_chain", "batch_size", "int8_check", "int8_flop_share", "latency_mean_ms", "latency_p50_ms", "latency_p90_ms", "latency_p99_ms",
     "latency_p50_min_ms", "latency_p50_max_ms", "throughput_per_s", "throughput_min_per_s", "throughput_max_per_s",
     "top1", "correct", "samples", "map50", "map", "energy_j_per_inference", "energy_reason", "peak_temperature_c", "build_seconds",
 )
@@ -198,6 +245,7 @@ def csv_row(r: dict) -> dict:
         "partition": er.get("tensorrt_partition"), "offload_ratio": er.get("offload_ratio"),
         "gpu_flop_share": (r.get("plan") or {}).get("gpu_flop_share"), "prefetch": er.get("dma_prefetch"),
         "precision_chain": "+".join(er.get("precision_fallback", [])), "batch_size": er.get("batch_size"),
+        "int8_check": int8_check_status(r), "int8_flop_share": int8_flop_share(r),
         "latency_mean_ms": lat.get("mean"), "latency_p50_ms": lat.get("p50"), "latency_p90_ms": lat.get("p90"),
         "latency_p99_ms": lat.get("p99"), "latency_p50_min_ms": p50s.get("min"), "latency_p50_max_ms": p50s.get("max"),
         "throughput_per_s": r.get("throughput_per_s"), "throughput_min_per_s": thr.get("min"),

@@ -8,13 +8,17 @@ that cannot be built or run is recorded as failed with its reason and the sweep 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
+from ..durable import make_dir
 from ..errors import K2EdgeError, first_line
 from ..config.resolve import find_calibration
 from ..readfile import file_sha256
@@ -23,7 +27,8 @@ from .frontier import recommend
 from .measure import MeasureSettings, measure_run, summarise
 from .progress import SweepProgress
 from .results import (MEASURED, SCHEMA, AGREEMENT_DOC, OBJECTIVES_DOC, accuracy_metric, accuracy_of, check_resumable,
-                      load_previous, machine_info, mark_front, now, point_of, set_recommendation, write_json_atomic)
+                      int8_check_status, load_previous, machine_info, mark_front, now, point_of, set_recommendation,
+                      write_json_atomic)
 from .errors import SweepError
 from .sampler import TelemetrySampler
 
@@ -91,12 +96,62 @@ def _open_eval(spec: SweepSpec):
         return open_coco(spec.dataset, labels, spec.settings.limit)
     dataset = open_labelled(spec.dataset, labels, spec.settings.limit)
     check_fits(dataset, loaded.normalised.graph.shape(loaded.normalised.graph.inputs[0])[1:], "evaluation set")
-    need = math.ceil(1 / (1 - spec.min_accuracy) - 1e-9) if spec.min_accuracy is not None and spec.min_accuracy < 1 else 0
+    if spec.min_accuracy is not None and spec.min_accuracy >= 1:
+        # The rule below asks for 1 / (1 - minimum) samples: no finite set tells a bound of 100 %.
+        raise SweepError(f"--min-accuracy 100 % cannot be told on any number of samples: a single miss in N moves top-1 by "
+                         f"100/N points, so no evaluation set resolves it (here {len(dataset)} sample(s)); give a minimum "
+                         "below 100 % (99.9 % needs at least 1000 samples)")
+    need = math.ceil(1 / (1 - spec.min_accuracy) - 1e-9) if spec.min_accuracy is not None else 0
     if len(dataset) < need:
         raise SweepError(f"--min-accuracy {100 * spec.min_accuracy:.2f} % cannot be told on {len(dataset)} sample(s), where "
                          f"a single miss moves top-1 by {100 / len(dataset):.2g} points: not enough data; give at least "
                          f"{need} samples{' (a larger --limit)' if spec.settings.limit == len(dataset) else ''}")
     return dataset
+
+
+def _check_paths(spec: SweepSpec) -> None:
+    """A mistyped --calib or --check is told before anything is built (else every INT8 configuration fails)."""
+    from ..model.datasets import existing
+
+    for flag, path in (("--calib", spec.calib), ("--check", spec.check)):
+        if path is not None:
+            existing(path, flag)
+
+
+def _tree_sha256(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (relative names and contents, in name order)."""
+    if path.is_file():
+        return file_sha256(path)
+    h = hashlib.sha256()
+    for f in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(f"{f.relative_to(path).as_posix()}\0{file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
+def sweep_inputs(spec: SweepSpec) -> dict:
+    """The card, calibration and check sets the engines are built from (path and sha256; None: none)."""
+    from ..config.card import find_card
+
+    found = {"card": Path(spec.card) if spec.card else find_card(spec.model),
+             "calib": Path(spec.calib) if spec.calib else find_calibration(Path(spec.model)),
+             "check": Path(spec.check) if spec.check else None}
+    return {k: None if p is None else {"path": str(p), "sha256": _tree_sha256(p)} for k, p in found.items()}
+
+
+def _prepare_out(out: Path) -> None:
+    """Create --out and prove it writable, before minutes of measuring.
+
+    Raises:
+        SweepError: naming --out and why.
+    """
+    problem = make_dir(out)
+    if problem:
+        raise SweepError(f"--out {os.fspath(out)!r} {problem}")
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise SweepError(f"--out {os.fspath(out)!r} is not writable: {exc.strerror or exc}") from None
 
 
 def _reason(exc: BaseException) -> str:
@@ -138,7 +193,8 @@ def measure_once(record: dict, cfg: SweepConfig, spec: SweepSpec, dataset, sampl
                             "threads_per_lane": desc.get("threads_per_lane")},
                 "plan": {"granularity": plan.granularity, "requested_gpu_share": plan.requested_gpu_share,
                          "gpu_flop_share": round(plan.gpu_flop_share, 4), "transitions": plan.transitions,
-                         "dla_cores": plan.dla_cores, "segments": len(plan.segments), "notes": list(plan.notes)},
+                         "dla_cores": plan.dla_cores, "segments": len(plan.segments), "notes": list(plan.notes),
+                         "precision_flops": (plan.precision_flops or {}).get("model")},
                 "build": {"seconds": round(time.perf_counter() - started, 3), "cache_hits": dict(engine.info.cache_hits),
                           "engine_key": desc.get("engine_key"), "notes": list(engine.info.notes)},
                 "int8_check": desc.get("int8_check"),
@@ -168,9 +224,17 @@ def finalise(doc: dict, spec: SweepSpec) -> None:
     ok = [r for r in doc["configs"] if r["status"] in MEASURED]
     energy_reason = next((r.get("energy_reason") for r in ok if r.get("energy_reason")), None)
     metric = accuracy_metric(ok)
-    rec = recommend([point_of(r) for r in ok], spec.goal, max_latency_ms=spec.max_latency_ms,
+    # INT8 whose accuracy check failed stays on the front (its figures are measured) but is never recommended.
+    check_failed = [r["name"] for r in ok if int8_check_status(r) == "failed"]
+    eligible = [r for r in ok if r["name"] not in check_failed]
+    rec = recommend([point_of(r) for r in eligible], spec.goal, max_latency_ms=spec.max_latency_ms,
                     min_accuracy=spec.min_accuracy, energy_unknown_reason=energy_reason, metric=metric)
     set_recommendation(doc, rec)
+    if check_failed:
+        why = (f"{', '.join(check_failed)} not considered: {'its' if len(check_failed) == 1 else 'their'} INT8 accuracy "
+               "check failed (see int8_check in results.json)")
+        doc["recommendation"]["int8_check_failed"] = check_failed
+        doc["recommendation"]["reason"] = why if not eligible else f"{doc['recommendation']['reason']}; {why}"
     close = _within_spread([r for r in ok if r["name"] in rec.candidates], rec.name)
     doc["recommendation"]["within_spread"] = close
     if close:
@@ -195,8 +259,8 @@ def _within_spread(records: list[dict], name: str | None) -> list[str]:
     return close
 
 
-def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = False, telemetry=None,
-              progress: SweepProgress | None = None) -> SweepOutcome:
+def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = False, overwrite: bool = False,
+              telemetry=None, progress: SweepProgress | None = None) -> SweepOutcome:
     """Measure every configuration, round by round, and write ``results.json`` after every run.
 
     Round ``r`` gives each configuration its ``r``-th run, so a configuration's runs are spread over
@@ -206,7 +270,9 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
         spec: model, data, output directory, measurement settings and goal.
         configs: the configurations, in order.
         resume: continue from ``spec.out/results.json``: finished configurations (same key) are kept,
-            partly measured ones get their remaining runs, failed ones are retried.
+            partly measured ones get their remaining runs, failed ones are retried; a stored record whose
+            name is now given to other settings is measured again.
+        overwrite: replace an existing ``results.json`` (without it, or ``resume``, one is refused).
         telemetry: a telemetry source (tests pass a fake); None opens k2edge.telemetry's.
         progress: receives progress; default silent.
 
@@ -214,8 +280,9 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
         A :class:`SweepOutcome`; ``interrupted`` is True after Ctrl-C (what was measured is written).
 
     Raises:
-        SweepError: ``--resume`` on a sweep of another model, dataset or settings.
-        K2EdgeError: the model or evaluation set cannot be opened.
+        SweepError: ``--resume`` on a sweep of another model, dataset, settings, card, calibration or check set;
+            ``results.json`` already in ``spec.out`` without ``resume`` or ``overwrite``; ``spec.out`` not writable.
+        K2EdgeError: the model, evaluation, calibration or check set cannot be opened.
     """
     from ..engine.backends import resolve_backend
 
@@ -224,6 +291,11 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
     progress = progress or SweepProgress()
     out = Path(spec.out)
     results_path = out / RESULTS
+    _check_paths(spec)
+    if out.exists() and not out.is_dir():
+        raise SweepError(f"--out {os.fspath(out)!r} is a file, not a directory")
+    if results_path.exists() and not resume and not overwrite:
+        raise SweepError(f"{results_path} exists: pass --resume to continue it, --overwrite to replace it, or another --out")
     backend = resolve_backend(spec.backend)
     dataset = _open_eval(spec)
     doc = {
@@ -231,6 +303,7 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
         "model": {"path": str(spec.model), "sha256": file_sha256(spec.model)},
         "dataset": {"path": str(spec.dataset), "samples": len(dataset), "fingerprint": dataset.fingerprint()},
         "calibration": str(calib) if (calib := spec.calib or find_calibration(Path(spec.model))) else None,  # INT8's set
+        "inputs": sweep_inputs(spec),
         "board": spec.board,
         "backend": {"requested": spec.backend, "name": backend, "version": None},
         "machine": machine_info(backend),
@@ -250,14 +323,21 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
         else:
             check_resumable(previous, doc, results_path)
             doc["started"] = previous.get("started", doc["started"])
+            asked = {c.name for c in configs}
+            changed: list[str] = []
             for r in previous.get("configs", []):
                 if r.get("status") not in MEASURED:
                     continue  # failed ones are retried from scratch
                 if r["key"] in records:
                     records[r["key"]] = {**r, "name": records[r["key"]]["name"]}
                     reused.append(r["name"])
+                elif r["name"] in asked:  # the name now means other settings: kept, two rows would share it
+                    changed.append(r["name"])
                 else:
                     extra.append(r)
+            if changed:
+                progress.note(f"--resume: {', '.join(changed)} now {'has' if len(changed) == 1 else 'have'} other settings "
+                              "than were measured under that name; measuring again")
             todo_names = [c.name for c in configs if records[c.key]["status"] != "ok"]
             if reused:
                 progress.note(f"--resume: keeping what was measured of {len(reused)} configuration(s) "
@@ -270,7 +350,7 @@ def run_sweep(spec: SweepSpec, configs: list[SweepConfig], *, resume: bool = Fal
         if spec.goal == "energy" and (why := sampler.no_power()) is not None:  # before minutes of measuring in vain
             raise SweepError(f"--goal energy needs a power reading, and there is none here ({why}); sweep on the "
                              "device, or choose --goal latency, accuracy or balanced")
-        out.mkdir(parents=True, exist_ok=True)
+        _prepare_out(out)
     except BaseException:
         sampler.stop()  # a sensor (jtop, NVML) is not left open
         raise
