@@ -68,6 +68,9 @@ def test_infer_json_and_save_output(tmp_path):
     saved = np.load(out)
     assert saved.shape == (3, 10)
     assert [int(i) for i in saved.argmax(axis=1)] == [int(p.name.split("-")[1]) for p in samples]
+    # the very file named, not 'outputs.txt.npy' (numpy.save adds the suffix to a name without it)
+    k2edge("infer", MODEL, "-p", "c5", str(samples[0]), "--save-output", str(tmp_path / "outputs.txt"))
+    assert np.load(tmp_path / "outputs.txt").shape == (1, 10) and not (tmp_path / "outputs.txt.npy").exists()
 
 
 def test_infer_npy_input(tmp_path):
@@ -151,6 +154,8 @@ def test_doctor_runs_here():
     (["infer", MODEL, "-p", "cpu-dev", "models"], ["input 'models' is a directory"]),
     (["infer", MODEL, "-p", "cpu-dev", "models/digits/samples/digit-0-9.jpg", "--save-output", "/nonexistent/o.npy"],
      ["its directory does not exist"]),
+    (["infer", MODEL, "-p", "cpu-dev", "models/digits/samples/digit-0-9.jpg", "--save-input", "models"],
+     ["--save-input 'models' is a directory: name the .npy file to write"]),
     (["build", MODEL, "-p", "cpu-dev", "--cache", "/proc/k2edge-cache"], ["is not a writable directory"]),
     (["inspect", MODEL, "--input-shape", "input=1x3x32x32"], ["gives 'input' 3 at axis 1, but the model fixes it at 1"]),
     (["pareto-sweep", MODEL, "--dataset", "models/digits/eval.npz", "--out", "pyproject.toml"], ["is a file, not a directory"]),

@@ -41,6 +41,11 @@ def test_npz_checks(tmp_path):
     np.savez(tmp_path / "bady.npz", x=np.zeros((3, 4, 4), np.uint8), y=np.arange(2))
     with pytest.raises(DatasetError, match="one integer label per sample"):
         open_dataset(tmp_path / "bady.npz")
+    # a scalar 'y' (len() of an unsized object) and one of shape (N, 2) (more hits than samples) were tracebacks
+    for name, y in (("y0d", np.int64(3)), ("y2d", np.zeros((3, 2), np.int64))):
+        np.savez(tmp_path / f"{name}.npz", x=np.zeros((3, 4, 4), np.uint8), y=y)
+        with pytest.raises(DatasetError, match=r"one integer label per sample, 3 in one row, got int64 of shape"):
+            open_dataset(tmp_path / f"{name}.npz")
     (tmp_path / "junk.npz").write_bytes(b"junk")
     with pytest.raises(DatasetError, match="cannot read"):
         open_dataset(tmp_path / "junk.npz")

@@ -103,6 +103,8 @@ def run(args) -> int:
     if args.top_k < 1:
         raise InputError("--top-k must be at least 1")
     for option, value in (("--save-output", args.save_output), ("--save-input", args.save_input)):
+        if value and Path(value).is_dir():
+            raise InputError(f"{option} {value!r} is a directory: name the .npy file to write")
         if value and not Path(value).resolve().parent.is_dir():
             raise InputError(f"{option} {value!r}: its directory does not exist")
     annotated = Path(args.save_annotated) if args.save_annotated else None
@@ -152,13 +154,18 @@ def run(args) -> int:
             else:
                 _print_human(path, record, task)
     if args.save_input:
-        try:
-            np.save(args.save_input, np.concatenate(staged, axis=0))
-        except OSError as exc:
-            raise InputError(f"--save-input {args.save_input!r}: cannot write ({exc.strerror or exc})") from None
+        _save_npy("--save-input", args.save_input, np.concatenate(staged, axis=0))
     if args.save_output:
-        try:
-            np.save(args.save_output, np.concatenate(first_outputs, axis=0))
-        except OSError as exc:
-            raise InputError(f"--save-output {args.save_output!r}: cannot write ({exc.strerror or exc})") from None
+        _save_npy("--save-output", args.save_output, np.concatenate(first_outputs, axis=0))
     return 0
+
+
+def _save_npy(option: str, path: str, array) -> None:
+    """``array`` as .npy at exactly ``path`` (numpy.save given a name would add '.npy' to one without it)."""
+    import numpy as np
+
+    try:
+        with open(path, "wb") as f:
+            np.save(f, array)
+    except OSError as exc:
+        raise InputError(f"{option} {path!r}: cannot write ({exc.strerror or exc})") from None

@@ -164,8 +164,9 @@ def _open_npz(p: Path) -> Dataset:
         bad = int((~np.isfinite(x.reshape(len(x), -1))).any(axis=1).sum())
         raise DatasetError(f"{p}: 'x' holds NaN or infinite values ({bad} of {len(x)} samples)")
     if y is not None:
-        if len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
-            raise DatasetError(f"{p}: 'y' must hold one integer label per sample ({len(x)}), got {y.dtype} x {len(y)}")
+        if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
+            raise DatasetError(f"{p}: 'y' must hold one integer label per sample, {len(x)} in one row, got {y.dtype} "
+                               f"of shape {tuple(y.shape)}")
         y = y.astype(np.int64)
     return Dataset(str(p), x, y)
 
