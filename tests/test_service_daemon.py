@@ -307,7 +307,9 @@ def test_two_daemons_share_the_pool_each_request_answered_once(run_daemon, broke
 
 
 def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
-    """Username/password auth against a broker that requires it; the secret appears nowhere."""
+    """Username/password auth against a broker that requires it; the secret appears nowhere. `k2edge request` logs in
+    too, and reaches a daemon whose topics start elsewhere (it had no --username, --password-file nor
+    --topic-prefix: refused, or published where no daemon listens)."""
     secret = "s3cr3t-" + uuid.uuid4().hex
     pw = tmp_path / "passwd"
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(pw), "k2edge", secret], check=True, capture_output=True)
@@ -318,7 +320,8 @@ def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
     try:
         (tmp_path / "mqtt-password").write_text(secret + "\n")
         cfg = write_config(tmp_path / "auth.toml", secured.port, [DIGITS], device="auth",
-                           mqtt_extra={"username": "k2edge", "password_file": str(tmp_path / "mqtt-password")})
+                           mqtt_extra={"username": "k2edge", "password_file": str(tmp_path / "mqtt-password"),
+                                       "topic_prefix": "site-3/auth"})
         d = DaemonProcess(cfg, tmp_path / "auth.log", verbose=True).start()
         import paho.mqtt.client as mqtt
 
@@ -327,12 +330,20 @@ def test_password_from_file_never_reaches_logs_or_status(tmp_path, run_daemon):
         c.username_pw_set("k2edge", secret)
         c.on_message = lambda cl, u, m: seen.append(m.payload)
         c.connect("127.0.0.1", secured.port)
-        c.subscribe("k2edge/auth/status", qos=1)
+        c.subscribe("site-3/auth/status", qos=1)
         c.loop_start()
         deadline = time.monotonic() + 120
         while not any(b'"online"' in p for p in seen) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert any(b'"online"' in p for p in seen), d.output()
+        sample = ROOT / "models/digits/samples/digit-3-21.jpg"
+        ask = [sys.executable, "-m", "k2edge", "request", "--broker", f"127.0.0.1:{secured.port}", "--model", "digits",
+               "--topic-prefix", "site-3/auth", "--username", "k2edge", "--timeout", "60", str(sample)]
+        asked = subprocess.run([*ask, "--password-file", str(tmp_path / "mqtt-password")], capture_output=True, text=True,
+                               timeout=120, cwd=ROOT)
+        assert asked.returncode == 0 and f"{sample}: 3 1.000" in asked.stdout, asked.stdout + asked.stderr
+        refused = subprocess.run(ask, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr and secret not in refused.stderr, refused.stderr
         assert d.terminate() == 0
         c.loop_stop()
         assert secret not in d.output()

@@ -1,5 +1,5 @@
-"""What ``k2edge deploy`` and ``k2edge rollback`` share: the broker login, the target (a device or a
-fleet group), sending one control message and printing the answers as they arrive."""
+"""What ``k2edge deploy`` and ``k2edge rollback`` share: the broker login (``request`` uses it too), the target (a
+device or a fleet group), sending one control message and printing the answers as they arrive."""
 
 from __future__ import annotations
 
@@ -21,12 +21,47 @@ def add_target(p: argparse.ArgumentParser, timeout: float) -> None:
     p.add_argument("--timeout", type=positive_float, default=timeout, metavar="S",
                    help=f"seconds to wait for answers (default {timeout:g}; building engines can take minutes)")
     p.add_argument("--expect", type=int, metavar="N", help="with --group: stop waiting once N devices have answered")
+    add_login(p)
+    p.add_argument("--json", action="store_true", help="print each answer as a JSON line")
+
+
+def add_login(p: argparse.ArgumentParser) -> None:
+    """The broker login and the topics of a device, shared by ``request``, ``deploy`` and ``rollback``."""
     p.add_argument("--username", metavar="USER", help="broker login")
     p.add_argument("--password-file", metavar="FILE", help="file holding the broker password")
     p.add_argument("--tls-ca", metavar="CA.pem", help="connect over TLS, verifying the broker against this CA")
     p.add_argument("--reply-prefix", default="k2edge-client", metavar="TOPIC",
                    help="first levels of the private reply topic (an ACL may grant yours, e.g. fleet-ops/replies)")
-    p.add_argument("--json", action="store_true", help="print each answer as a JSON line")
+    p.add_argument("--topic-prefix", metavar="TOPIC",
+                   help="the device's topics, where its config sets [mqtt] topic_prefix (default k2edge/DEVICE)")
+
+
+def login(args) -> str | None:
+    """The broker password from ``--password-file`` (None without one), after checking ``--reply-prefix`` and
+    ``--topic-prefix``; each bad one refused in one line before anything is sent."""
+    for flag, value in (("--reply-prefix", args.reply_prefix), ("--topic-prefix", args.topic_prefix)):
+        if value is not None and (not value or any(c in value for c in "+#\0") or len(value.encode()) > 1024
+                                  or value.startswith("/") or value.endswith("/")):
+            raise K2EdgeError(f"{flag} {value[:80]!r} must be topic levels of at most 1,024 bytes without the wildcards "
+                              "'+' and '#', and without a leading or trailing '/'")
+    if not args.password_file:
+        return None
+    try:
+        with open(args.password_file, encoding="utf-8") as f:
+            return f.read().rstrip("\r\n")
+    except OSError as exc:
+        raise K2EdgeError(f"--password-file {args.password_file!r}: {exc.strerror}") from None
+
+
+def device_prefix(args) -> str:
+    """Where a device's topics start: ``--topic-prefix``, else ``k2edge/DEVICE``."""
+    from ..service import topics
+
+    if args.topic_prefix:
+        return args.topic_prefix
+    if not topics.valid_level(args.device):
+        raise K2EdgeError(f"--device {args.device!r} cannot be a topic level (no '+', '#' or '/')")
+    return f"k2edge/{args.device}"
 
 
 def broker_address(text: str, default_host: str = "127.0.0.1", default_port: int = 1883) -> tuple[str, int]:
@@ -58,9 +93,7 @@ def target_topic(args, kind: str) -> str:
     from ..service import topics
 
     if args.device is not None:
-        if not topics.valid_level(args.device):
-            raise K2EdgeError(f"--device {args.device!r} cannot be a topic level (no '+', '#' or '/')")
-        prefix = f"k2edge/{args.device}"
+        prefix = device_prefix(args)
         return topics.deploy_topic(prefix) if kind == "deploy" else topics.rollback_topic(prefix)
     if not topics.valid_level(args.group):
         raise K2EdgeError(f"--group {args.group!r} cannot be a topic level (no '+', '#' or '/')")
@@ -85,20 +118,13 @@ def describe(answer: dict) -> str:
 def target(args, kind: str) -> tuple[str, str, int, str | None]:
     """The message's topic, the broker's host and port, and the broker password, from the target options;
     each bad one refused in one line before anything is read or sent."""
-    if not args.reply_prefix or any(c in args.reply_prefix for c in "+#\0") or len(args.reply_prefix.encode()) > 1024:
-        raise K2EdgeError(f"--reply-prefix {args.reply_prefix[:80]!r} must be topic levels of at most 1,024 bytes "
-                          "without the wildcards '+' and '#'")
+    password = login(args)
     if args.expect is not None and (args.expect < 1 or args.device is not None):
         raise K2EdgeError("--expect N takes a number >= 1, with --group")
+    if args.topic_prefix is not None and args.device is None:
+        raise K2EdgeError("--topic-prefix names one device's topics: give it with --device, not --group")
     topic = target_topic(args, kind)
     host, port = broker_address(args.broker)
-    password = None
-    if args.password_file:
-        try:
-            with open(args.password_file, encoding="utf-8") as f:
-                password = f.read().rstrip("\r\n")
-        except OSError as exc:
-            raise K2EdgeError(f"--password-file {args.password_file!r}: {exc.strerror}") from None
     return topic, host, port, password
 
 

@@ -8,6 +8,7 @@ import sys
 
 from ..errors import K2EdgeError
 from .common import count, finite_float, positive_float
+from .control import add_login
 
 COMMAND = "request"
 HELP = "send one request to a daemon over MQTT 5 and print its answer"
@@ -33,6 +34,7 @@ def register(p) -> None:
     p.add_argument("--timeout", type=positive_float, metavar="S",
                    help="seconds to wait for the answer (default 10, or the --deadline-ms and 2 s when that is longer)")
     p.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    add_login(p)
 
 
 def run(args) -> int:
@@ -41,14 +43,14 @@ def run(args) -> int:
     import uuid
 
     from .client import RequestClient, build_payload
-    from .control import broker_address
+    from .control import broker_address, device_prefix, login
     from ..service.protocol import RETRYABLE
     from ..service.topics import valid_level
 
-    for what, value in (("--model", args.model), ("--device", args.device)):
-        if not valid_level(value):
-            raise K2EdgeError(f"{what} {value!r} cannot be a topic level (no '+', '#' or '/')")
-
+    if not valid_level(args.model):
+        raise K2EdgeError(f"--model {args.model!r} cannot be a topic level (no '+', '#' or '/')")
+    password = login(args)
+    topic = f"{device_prefix(args)}/infer/{args.model}"
     host, port_n = broker_address(args.broker)
     request_id = uuid.uuid4().hex[:16]
     timeout, deadline_ms = wait_and_deadline(args.timeout, args.deadline_ms)
@@ -59,10 +61,11 @@ def run(args) -> int:
                              allow_cloud=not args.no_cloud, raw=args.raw, request_id=request_id, attempt=attempt)
 
     first = request(0)  # a bad input is refused before the broker is dialled
-    with RequestClient(host, port_n) as client:
+    with RequestClient(host, port_n, username=args.username, password=password, tls_ca=args.tls_ca,
+                       reply_prefix=args.reply_prefix) as client:
         for attempt in range(args.retries + 1):
             payload, ctype, props = first if attempt == 0 else request(attempt)
-            answer, elapsed_ms = client.request(f"k2edge/{args.device}/infer/{args.model}", payload, ctype, props,
+            answer, elapsed_ms = client.request(topic, payload, ctype, props,
                                                 timeout, deadline_ms=deadline_ms)
             code = (answer.get("error") or {}).get("code")
             if answer.get("status") == "ok" or code not in RETRYABLE or attempt == args.retries:
