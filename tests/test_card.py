@@ -310,3 +310,26 @@ def test_card_init_reads_a_softmax_output_as_probabilities(tmp_path):
     shutil.copy(ROOT / "models" / "digits" / "model.onnx", digits)
     k2edge("card", "init", str(digits))
     assert load_card(digits.with_name("card.toml")).classification.output == "logits"
+
+
+def test_a_detector_without_a_card_is_read_as_a_classifier_with_a_warning(tmp_path, caplog):
+    """No card: a model is a classifier (its output flattened), as it always was; an output that is not [N, classes]
+    (the demo detector's [1, 14, 525], 7,350 'classes') now says so and names `card init`, where it said nothing."""
+    import logging
+
+    from k2edge.config.card import ModelCard
+    from k2edge.tasks import decoder
+    from k2edge.tasks.decoder import TaskDecoder
+
+    caplog.set_level(logging.WARNING, logger="k2edge.tasks.decoder")
+    decoder._TOLD.clear()
+    TaskDecoder(ModelCard(), [], {"output0": (1, 14, 525)})
+    TaskDecoder(ModelCard(), [], {"output0": (4, 14, 525)})  # the same model's engine for another batch size
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["output 'output0' [1, 14, 525] is read as a classifier of 7350 classes (flattened), as no card says "
+                    "the task; a detector, a segmenter or a pose model needs a card: `k2edge card init MODEL` suggests one"]
+    caplog.clear()
+    TaskDecoder(ModelCard(), [], {"logits": (1, 10)})  # a classifier's output: nothing to say
+    TaskDecoder(ModelCard(), [], {"logits": (1, 10, 1, 1)})
+    TaskDecoder(ModelCard(), [], {"logits": (1, 1, 1000)})
+    assert caplog.records == []

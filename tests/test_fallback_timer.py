@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from k2edge.deadline import clock
 from k2edge.service.fallback import FallbackTimer, Settled
@@ -73,3 +74,30 @@ def test_a_late_delivery_moves_the_jobs_already_waiting_earlier_but_never_before
     assert first.wait(10)
     timer.stop()
     assert fired == ["early"]  # "held" keeps its floor, 300 s away
+
+
+def test_the_jobs_fired_are_let_go_at_once():
+    """The timer's thread kept its last batch of fired jobs until another job fired (possibly never): their requests,
+    local answers and the engines a held local answer keeps through a deploy stayed alive with them."""
+    import gc
+    import weakref
+
+    class Job:
+        pass
+
+    fired = threading.Event()
+    timer = FallbackTimer(lambda due: fired.set())
+    timer.start()
+    try:
+        job = Job()
+        gone = weakref.ref(job)
+        timer.arm(clock() + 0.05, job)
+        del job
+        assert fired.wait(30)
+        end = time.monotonic() + 30
+        while gone() is not None and time.monotonic() < end:  # the thread records the lateness, then lets go
+            time.sleep(0.01)
+            gc.collect()
+        assert gone() is None
+    finally:
+        timer.stop()

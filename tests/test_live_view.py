@@ -236,3 +236,30 @@ def test_an_empty_credential_is_no_credential(app):
     for kw in ({"token": ""}, {"password": ""}):
         with pytest.raises(ValueError, match="empty"):
             LiveView(None, **kw)
+
+
+def test_a_live_view_port_in_use_stops_the_daemon_before_any_engine_builds(tmp_path):
+    """[http]'s port taken: the daemon says so and exits before building (it was told after every engine had built,
+    minutes on a Jetson, where a [metrics] port in use was told at once). Nothing reaches the engine cache."""
+    import socket
+    import subprocess
+    import sys
+
+    from mqtt_support import DIGITS, ROOT, free_port, write_config
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        cache = tmp_path / "cache"
+        cfg = write_config(tmp_path / "k.toml", free_port(), [{**DIGITS, "profile": "c2"}],
+                           service={"cache_dir": str(cache)}, tables={"http": {"port": port}})
+        proc = subprocess.run([sys.executable, "-m", "k2edge", "serve", "--config", str(cfg)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+    finally:
+        taken.close()
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert last == f"k2edge serve: error: http: cannot listen on 127.0.0.1:{port} (Address already in use)", last
+    assert not cache.exists() or not any(cache.iterdir()), sorted(cache.rglob("*"))

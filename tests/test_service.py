@@ -241,6 +241,10 @@ def test_config_example_loads_and_resolves_paths():
     ('http = 8080\n[[models]]\nname = "a"\nonnx = "m"', "http: must be a table of keys (in TOML: a [http] section), got 8080"),
     ('[[service]]\nmax_batch = 2\n[[models]]\nname = "a"\nonnx = "m"', "service: must be one table, got an array of tables"),
     ('[models]\nname = "a"\nonnx = "m"', "models: must be an array of tables, got one table (in TOML: [[models]], not [models])"),
+    ('[[models]]\nname = "a"\nonnx = "m"\n[[models.escalation]]\nthreshold = 0.5',
+     "models.0.escalation: must be one table, got an array of tables (in TOML: [models.escalation], not [[models.escalation]])"),
+    ('models = [1]', "models.0: must be a table of keys (in TOML: a [[models]] entry), got 1"),
+    ('[mqtt]\ntopic_prefix = "site/+"\n[[models]]\nname = "a"\nonnx = "m"', "mqtt.topic_prefix: must be topic levels of at most"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:

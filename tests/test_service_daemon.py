@@ -447,5 +447,14 @@ def test_tls_with_client_certificate(tmp_path, run_daemon):
         except (ssl.SSLError, OSError):
             refused = True
         assert refused and not connected
+        # a TLS file that is not there is one line naming its key and path (it was "[Errno 2] No such file or
+        # directory", neither key nor path)
+        missing = write_config(tmp_path / "missing.toml", tls.port, [DIGITS], device="tls",
+                               mqtt_extra={"tls_ca_file": pki / "ca.pem"})
+        proc = subprocess.run([sys.executable, "-m", "k2edge", "serve", "--config", str(missing)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert last == f"k2edge serve: error: {missing}: mqtt.tls_ca_file: '{pki / 'ca.pem'}' does not exist", last
     finally:
         tls.stop()

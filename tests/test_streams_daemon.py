@@ -406,6 +406,10 @@ def test_events_stored_before_a_crash_are_delivered_by_the_next_start(run_daemon
     client.subscribe(STREAMS)
     run_daemon(models=[BOXES], streams=[_stream(crossing, enabled=False)])
     client.wait_for(lambda c: {e["event_id"] for e in _events(c, "line_cross")} >= set(stored), 60)
+    # the stream switched off in the config is in the status as such (it was absent, as if never configured)
+    client.wait_for(lambda c: any("cam" in (s.get("streams") or {}) for s in c.statuses if s.get("state") == "online"), 60)
+    online = [s for s in client.statuses if s.get("state") == "online"]
+    assert online[-1]["streams"] == {"cam": {"state": "disabled", "source": crossing.path.as_uri(), "model": "boxes"}}
     for e in _events(client, "line_cross"):
         if e["event_id"] in stored:
             assert json.loads(stored[e["event_id"]]) == e  # the stored event, as it was

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -45,6 +46,8 @@ from .semver import parse_version
 from .verify import verify_directory, verify_stream
 
 __all__ = ["DamagedState", "ModelStore"]
+
+log = logging.getLogger(__name__)
 
 POINTER = "state.json"
 _STAGING = ".staging-"
@@ -160,7 +163,7 @@ class ModelStore:
                         return refusal
                     ptr = self.pointer(m.name)
                     target = self.root / m.name / m.version
-                    placed = self._place(f, verified, target)
+                    placed, replaced = self._place(f, verified, target)
             except ArchiveProblem as exc:  # unreadable, too large, or changed since it was verified
                 return _with(result or BundleResult(exc.status, exc.detail), status=exc.status, detail=exc.detail)
             except OSError as exc:
@@ -168,9 +171,11 @@ class ModelStore:
                              detail=f"cannot install into {self.root}: {exc.strerror or first_line(exc)}")
             except DamagedState as exc:
                 return _with(result or BundleResult(FAILED, ""), status=FAILED, detail=str(exc))
-            if m.version == ptr["current"]:
+            if m.version == ptr["current"] and not replaced:
                 return _with(result, status="current", paths=_role_paths(target, m), previous=ptr["previous"],
                              detail=f"{m.name} {m.version} runs already; {placed}")
+            # the version that runs, whose folder did not verify, comes back as installed: what runs is built again from
+            # the files now there (the folder may have held other content, which no manifest on disk could tell)
             return _with(result, status="installed", paths=_role_paths(target, m), previous=ptr["current"],
                          detail=f"{result.detail}; {placed}")
 
@@ -192,19 +197,19 @@ class ModelStore:
                                                            "(anti-rollback; a deploy may say allow_downgrade)")
         return None
 
-    def _place(self, f, verified, target: Path) -> str:
-        """Put the verified bundle's files at ``target``; says what was done. A folder already there with the
-        same manifest (checked by :meth:`_admit`) whose files still verify keeps them and takes the bundle's
-        signature; one that does not (a file damaged on disk, a folder cut short) is replaced."""
+    def _place(self, f, verified, target: Path) -> tuple[str, bool]:
+        """Put the verified bundle's files at ``target``: what was done, and whether a folder there was replaced. A
+        folder already there with the same manifest (checked by :meth:`_admit`) whose files still verify keeps them
+        and takes the bundle's signature; one that does not (a file damaged on disk, a folder cut short) is replaced."""
         if target.exists():
             kept = verify_directory(target, self.trust, self.limits, self.allow_unsigned)
             if kept.ok:
                 self._refresh_signature(target, verified.signature_bytes)
-                return f"its files in {target} check out"
+                return f"its files in {target} check out", False
             self._unpack(f, verified, target)
-            return f"{target} did not verify ({kept.line}): replaced from the bundle"
+            return f"{target} did not verify ({kept.line}): replaced from the bundle", True
         self._unpack(f, verified, target)
-        return f"unpacked into {target}"
+        return f"unpacked into {target}", False
 
     def _unpack(self, f, verified, target: Path) -> None:
         folder = target.parent
@@ -212,16 +217,22 @@ class ModelStore:
         for stale in folder.glob(_STAGING + "*"):
             shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=folder))
+        aside = None
         try:
             os.chmod(staging, 0o750)
             extract_verified(f, verified.manifest, verified.manifest_bytes, verified.signature_bytes, staging, self.limits)
-            if target.exists():  # a damaged copy: moved aside first (a version folder is whole or absent)
-                _remove(target)
+            if target.exists():  # a damaged copy: moved aside, the new one renamed in, then the old deleted
+                aside = _aside(target)
+                os.rename(target, aside)
             os.rename(staging, target)
             fsync_dir(folder)
         except BaseException:
+            if aside is not None and not target.exists():
+                os.rename(aside, target)  # as it was: damaged, but where the pointer says
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
     @staticmethod
     def _refresh_signature(target: Path, signature: bytes | None) -> None:
@@ -335,18 +346,27 @@ class ModelStore:
         write_replacing(folder / POINTER, (json.dumps(state, indent=2) + "\n").encode(), 0o640, tmp_dir=folder, prefix=".state-")
 
     def _prune(self, name: str, keep: set) -> None:
+        """Delete what is not kept; never raises (it runs after the pointer moved: what it cannot delete now, a
+        later one does)."""
         for p in (self.root / name).iterdir():
-            if p.is_dir() and (p.name.startswith(_STAGING) or p.name not in keep):
-                _remove(p)
-            elif p.is_file() and p.name.startswith((".sig-", ".state-")):  # a write that never got renamed
-                p.unlink(missing_ok=True)
+            try:
+                if p.is_dir() and (p.name.startswith(_STAGING) or p.name not in keep):
+                    _remove(p)
+                elif p.is_file() and p.name.startswith((".sig-", ".state-")):  # a write that never got renamed
+                    p.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("%s: cannot remove it now (%s); a later deploy will", p, exc.strerror or exc)
+
+
+def _aside(folder: Path) -> Path:
+    return folder.with_name(f"{_STAGING}removed-{folder.name}-{secrets.token_hex(4)}")
 
 
 def _remove(folder: Path) -> None:
     """Delete a folder, renaming it to a staging name first: a power loss in the middle leaves a staging
     folder (removed at the next install or activation), never a version folder with half its files."""
     if not folder.name.startswith(_STAGING):
-        aside = folder.with_name(f"{_STAGING}removed-{folder.name}-{secrets.token_hex(4)}")
+        aside = _aside(folder)
         os.rename(folder, aside)
         fsync_dir(folder.parent)
         folder = aside

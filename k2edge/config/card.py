@@ -365,7 +365,7 @@ def card_from_dict(data: object, source: str = "card", base: Path | None = None)
     try:
         card = ModelCard.model_validate(data)
     except ValidationError as exc:
-        raise CardError(f"{source}: {describe_validation_error(exc, card_keys())}") from None
+        raise CardError(f"{source}: {describe_validation_error(exc, card_keys(), toml=True)}") from None
     return card.model_copy(update={"source": source})
 
 

@@ -74,6 +74,13 @@ class MqttConfig(_Strict):
             raise ValueError(problem)
         return v
 
+    @field_validator("topic_prefix")
+    @classmethod
+    def _prefix(cls, v: str | None) -> str | None:
+        if v is not None and (not v or any(c in v for c in "+#\0") or len(v.encode()) > 1024):
+            raise ValueError(f"must be topic levels of at most 1,024 bytes without the wildcards '+' and '#', got {v[:80]!r}")
+        return v
+
     @model_validator(mode="after")
     def _pairs(self):
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -371,7 +378,7 @@ def load_config(path: str | os.PathLike | None = None) -> DaemonConfig:
     try:
         cfg = DaemonConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{p}: {describe_validation_error(exc, model_keys(DaemonConfig))}") from None
+        raise ConfigError(f"{p}: {describe_validation_error(exc, model_keys(DaemonConfig), toml=True)}") from None
     cfg._source = p
     return cfg
 

@@ -90,7 +90,7 @@ class EngineCache:
             from ..errors import BuildError
 
             raise BuildError(f"engine cache {str(self.root)!r} is not a writable directory ({exc.strerror or exc}); "
-                             f"pass --cache DIR or set K2EDGE_CACHE_DIR") from None
+                             f"pass --cache DIR (the daemon: [service] cache_dir) or set K2EDGE_CACHE_DIR") from None
         try:
             started = time.perf_counter()
             meta = build(tmp) or {}

@@ -12,8 +12,10 @@ _RANGE_WORDS = {
 }
 
 
-def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list[str]] | None = None) -> str:
-    """Render every error of ``exc`` as ``path.to.field: what is wrong, got X``, joined by '; '."""
+def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list[str]] | None = None,
+                              toml: bool = False) -> str:
+    """Render every error of ``exc`` as ``path.to.field: what is wrong, got X``, joined by '; '. With ``toml`` (a TOML
+    file was read), a table given as the wrong kind says how TOML writes the right one."""
     parts = []
     errors = exc.errors()
     for err in errors:
@@ -24,6 +26,7 @@ def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list
             continue  # "at least 3 items after validation, not 2": an item under it failed, and that is what to say
         ctx = err.get("ctx") or {}
         got = err.get("input")
+        table = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))  # as TOML writes a table's header
         if kind == "extra_forbidden":
             known = _known(known_keys, tuple(err["loc"][:-1]))
             hint = f" (known keys: {', '.join(known)})" if known else ""
@@ -37,13 +40,12 @@ def describe_validation_error(exc: ValidationError, known_keys: dict[tuple, list
         elif kind == "literal_error":
             parts.append(f"{loc}: must be one of {ctx.get('expected')}, got {got!r}")
         elif kind == "model_type" and isinstance(got, list) and got and all(isinstance(g, dict) for g in got):
-            parts.append(f"{loc}: must be one table, got an array of tables (in TOML: [{err['loc'][-1]}], not "
-                         f"[[{err['loc'][-1]}]])")
+            parts.append(f"{loc}: must be one table, got an array of tables" + _toml(toml, f"[{table}], not [[{table}]]"))
         elif kind == "model_type":
-            parts.append(f"{loc}: must be a table of keys (in TOML: a [{err['loc'][-1]}] section), got {got!r}")
+            entry = f"a [[{table}]] entry" if isinstance(err["loc"][-1], int) else f"a [{table}] section"
+            parts.append(f"{loc}: must be a table of keys{_toml(toml, entry)}, got {got!r}")
         elif kind in ("tuple_type", "list_type") and isinstance(got, dict):
-            parts.append(f"{loc}: must be an array of tables, got one table (in TOML: [[{err['loc'][-1]}]], not "
-                         f"[{err['loc'][-1]}])")
+            parts.append(f"{loc}: must be an array of tables, got one table" + _toml(toml, f"[[{table}]], not [{table}]"))
         else:
             parts.append(f"{loc}: {err['msg'].lower()}, got {got!r}")
     return "; ".join(parts)
@@ -74,3 +76,7 @@ def _models_in(ann, repeated: bool = False):
 
 def _known(known_keys: dict[tuple, list[str]] | None, where: tuple) -> list[str] | None:
     return (known_keys or {}).get(tuple("*" if isinstance(p, int) else p for p in where))
+
+
+def _toml(toml: bool, how: str) -> str:
+    return f" (in TOML: {how})" if toml else ""

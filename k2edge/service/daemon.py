@@ -115,15 +115,22 @@ class Daemon:
         self.replies = Replies(cfg, self.book, self.stats, self.thermal)
         self.escalation = Escalation(cfg, self.thermal, self.replies, self.book)
         versions = Versions(cfg, state, AuditTrail(cfg, state, self.control))
+        self.http = self._bind_http(*http_secrets)  # a port in use is told before the builds, as the metrics' is
         # the engines, then per model a batcher over its clients: requests first (deadlines), then frames
         try:
             runtimes = self._build_models(versions)
         except ConfigError:  # a version refused at start: the fleet's audit topic hears it too, not only this device
             versions.trail.leave()
+            self._stop_http()
+            raise
+        except BaseException:
+            self._stop_http()
             raise
         wakeups = {name: threading.Condition() for name in runtimes}
         self.streams = self._stream_path(runtimes, wakeups, stream_passwords)
-        self.http = self._start_http(*http_secrets)
+        if self.http is not None:
+            self.http.streams = self.streams
+            self.http.start()
         s = cfg.service
         backlog = Backlog(s.queue_size, 2 * s.queue_size + 64, self.transport)
         decoders = ThreadPoolExecutor(s.staging_threads, thread_name_prefix="k2edge-decode") if s.staging_threads > 1 else None
@@ -195,12 +202,13 @@ class Daemon:
         return {s.name: read_secret(s.password_file, what=f"{where}: streams.{i}.password_file")
                 for i, s in enumerate(self.cfg.streams) if s.enabled and s.password_file}
 
-    def _start_http(self, token: str | None, password: str | None) -> LiveView | None:
+    def _bind_http(self, token: str | None, password: str | None) -> LiveView | None:
+        """The live view, its address taken (served once the streams exist)."""
         if self.cfg.http is None:
             return None
-        view = LiveView(self.streams, self.metrics, token=token, password=password,
+        view = LiveView(None, self.metrics, token=token, password=password,
                         disabled=tuple(s.name for s in self.cfg.streams if not s.enabled))
-        view.start(self.cfg.http.host, self.cfg.http.port)
+        view.bind(self.cfg.http.host, self.cfg.http.port)
         return view
 
     def _build_models(self, versions: Versions) -> dict[str, ModelRuntime]:
@@ -333,12 +341,20 @@ class Daemon:
             "cloud": {"breaker": cloud["breaker"], "budget": cloud["budget"], "outbox": cloud["outbox"]} if cloud else None,
             "trust": {"keys": len(trust.keys), "allow_unsigned": trust.allow_unsigned} if trust is not None else None,
             "deploy": self.lifecycle.status(),
-            "streams": self.streams.status() if self.streams is not None else {},
+            "streams": {**(self.streams.status() if self.streams is not None else {}), **self._disabled_streams()},
             "storage": self.streams.media.status() if self.streams is not None else None,
             "metrics": f"{self.cfg.metrics.host}:{self.metrics.port}" if self.metrics is not None and self.metrics.port else None,
             "http": f"{self.cfg.http.host}:{self.http.port}" if self.http is not None and self.http.port else None,
             "time": time.time(),
         }).encode()
+
+    def _disabled_streams(self) -> dict:
+        """The configured streams with ``enabled = false``, each named in the status as such (they were absent, so a
+        camera switched off in the config looked like one never configured)."""
+        from ..streams.source import redact
+
+        return {s.name: {"state": "disabled", "source": redact(s.source), "model": s.model}
+                for s in self.cfg.streams if not s.enabled}
 
     def telemetry_payload(self) -> bytes:
         snap = self.stats.snapshot()

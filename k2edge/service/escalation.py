@@ -289,10 +289,12 @@ class Escalation:
             cost = 0.0 if computed is not None or w.runtime is None else min(1.0, 2 * w.runtime.batch1_s)
             ready = self._local_answer(w, d, computed, clock()) if computed is not None else None
             due = deadline.at - reserve - cost
-            self.fallbacks.arm(due, _Fallback(w, d, local, settled, oid, clock(), due, ready),
-                               floor=deadline.at - 0.5 * budget - cost)
+            armed = _Fallback(w, d, local, settled, oid, clock(), due, ready)
+            self.fallbacks.arm(due, armed, floor=deadline.at - 0.5 * budget - cost)
+        else:
+            armed = None
         with self._lock:
-            self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w, settled)
+            self._waiting[oid] = self.pool.submit(self._call, req, d, local, deadline, budget, oid, w, settled, armed)
         return True
 
     @staticmethod
@@ -337,8 +339,10 @@ class Escalation:
         self._answer_delivered(job.oid)
 
     def _call(self, req: BridgeRequest, d: Decision, local, deadline: Deadline, budget: float, oid: str,
-              w: RequestItem, settled: Settled) -> None:
-        """A cloud worker: the cloud's outcome, replied unless the fallback replied first."""
+              w: RequestItem, settled: Settled, armed: "_Fallback | None" = None) -> None:
+        """A cloud worker: the cloud's outcome, replied unless the fallback replied first. Replied here, the armed
+        fallback (waiting in the timer until its time, up to the longest deadline) lets go of its local answer, and
+        of the engines a local answer still to compute holds through a deploy."""
         body = None
         try:
             if not settled.taken:  # the fallback replied while this waited for a worker: no call to make
@@ -360,6 +364,8 @@ class Escalation:
                 self._waiting.pop(oid, None)
             self._cloud_slots.release()
         if body is not None and settled.claim():
+            if armed is not None:
+                armed.local = armed.body = None  # settled here: the timer will find it taken and skip it
             self.replies.send_late([(w, body, functools.partial(self._answer_delivered, oid))])
 
     # the outbox loop: deferred answers, and cloud work an earlier run did not finish ---------------

@@ -116,3 +116,4 @@ class FallbackTimer:
             done = clock()
             with self._cond:
                 self._late.append(max(0.0, done - due[0][0]))
+            del due  # the jobs fired (their requests, local answers and the engines those hold) are let go now

@@ -67,11 +67,13 @@ class LiveView:
         self.token, self.password = token, password
         self._server: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._host: str | None = None
         self._frames: dict[str, tuple[int, bytes]] = {}  # stream -> (frame index, JPEG): drawn once per frame
         self._lock = threading.Lock()
 
-    def start(self, host: str, port: int) -> tuple[str, int]:
-        """Serve on a daemon thread; (host, port) bound (the port chosen when ``port`` is 0).
+    def bind(self, host: str, port: int) -> None:
+        """Take the address now, to serve it later (:meth:`start`): the daemon binds before its engines build, so a
+        port in use is told at once rather than after minutes of building.
 
         Raises:
             LiveViewError: the address cannot be bound.
@@ -85,17 +87,30 @@ class LiveView:
             self._server = BoundedHTTPServer((host, port), Handler)
         except OSError as exc:
             raise LiveViewError(f"http: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        self._host = host
+
+    def start(self, host: str | None = None, port: int | None = None) -> tuple[str, int]:
+        """Serve on a daemon thread; (host, port) bound (the port chosen when ``port`` is 0). Binds first unless
+        :meth:`bind` did.
+
+        Raises:
+            LiveViewError: the address cannot be bound.
+        """
+        if self._server is None:
+            self.bind(host, port)
         self._thread = threading.Thread(target=self._server.serve_forever, name="k2edge-http", daemon=True)
         self._thread.start()
-        return host, self._server.server_port
+        return self._host, self._server.server_port
 
     def stop(self) -> None:
         """Stop serving and release the port (idempotent)."""
         if self._server is None:
             return
-        self._server.shutdown()
+        if self._thread is not None:
+            self._server.shutdown()
         self._server.server_close()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         self._server = self._thread = None
 
     @property

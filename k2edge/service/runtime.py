@@ -261,10 +261,11 @@ class ModelRuntime:
             if not state["active"]:
                 raise RuntimeStateError(f"model {self.name} {self.version or ''}: not active".replace("  ", " "))
             state["active"] = False
-            state["retiring"] = state["held"] > 0
-        if state["retiring"]:
+            held = state["held"]
+            state["retiring"] = held > 0  # from here the last _unhold releases them, on its own thread
+        if held:
             log.info("model %s %s: its engines are released once %d pending local answer(s) are settled",
-                     self.name, self.version or "", state["held"])
+                     self.name, self.version or "", held)
             return
         self._release()
 

@@ -37,6 +37,7 @@ import ssl
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable, Protocol
 
 import paho.mqtt.client as mqtt
@@ -217,15 +218,20 @@ class MqttTransport:
             password = read_secret(m.password_file, m.password_credential, "mqtt password")
             c.username_pw_set(m.username, password)
         if m.tls_ca_file or m.tls_cert_file:
+            from ..config.schema import ConfigError
+
+            for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):  # which key, which path: not just "Errno 2"
+                path = getattr(m, key)
+                if path is not None and not Path(path).is_file():
+                    raise ConfigError(f"{cfg.where}: mqtt.{key}: {str(path)!r} "
+                                      + ("is a directory, not a file" if Path(path).is_dir() else "does not exist"))
             try:
                 c.tls_set(ca_certs=str(m.tls_ca_file) if m.tls_ca_file else None,
                           certfile=str(m.tls_cert_file) if m.tls_cert_file else None,
                           keyfile=str(m.tls_key_file) if m.tls_key_file else None,
                           cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
             except (OSError, ssl.SSLError, ValueError) as exc:
-                from ..config.schema import ConfigError
-
-                raise ConfigError(f"mqtt TLS files (tls_ca_file, tls_cert_file, tls_key_file): {exc}") from None
+                raise ConfigError(f"{cfg.where}: mqtt TLS files (tls_ca_file, tls_cert_file, tls_key_file): {exc}") from None
         c.on_socket_open = self._on_socket_open
         # Publishing threads only queue packets and wake this network thread, which writes them
         # (paho's hook for an external event loop); otherwise every publish is a send() on the caller.

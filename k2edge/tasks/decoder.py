@@ -16,6 +16,7 @@ model from its resolved card, labels and outputs, and checks they agree.
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -25,6 +26,9 @@ from .classification import probabilities, top_k
 from .detection import Detections, decode, layout_classes, layout_text
 from .preprocess import Geometry
 from .tensor import encode_outputs
+
+log = logging.getLogger(__name__)
+_TOLD: set = set()  # (output, shape) of the models read as classifiers for want of a card, already warned about
 
 __all__ = ["TaskDecoder"]
 
@@ -108,11 +112,18 @@ class TaskDecoder:
         dims = list(shape)[1:]
         while len(dims) > 1 and dims[-1] == 1:
             dims.pop()
+        while len(dims) > 1 and dims[0] == 1:  # [N, 1, classes] too
+            dims.pop(0)
         # a model without a card is a classifier by default, and runs on its flattened output as before; a card that
         # says classification is held to it
         if len(dims) > 1 and all(isinstance(d, int) for d in dims) and "task" in self.card.model_fields_set:
             raise CardError(f"{where}: task classification reads one score per class, [N, classes]; output "
                             f"{self.output!r} is {list(shape)} (a detector's or a map's: give the card its task)")
+        if len(dims) > 1 and all(isinstance(d, int) for d in dims) and (self.output, tuple(shape[1:])) not in _TOLD:
+            _TOLD.add((self.output, tuple(shape[1:])))  # once a process: a model's engines each make a decoder
+            log.warning("output %r %s is read as a classifier of %d classes (flattened), as no card says the task; "
+                        "a detector, a segmenter or a pose model needs a card: `k2edge card init MODEL` suggests one",
+                        self.output, list(shape), int(np.prod(dims)))
         if len(dims) == 1 and isinstance(dims[0], int) and self.labels and len(self.labels) != dims[0]:
             raise CardError(f"{where}: labels: {len(self.labels)} label(s) for a classifier of {dims[0]} class(es) "
                             f"(output {self.output!r} {list(shape)})")
