@@ -561,6 +561,26 @@ def test_key_never_reaches_a_log_a_repr_or_an_error(k2, caplog, tmp_path, monkey
     bridge.close()
 
 
+@pytest.mark.parametrize("at", [280, 290, 295, 299])
+def test_a_key_echoed_where_a_message_is_cut_leaves_no_part_of_it(tmp_path, caplog, at):
+    """The server's message was cut to 300 characters before the key was scrubbed out: a key echoed across the cut
+    passed the scrub in part (the first 10 of a key that does not look like sk-..., in the answer's reason, the
+    status' last_error and two log lines). Scrubbed first, then cut."""
+    caplog.set_level(logging.DEBUG, logger="k2edge")
+    key = "Zq7mW2pX9vLr4Tn8Yb1Kc6Hd"  # no sk-/ak- prefix: only the exact key's scrub can catch it
+    with K2StandIn(api_key=key) as server:
+        policy = EscalationPolicy({"digits": EscalationSettings(threshold=0.6, warm_profile="c4")})
+        settings = settings_for(server, breaker_failures=1, max_retries=0)
+        bridge = CloudBridge(settings, tmp_path / "state", policy=policy, client=K2Client(settings, key))
+        server.script(status(500, body={"error": {"message": "x" * (at - len("HTTP 500: ")) + f"upstream saw {key})"}}))
+        out = bridge.handle(BridgeRequest("r1", "digits"), UNSURE, 5.0, "normal")
+        assert out.degraded and out.source == "edge" and "HTTP 500: xxx" in out.reason, out.reason
+        for text in (out.reason, json.dumps(bridge.status()), caplog.text):
+            for cut in range(6, len(key) + 1):
+                assert key[:cut] not in text, (cut, text[-200:])
+        bridge.close()
+
+
 # the bridge ---------------------------------------------------------------------------------------------
 def make_bridge(server, tmp_path, **kw):
     policy = EscalationPolicy({"digits": EscalationSettings(threshold=0.6, warm_profile="c4")})

@@ -213,13 +213,19 @@ class _AnthropicWire:
 
 
 def _summary(body) -> str:
+    """The server's error message, bounded but not cut for showing: a cut made before the key is scrubbed out could
+    halve a key the server echoed, and the half would pass the scrub (:meth:`K2Client._scrub` cuts after it)."""
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict):
             msg = err.get("message") or err.get("type") or json.dumps(err, default=str)
-            return str(msg)[:300]
-        return str(err)[:300]
-    return (str(body) if body is not None else "no body")[:300]
+            return str(msg)[:_READ_CHARS]
+        return str(err)[:_READ_CHARS]
+    return (str(body) if body is not None else "no body")[:_READ_CHARS]
+
+
+_READ_CHARS = 16_384  # of a server's error message (a key in it is scrubbed before it is cut to SHOWN_CHARS)
+SHOWN_CHARS = 320  # of a failure's detail, in answers, the status and logs
 
 
 class K2Client:
@@ -416,7 +422,10 @@ class K2Client:
         raise err
 
     def _scrub(self, text: str) -> str:
-        return scrub(text, self._secrets)
+        """``text`` without the key (and key-like tokens), then cut to :data:`SHOWN_CHARS`: in that order, so that no
+        part of a key survives a cut."""
+        text = scrub(text, self._secrets)
+        return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 1] + "…"
 
     def ask_body(self, images: Sequence[PreparedImage], text: str, json_mode: bool = False) -> dict:
         """The exact JSON body :meth:`ask` sends: every image as a part of the user message (OpenAI ``image_url``
