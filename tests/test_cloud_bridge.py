@@ -918,6 +918,39 @@ def test_outbox_crash_mid_delivery_retries_but_never_resends_a_delivered_id(tmp_
     third.close()
 
 
+def test_a_lease_whose_holder_is_gone_is_void_when_the_outbox_opens(tmp_path):
+    """A daemon killed (kill -9, a crash, a power cut) holding a live request's lease: the restarted daemon takes the
+    row at once. The lease used to hold it until it ran out (the request's budget + 30 s), past the request's deadline,
+    which then came back deadline_exceeded though the daemon had been down for seconds. A holder still running keeps it."""
+    import textwrap
+
+    state = tmp_path / "state"
+    holder = textwrap.dedent(f"""
+        import sys, time
+        from k2edge.cloud_bridge.outbox import Outbox
+        box = Outbox({str(state)!r}, lease_s=3600)
+        box.put(sys.argv[1], "t", None, {{}}, claim_s=3600)  # taken at once, as a live request is
+        print("leased", flush=True)
+        time.sleep(float(sys.argv[2]))
+    """)
+    dead = subprocess.run([sys.executable, "-c", holder, "dead", "0"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert dead.stdout.strip() == "leased", dead.stderr
+    alive = subprocess.Popen([sys.executable, "-c", holder, "alive", "600"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert alive.stdout.readline().strip() == "leased"
+        box = Outbox(state, lease_s=30)
+        box._run(lambda db: db.execute("INSERT INTO outbox (id, response_topic, payload, status, created_at, next_attempt_at, "
+                                       "lease_owner, lease_until, attempts) VALUES ('reboot', 't', '{}', 'pending', 0, 0, "
+                                       "'an-earlier-boot:1:abc', 1e12, 1)"))
+        box.close()
+        box = Outbox(state, lease_s=30)  # opened as a restarted daemon opens it
+        assert sorted(i.id for i in box.claim(limit=5)) == ["dead", "reboot"]  # "alive" is still held
+        box.close()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 # the command line --------------------------------------------------------------------------------------------
 def k2edge_cli(*args, env_extra=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}

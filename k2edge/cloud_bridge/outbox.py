@@ -5,7 +5,9 @@ Life of a row: ``put`` (idempotent per id) -> ``claim`` (a lease: ``lease_s`` se
 which no one else takes it) -> the sender works (asks the cloud, stores the answer with
 ``set_result`` so a retry re-sends the same answer without asking again, publishes) ->
 ``mark_delivered``; on failure ``release`` puts it back with a retry time. A process that dies
-mid-delivery leaves its lease to expire, and the row is claimed again after a restart. A
+mid-delivery leaves its lease, which a process opening the outbox later voids at once when its holder is gone (a
+process of this boot that no longer runs, or any process of an earlier boot: a crash, a kill -9, a power cut), so
+the row is claimed again right after a restart rather than once the lease runs out. A
 delivered row is never claimed again. The one window left is a crash between the publish and
 ``mark_delivered``: the response then goes out twice with the same id (consumers can drop the
 duplicate by id); there is no window in which it is lost.
@@ -87,12 +89,26 @@ class Outbox:
         self.path = p
         self.lease_s = lease_s
         self._clock = clock
-        self.owner = uuid.uuid4().hex
+        self.owner = f"{_BOOT}:{os.getpid()}:{uuid.uuid4().hex}"  # who holds a lease, and whether it can still run
         self._lock = threading.Lock()
         try:
             self._db = open_wal(p, "FULL", _SCHEMA)  # an accepted request must survive a power cut
         except (sqlite3.Error, OSError) as exc:
             raise OutboxError(f"outbox {str(p)!r} cannot be opened: {exc}") from None
+        self._void_dead_leases()
+
+    def _void_dead_leases(self) -> None:
+        """Leases whose holder is gone no longer hold their rows: it died mid-delivery (the lease would keep a live
+        request from the restarted daemon until it ran out, and with it the request's deadline). A holder of this
+        boot that still runs (another process on this outbox) keeps its leases."""
+        rows = self._run(lambda db: db.execute(
+            "SELECT id, lease_owner FROM outbox WHERE status = 'pending' AND lease_owner IS NOT NULL").fetchall())
+        dead = [rid for rid, owner in rows if not _alive(owner)]
+        if dead:
+            log.info("outbox: %d row(s) leased by a process that is gone are taken up again now", len(dead))
+            self._run(lambda db: db.executemany(
+                "UPDATE outbox SET lease_owner = NULL, lease_until = NULL WHERE id = ? AND status = 'pending'",
+                [(rid,) for rid in dead]))
 
     def now(self) -> float:
         """The outbox's wall clock (what ``created_at`` is measured on)."""
@@ -264,6 +280,36 @@ class Postpone(Exception):
         super().__init__(reason)
         self.retry_in_s = retry_in_s
 
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+_BOOT = _boot_id()
+
+
+def _alive(owner: str) -> bool:
+    """Whether a lease's holder (``BOOT:PID:TOKEN``) may still be running: of this boot, its process still there. A
+    holder written another way (an older version's bare token) is taken as alive: its lease runs out as before."""
+    boot, _, rest = owner.partition(":")
+    pid, _, token = rest.partition(":")
+    if not token or not pid.isascii() or not pid.isdigit():
+        return True
+    if boot != _BOOT or not _BOOT:
+        return not _BOOT  # another boot: gone (unless boots cannot be told apart here)
+    if int(pid) == os.getpid():  # this process: another of its outboxes on the file holds it
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # running, as another user
+        return True
+    return True
 
 
 def _default_retry(item: OutboxItem, exc: Exception) -> float:
