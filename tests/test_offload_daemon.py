@@ -243,6 +243,30 @@ def test_cloud_work_resumed_after_a_restart_is_answered_like_a_live_cloud_answer
     client.close()
 
 
+def test_a_cloud_call_in_flight_when_the_daemon_is_killed_is_resumed_at_the_restart(tmp_path, run_daemon, broker):
+    """kill -9 while a request waits for the cloud: the restarted daemon asks the cloud again at once, in the time the
+    request has left. Its lease (the request's budget + 30 s) used to keep the row from the new process until the
+    deadline had passed, and the request then came back deadline_exceeded though the daemon was down for a moment."""
+    state = tmp_path / "state"
+    model = {**DIGITS, "escalation": {"threshold": 0.9999999}}
+    client = Client(broker.port, client_id="killed-client", persistent=True).connect()
+    with K2StandIn() as k2:
+        k2.fallback = hang(60.0)
+        d = run_daemon(models=[model], env={"K2_TEST_KEY": "k"}, service={"state_dir": str(state)},
+                       tables={"cloud": _cloud(k2, timeout_s=30.0)})
+        client.publish(TOPIC, _img(SAMPLES[0], id="killed-0", deadline_ms=120_000))
+        _wait(lambda: len(k2.chat_requests) >= 1 and _outbox_rows(state, "lease_owner IS NOT NULL") == 1,
+              "the request leased and its cloud call made")
+        d.kill()
+    with K2StandIn() as k2:
+        k2.fallback = answer("a cloud answer")
+        run_daemon(models=[model], env={"K2_TEST_KEY": "k"}, service={"state_dir": str(state)}, tables={"cloud": _cloud(k2)})
+        client.wait_for(lambda c: any(a.get("id") == "killed-0" for a, _ in c.answers), timeout=60)  # not 150 s
+    answer_ = next(a for a, _ in client.answers if a.get("id") == "killed-0")
+    assert answer_["status"] == "ok" and answer_["source"] == "cloud" and answer_["text"] == "a cloud answer", answer_
+    client.close()
+
+
 def _wait(predicate, what: str, timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
     while not predicate():
