@@ -69,6 +69,10 @@ def test_low_confidence_is_escalated_to_k2(tmp_path, run_daemon, broker, k2):
     assert "3" in text
     assert req.headers.get("authorization") == "Bearer sk-test-secret-key-123"
     assert "sk-test-secret-key-123" not in d.output()
+    # the retained status tells the budget as it is after the call (it stayed at its last value between other changes)
+    per_minute = 60
+    client.wait_for(lambda c: any((s.get("cloud") or {}).get("budget", {}).get("remaining") == per_minute - 1
+                                  for s in c.statuses), 30)
     client.close()
 
 

@@ -372,7 +372,8 @@ class Daemon:
     def _status_summary(self) -> tuple:
         """What the retained status says that can change while serving."""
         bridge = self.escalation.bridge
-        cloud = (bridge.breaker.state, bridge.outbox.depth()) if bridge else None
+        # the budget left too: it was stale in the retained status between other changes (the telemetry had it)
+        cloud = (bridge.breaker.state, bridge.outbox.depth(), bridge.budget.remaining()) if bridge else None
         return (self._thermal_told, tuple((rt.profile_name, slots_for(rt)) for rt in self._running().values()), cloud)
 
     def _running(self) -> dict[str, ModelRuntime]:
