@@ -647,6 +647,21 @@ def test_dead_cloud_gives_degraded_local_answers_inside_the_deadline(k2, tmp_pat
     bridge.close()
 
 
+def test_deadlines_shorter_than_a_working_clouds_answers_do_not_open_the_breaker(k2, tmp_path):
+    """A cloud that answers in 0.6 s, asked by requests with 0.3 s deadlines: each is answered locally at its deadline,
+    and the breaker stays closed, so a request with time to wait still gets the cloud. Three such requests used to open
+    it ('backoff beyond the deadline' counted as the cloud failing), switching the cloud off for every request."""
+    bridge = make_bridge(k2, tmp_path, breaker_failures=3, max_retries=0, timeout_s=5.0)
+    k2.fallback = delay(0.6, "slow but fine")
+    assert bridge.handle(BridgeRequest("warm", "digits"), UNSURE, 5.0, "normal").source == "cloud"
+    for i in range(4):
+        out = bridge.handle(BridgeRequest(f"tight-{i}", "digits"), UNSURE, 0.3, "normal")
+        assert out.source == "edge" and out.degraded, out.reason
+    assert bridge.status()["breaker"]["state"] == "closed"
+    assert bridge.handle(BridgeRequest("patient", "digits"), UNSURE, 5.0, "normal").source == "cloud"
+    bridge.close()
+
+
 def test_a_cloud_too_slow_for_the_deadline_is_not_even_asked(k2, tmp_path):
     """Once the cloud's median round trip is known, a request with less time left is answered locally at once."""
     bridge = make_bridge(k2, tmp_path)

@@ -254,6 +254,7 @@ class K2Client:
         self._wire = None
         self._wire_lock = threading.Lock()
         self._key = SecretStr(key)
+        self.last_answer_s: float | None = None  # how long the cloud's last answer took (a deadline's cut is judged by it)
         self.vision_refused = False  # vision = "auto": set once the server refused image content
         self.json_mode_refused = False  # set once the server refused response_format json_object
 
@@ -365,19 +366,28 @@ class K2Client:
                     raise late
                 self._fail(late)
             attempts += 1
+            attempt_s, sent = min(self.settings.timeout_s, remaining), self._clock()
             try:
-                text, model = self.wire.send(body, min(self.settings.timeout_s, remaining))
+                text, model = self.wire.send(body, attempt_s)
             except _Failure as f:
                 changed = adapt(f, body, attempts)
                 if changed is not None:
                     body = changed
                     continue
+                if f.kind == "timeout" and attempt_s < self.settings.timeout_s and self.last_answer_s is not None \
+                        and self.last_answer_s > attempt_s:
+                    # the caller's deadline cut a wait shorter than the cloud's last answer took: no sign of an outage,
+                    # so the breaker does not count it (one client's tight deadlines would switch the cloud off for all)
+                    self.breaker.release_probe()
+                    raise CloudTimeout(f"no answer from the cloud within the deadline ({deadline_s:.2f} s); its last "
+                                       f"answer took {self.last_answer_s:.2f} s", attempts=attempts)
                 wait = self._classify(f, attempts, deadline_s, end)
                 log.debug("cloud attempt %d failed (%s); retrying in %.2f s", attempts, self._scrub(f.detail), wait)
                 tracing.event("retry", **{"k2edge.cloud.attempt": attempts, "k2edge.cloud.wait_s": wait, "error.type": f.kind})
                 self._sleep(wait)
                 continue
             self.breaker.record_success()
+            self.last_answer_s = self._clock() - sent
             log.debug("cloud answered in %.0f ms after %d attempt(s)", (self._clock() - start) * 1e3, attempts)
             tracing.note(**{"k2edge.cloud.attempts": attempts, "gen_ai.response.model": model})
             return text, model, attempts
