@@ -150,3 +150,41 @@ def test_cloud_settings_vision_values():
 
     with pytest.raises(SettingsError, match="cloud.vision: must be one of 'auto', 'on' or 'off'"):
         validate_settings(CloudSettings, {"vision": "maybe"}, "cloud")
+
+
+def test_hot_with_no_image_the_cloud_takes_and_no_prompt_is_answered_locally(tmp_path):
+    """The hot state sends every offloadable request to the cloud before any local work. With vision off (or images
+    refused) and no prompt, the cloud was asked about an image it could not see, with no findings, and its answer
+    ("I cannot see any image") stood for the request's. Nothing to ask: the local answer, saying why; in the critical
+    state (no local work) busy. With a prompt, the cloud is asked as before."""
+    with K2StandIn(api_key=KEY) as server:
+        server.fallback = answer("I cannot see any image.")
+        settings = settings_for(server, vision="off")
+        bridge = CloudBridge(settings, tmp_path, policy=EscalationPolicy({}), client=K2Client(settings, KEY))
+        local = LocalResult.from_detections(list(DETS), image_size=(1600, 1200))
+        ran = []
+
+        def thunk():
+            ran.append(1)
+            return local
+
+        img = image_bytes("PNG", (640, 480))
+        out = bridge.handle(BridgeRequest("h1", "det", image=img), thunk, 5.0, thermal_state="hot")
+        assert out.source == "edge" and out.degraded and ran == [1] and not server.chat_requests, out.reason
+        assert "the cloud takes no image here" in out.reason and out.reason.endswith("answered locally")
+        busy = bridge.handle(BridgeRequest("c1", "det", image=img), thunk, 5.0, thermal_state="critical")
+        assert busy.error_code == "busy" and ran == [1] and not server.chat_requests
+        asked = bridge.handle(BridgeRequest("p1", "det", image=img, prompt="is the car parked?"), thunk, 5.0,
+                              thermal_state="hot")
+        assert asked.source == "cloud" and len(server.chat_requests) == 1
+        bridge.close()
+    # vision "auto" on a server that refuses images, the first time: not resent as an empty question either
+    with K2StandIn(api_key=KEY, refuse_images=True) as server:
+        server.fallback = answer("I cannot see any image.")
+        settings = settings_for(server)
+        bridge = CloudBridge(settings, tmp_path / "auto", policy=EscalationPolicy({}), client=K2Client(settings, KEY))
+        out = bridge.handle(BridgeRequest("a1", "det", image=img), thunk, 5.0, thermal_state="hot")
+        assert out.source == "edge" and out.degraded and "asks nothing" in out.reason, out.reason
+        assert len(server.chat_requests) == 1 and bridge.client.vision_refused  # the refused one only
+        assert bridge.status()["breaker"]["state"] == "closed"
+        bridge.close()

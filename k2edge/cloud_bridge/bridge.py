@@ -222,6 +222,8 @@ class CloudBridge:
                 return Outcome("cloud", None, elapsed(), d.reason, True, deferred=True, escalated=True, decision=d)
             return Outcome("edge", None, elapsed(), d.reason, True, self._no_local_code(d, None), escalated=True, decision=d)
 
+        if req.image is not None and not self.client.sends_images() and not req.prompt and computed is None:
+            return self._nothing_to_ask(req, d, thunk, elapsed)
         # the one margin between a request's deadline and its cloud call: room for the local fallback
         # and the publish, at least deadline_reserve_ms and a tenth of the time there is
         reserve = max(self.settings.deadline_reserve_ms / 1000.0, 0.1 * (end - start))
@@ -287,6 +289,19 @@ class CloudBridge:
             if left <= SLOT_POLL_S:
                 return False
         raise CallNotStarted("the daemon is stopping: the cloud call was not started")
+
+    def _nothing_to_ask(self, req: BridgeRequest, d: Decision, thunk, elapsed) -> Outcome:
+        """No prompt, no image the cloud takes, no local findings yet (a decision made before inference, in the hot
+        state): the cloud would be asked a question about an image it cannot see, and its answer (e.g. "I cannot see
+        any image") would stand for the request's. The local answer instead, where local work is allowed."""
+        why = ("the cloud takes no image here ([cloud] vision off, or the server refused images) and the request asks "
+               "nothing: there is nothing to ask it")
+        if thunk is not None and d.thermal_state != "critical":
+            computed = thunk()
+            return Outcome("edge", computed.summary, elapsed(), f"{d.reason}; {why}: answered locally", True, escalated=True,
+                           decision=d, local=computed)
+        return Outcome("edge", None, elapsed(), f"{d.reason}; {why}", True, self._no_local_code(d, None), escalated=True,
+                       decision=d)
 
     def _fallback(self, req, d: Decision, computed, thunk, failure: CloudError, elapsed) -> Outcome:
         self._count("cloud_unanswered")

@@ -336,6 +336,9 @@ class K2Client:
                             "([cloud] vision = \"auto\")", self._scrub(f.detail))
             self.vision_refused = True
             with_image = False
+            if not prompt and not top_k and not detections:  # without the image there is nothing left to ask
+                raise CloudRejected("the cloud takes no images and the request asks nothing, with no local findings "
+                                    "to send instead", status=f.status, attempts=attempts) from None
             return self.request_body(image_bytes, prompt, top_k, detections, with_image)
 
         text, model, attempts = self._send(body, start, deadline_s, adapt)
