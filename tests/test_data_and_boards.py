@@ -152,3 +152,13 @@ def test_a_limit_on_an_image_folder_takes_every_class():
     npz = open_labelled(ROOT / "models" / "digits" / "eval.npz", labels, limit=10)
     full = open_labelled(ROOT / "models" / "digits" / "eval.npz", labels)
     assert npz.labels.tolist() == full.labels[:10].tolist()
+
+
+def test_a_detectors_evaluation_set_given_as_npz_says_what_it_needs(tmp_path):
+    """pareto-sweep on a detector with an .npz said "not a readable JSON annotation file ('utf-8' codec can't decode
+    byte ...)"; eval said it clearly. Both open the set through open_coco, which now says what a detector needs."""
+    from k2edge.model.datasets import open_coco
+
+    np.savez(tmp_path / "eval.npz", x=np.zeros((2, 1, 8, 8), np.float32), y=np.arange(2))
+    with pytest.raises(DatasetError, match=r"eval.npz: a detector is evaluated on a COCO annotation file \(.json"):
+        open_coco(tmp_path / "eval.npz")

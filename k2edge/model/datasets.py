@@ -260,6 +260,9 @@ def open_coco(path: str | os.PathLike, labels: Sequence[str] | None = None, limi
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"dataset {os.fspath(path)!r} does not exist")
+    if p.suffix.lower() in (".npz", ".npy"):
+        raise DatasetError(f"{p}: a detector is evaluated on a COCO annotation file (.json: images, annotations, "
+                           "categories), not on labelled samples")
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
