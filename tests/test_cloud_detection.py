@@ -178,6 +178,12 @@ def test_hot_with_no_image_the_cloud_takes_and_no_prompt_is_answered_locally(tmp
                               thermal_state="hot")
         assert asked.source == "cloud" and len(server.chat_requests) == 1
         bridge.close()
+    # the client itself makes no such call (a deferred row delivered later goes to it directly)
+    with K2StandIn(api_key=KEY) as server:
+        client = K2Client(settings_for(server, vision="off"), KEY)
+        with pytest.raises(CloudRejected, match="asks nothing"):
+            client.complete(img, None, None, None, 5.0)
+        assert not server.chat_requests and client.breaker.state == "closed"
     # vision "auto" on a server that refuses images, the first time: not resent as an empty question either
     with K2StandIn(api_key=KEY, refuse_images=True) as server:
         server.fallback = answer("I cannot see any image.")

@@ -126,14 +126,14 @@ def test_prompt_goes_to_the_cloud_and_no_cloud_means_degraded(tmp_path, run_daem
 
 
 def test_a_prompt_with_the_cloud_forbidden_says_it_went_unanswered(tmp_path, run_daemon, broker, k2):
-    """A prompt with allow_cloud false: the local answer, and the reason saying the cloud was forbidden (the answer
-    looked like any confident local one, so nothing said the question went unasked)."""
+    """A prompt with allow_cloud false: the local answer, degraded, with the reason saying the cloud was forbidden (the
+    answer looked like any confident local one, so nothing said the question went unasked)."""
     k2.fallback = answer("not asked")
     _daemon(run_daemon, cloud=_cloud(k2))
     client = Client(broker.port).connect()
     client.publish(TOPIC, _img(SAMPLES[2], id="q1", prompt="Is this written neatly?", allow_cloud=False))
     a = client.wait_answers(1)[0]
-    assert a["source"] == "edge" and not k2.chat_requests
+    assert a["source"] == "edge" and a["degraded"] is True and not k2.chat_requests
     assert "prompt" in a["escalation_reason"] and "forbids the cloud (allow_cloud false)" in a["escalation_reason"], a
     client.close()
 

@@ -255,6 +255,7 @@ class K2Client:
         self._wire_lock = threading.Lock()
         self._key = SecretStr(key)
         self.last_answer_s: float | None = None  # how long the cloud's last answer took (a deadline's cut is judged by it)
+        self._excused_in_a_row = 0  # deadline-cut timeouts not counted by the breaker since the last answer
         self.vision_refused = False  # vision = "auto": set once the server refused image content
         self.json_mode_refused = False  # set once the server refused response_format json_object
 
@@ -315,6 +316,10 @@ class K2Client:
         start = self._clock()
         self._admit()
         with_image = image_bytes is not None and self.sends_images()
+        if image_bytes is not None and not with_image and not prompt and not top_k and not detections:
+            self.breaker.release_probe()  # nothing to ask without the image: no call (a deferred row's, a live one's)
+            raise CloudRejected("the cloud takes no images here ([cloud] vision off, or the server refused images) and "
+                                "the request asks nothing, with no local findings to send instead")
         tracing.note(**{"k2edge.cloud.breaker": str(self.breaker.state)})
         try:
             body = self.request_body(image_bytes, prompt, top_k, detections, with_image)
@@ -377,11 +382,7 @@ class K2Client:
                 if changed is not None:
                     body = changed
                     continue
-                if f.kind == "timeout" and attempt_s < self.settings.timeout_s and self.last_answer_s is not None \
-                        and self.last_answer_s > attempt_s:
-                    # the caller's deadline cut a wait shorter than the cloud's last answer took: no sign of an outage,
-                    # so the breaker does not count it (one client's tight deadlines would switch the cloud off for all)
-                    self.breaker.release_probe()
+                if f.kind == "timeout" and self._excused(attempt_s):
                     raise CloudTimeout(f"no answer from the cloud within the deadline ({deadline_s:.2f} s); its last "
                                        f"answer took {self.last_answer_s:.2f} s", attempts=attempts)
                 wait = self._classify(f, attempts, deadline_s, end)
@@ -390,10 +391,22 @@ class K2Client:
                 self._sleep(wait)
                 continue
             self.breaker.record_success()
-            self.last_answer_s = self._clock() - sent
+            self.last_answer_s, self._excused_in_a_row = self._clock() - sent, 0
             log.debug("cloud answered in %.0f ms after %d attempt(s)", (self._clock() - start) * 1e3, attempts)
             tracing.note(**{"k2edge.cloud.attempts": attempts, "gen_ai.response.model": model})
             return text, model, attempts
+
+    def _excused(self, attempt_s: float) -> bool:
+        """Whether a timed-out attempt goes uncounted by the breaker: the caller's deadline cut it shorter than the
+        cloud's last answer took, so it is no sign of an outage (one client's tight deadlines would otherwise switch
+        the cloud off for every request). Never a half-open probe (it must settle the breaker), and at most
+        ``breaker_failures`` in a row without an answer between: a cloud that died after its last answer still opens."""
+        if attempt_s >= self.settings.timeout_s or self.last_answer_s is None or self.last_answer_s <= attempt_s:
+            return False
+        if self.breaker.state == "half_open" or self._excused_in_a_row >= self.settings.breaker_failures:
+            return False
+        self._excused_in_a_row += 1
+        return True
 
     @staticmethod
     def _refuses_images(f: _Failure) -> bool:

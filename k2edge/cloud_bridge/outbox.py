@@ -90,6 +90,7 @@ class Outbox:
         self.lease_s = lease_s
         self._clock = clock
         self.owner = f"{_BOOT}:{os.getpid()}:{uuid.uuid4().hex}"  # who holds a lease, and whether it can still run
+        _OWNERS.add(self.owner)
         self._lock = threading.Lock()
         try:
             self._db = open_wal(p, "FULL", _SCHEMA)  # an accepted request must survive a power cut
@@ -103,12 +104,12 @@ class Outbox:
         boot that still runs (another process on this outbox) keeps its leases."""
         rows = self._run(lambda db: db.execute(
             "SELECT id, lease_owner FROM outbox WHERE status = 'pending' AND lease_owner IS NOT NULL").fetchall())
-        dead = [rid for rid, owner in rows if not _alive(owner)]
+        dead = [(rid, owner) for rid, owner in rows if not _alive(owner)]
         if dead:
             log.info("outbox: %d row(s) leased by a process that is gone are taken up again now", len(dead))
-            self._run(lambda db: db.executemany(
-                "UPDATE outbox SET lease_owner = NULL, lease_until = NULL WHERE id = ? AND status = 'pending'",
-                [(rid,) for rid in dead]))
+            self._run(lambda db: db.executemany(  # only if still held by that holder (not claimed since the read)
+                "UPDATE outbox SET lease_owner = NULL, lease_until = NULL WHERE id = ? AND status = 'pending' "
+                "AND lease_owner = ?", dead))
 
     def now(self) -> float:
         """The outbox's wall clock (what ``created_at`` is measured on)."""
@@ -290,6 +291,7 @@ def _boot_id() -> str:
 
 
 _BOOT = _boot_id()
+_OWNERS: set[str] = set()  # the lease holders this process made (a lease of this pid not among them is a dead one's)
 
 
 def _alive(owner: str) -> bool:
@@ -299,10 +301,10 @@ def _alive(owner: str) -> bool:
     pid, _, token = rest.partition(":")
     if not token or not pid.isascii() or not pid.isdigit():
         return True
-    if boot != _BOOT or not _BOOT:
-        return not _BOOT  # another boot: gone (unless boots cannot be told apart here)
-    if int(pid) == os.getpid():  # this process: another of its outboxes on the file holds it
-        return True
+    if boot and _BOOT and boot != _BOOT:  # another boot: gone (where either side could not read its boot, the pid decides)
+        return False
+    if int(pid) == os.getpid():  # this process: held by one of its own outboxes, or by an earlier process with its pid
+        return owner in _OWNERS
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

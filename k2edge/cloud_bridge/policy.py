@@ -130,6 +130,7 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
 
     conf = thr = None
     measure = None
+    asked = False  # a prompt only the cloud can answer
     if not request.has_local_model:
         why = f"no edge model for this request{f' ({request.model})' if request.model else ''}"
     elif state == "critical":
@@ -138,6 +139,7 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
         why = f"thermal state hot{thermal_note}: every offloadable request goes to the cloud"
     elif request.prompt and request.prompt.strip() and s.prompts == "cloud":
         why = "the prompt needs language understanding the edge has no model for"
+        asked = True
     elif local is None:
         return Decision("local", "run the edge model, then judge its confidence", provisional=True, **base)
     elif s.measure == "uncertain_boxes":
@@ -171,7 +173,9 @@ def decide(request: EscalationRequest, local: LocalResult | None, thermal_state,
         if state == "critical":
             return Decision("refuse", f"{why}, and the request forbids the cloud (allow_cloud false); "
                             "retry when the device has cooled", escalate=True, error_code="busy", **numbers, **base)
-        return Decision("local", f"{why}, but the request forbids the cloud (allow_cloud false)", **numbers, **base)
+        # a prompt forbidden the cloud goes unanswered: degraded, so the answer says so (and is not an escalation)
+        return Decision("local", f"{why}, but the request forbids the cloud (allow_cloud false)", degraded=asked,
+                        escalate=asked, **numbers, **base)
     if cloud_ok:
         return Decision("cloud", why, escalate=True, **numbers, **base)
     if request.deferrable:

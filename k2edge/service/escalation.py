@@ -245,9 +245,7 @@ class Escalation:
                 return replies.error(w, d.error_code or BUSY, d.reason)
             computed = local()
         below = d.confidence is not None and d.threshold is not None and d.confidence < d.threshold
-        # (below and forbidden: the reason says so; so does a prompt with the cloud forbidden: it went unanswered)
-        unasked = bool(w.req.prompt) and w.req.allow_cloud is False
-        wanted = d.escalate or d.degraded or below or unasked
+        wanted = d.escalate or d.degraded or below  # (below and forbidden: the reason says so)
         return replies.template(w, confidence=d.confidence, degraded=d.degraded, escalation_reason=d.reason if wanted else None)
 
     def _bridge_request(self, w: RequestItem) -> BridgeRequest:
