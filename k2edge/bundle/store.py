@@ -145,10 +145,11 @@ class ModelStore:
                 a daemon serves.
 
         Returns:
-            ``installed`` with ``paths`` and ``previous`` (the current version, which keeps running);
-            ``current`` when the bundle is the version that runs (same manifest: its files checked,
-            mended from the bundle if damaged, and its signature the bundle's); or the verification
-            refusal, ``not_newer``, ``version_conflict`` or ``failed``, for which nothing is written.
+            ``installed`` with ``paths`` and ``previous`` (the current version, which keeps running; also
+            the version that runs when its folder did not verify and was replaced: what runs is built
+            again); ``current`` when the bundle is the version that runs and its files check out (its
+            signature now the bundle's); or the verification refusal, ``not_newer``,
+            ``version_conflict`` or ``failed``, for which nothing is written.
         """
         with self._lock:
             result = None
@@ -158,10 +159,13 @@ class ModelStore:
                     if verified is None:
                         return result
                     m = verified.manifest
-                    refusal = self._admit(m, result, allow_downgrade, expected_name, verified.manifest_bytes)
+                    wrong = name_refusal(m.name, expected_name)
+                    if wrong is not None:
+                        return _with(result, status="bad_manifest", detail=wrong)
+                    ptr = self.pointer(m.name)
+                    refusal = self._admit(m, result, allow_downgrade, verified.manifest_bytes, ptr["current"])
                     if refusal is not None:
                         return refusal
-                    ptr = self.pointer(m.name)
                     target = self.root / m.name / m.version
                     placed, replaced = self._place(f, verified, target)
             except ArchiveProblem as exc:  # unreadable, too large, or changed since it was verified
@@ -179,17 +183,14 @@ class ModelStore:
             return _with(result, status="installed", paths=_role_paths(target, m), previous=ptr["current"],
                          detail=f"{result.detail}; {placed}")
 
-    def _admit(self, m: Manifest, result: BundleResult, allow_downgrade: bool, expected_name: str | Collection[str] | None,
-               manifest_bytes: bytes) -> BundleResult | None:
-        wrong = name_refusal(m.name, expected_name)
-        if wrong is not None:
-            return _with(result, status="bad_manifest", detail=wrong)
+    def _admit(self, m: Manifest, result: BundleResult, allow_downgrade: bool, manifest_bytes: bytes,
+               current: str | None) -> BundleResult | None:
+        """The refusal of a bundle for this store's ``current`` version of its model, or None to install it."""
         target = self.root / m.name / m.version
         on_disk = _manifest_on_disk(target)
         if on_disk is not None and on_disk != manifest_bytes:
             return _with(result, status="version_conflict",
                          detail=f"version {m.version} is installed already with other content; give the bundle a new version")
-        current = self.current(m.name)
         if current == m.version:  # the very version that runs: checked, mended and re-signed, never rebuilt
             return None
         if current is not None and not allow_downgrade and parse_version(m.version) <= parse_version(current):

@@ -39,10 +39,11 @@ def add_login(p: argparse.ArgumentParser) -> None:
 def login(args) -> str | None:
     """The broker password from ``--password-file`` (None without one), after checking ``--reply-prefix`` and
     ``--topic-prefix``; each bad one refused in one line before anything is sent."""
+    from ..config.tables import topic_prefix_problem
+
     for flag, value in (("--reply-prefix", args.reply_prefix), ("--topic-prefix", args.topic_prefix)):
-        if value is not None and (not value or any(c in value for c in "+#\0") or len(value.encode()) > 1024):
-            raise K2EdgeError(f"{flag} {value[:80]!r} must be topic levels of at most 1,024 bytes without the wildcards "
-                              "'+' and '#'")
+        if value is not None and (problem := topic_prefix_problem(value)):
+            raise K2EdgeError(f"{flag} {value[:80]!r} {problem}")
     if not args.password_file:
         return None
     try:

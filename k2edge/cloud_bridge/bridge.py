@@ -14,7 +14,7 @@ from typing import Callable, Literal, Union
 
 from .breaker import CircuitBreaker
 from .budget import RequestBudget, Spend
-from .client import CloudAnswer, K2Client
+from .client import NOTHING_TO_ASK, CloudAnswer, K2Client
 from .errors import BreakerOpen, CallNotStarted, CloudError, CloudRejected, CloudTimeout
 from .image import prepare_image
 from .outbox import Outbox, OutboxItem, Postpone
@@ -222,7 +222,7 @@ class CloudBridge:
                 return Outcome("cloud", None, elapsed(), d.reason, True, deferred=True, escalated=True, decision=d)
             return Outcome("edge", None, elapsed(), d.reason, True, self._no_local_code(d, None), escalated=True, decision=d)
 
-        if req.image is not None and not self.client.sends_images() and not req.prompt and computed is None:
+        if computed is None and self.client.nothing_to_ask(req.image, req.prompt):
             return self._nothing_to_ask(req, d, thunk, elapsed)
         # the one margin between a request's deadline and its cloud call: room for the local fallback
         # and the publish, at least deadline_reserve_ms and a tenth of the time there is
@@ -294,8 +294,7 @@ class CloudBridge:
         """No prompt, no image the cloud takes, no local findings yet (a decision made before inference, in the hot
         state): the cloud would be asked a question about an image it cannot see, and its answer (e.g. "I cannot see
         any image") would stand for the request's. The local answer instead, where local work is allowed."""
-        why = ("the cloud takes no image here ([cloud] vision off, or the server refused images) and the request asks "
-               "nothing: there is nothing to ask it")
+        why = NOTHING_TO_ASK
         if thunk is not None and d.thermal_state != "critical":
             computed = thunk()
             return Outcome("edge", computed.summary, elapsed(), f"{d.reason}; {why}: answered locally", True, escalated=True,

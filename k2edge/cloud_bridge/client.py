@@ -224,6 +224,8 @@ def _summary(body) -> str:
     return (str(body) if body is not None else "no body")[:_READ_CHARS]
 
 
+NOTHING_TO_ASK = ("the cloud takes no image here ([cloud] vision off, or the server refused images) and the request "
+                  "asks nothing, with no local findings to send instead")
 _READ_CHARS = 16_384  # of a server's error message (a key in it is scrubbed before it is cut to SHOWN_CHARS)
 SHOWN_CHARS = 320  # of a failure's detail, in answers, the status and logs
 
@@ -276,6 +278,11 @@ class K2Client:
         """Whether images go to K2 now (``vision`` on, or auto and not refused yet)."""
         return self.settings.vision == "on" or (self.settings.vision == "auto" and not self.vision_refused)
 
+    def nothing_to_ask(self, image_bytes: bytes | None, prompt: str | None, top_k=None, detections=None) -> bool:
+        """A request with an image K2 does not take now, no prompt and no local findings: K2 would be asked about an
+        image it cannot see (and its "I cannot see any image" would stand for the answer)."""
+        return image_bytes is not None and not self.sends_images() and not prompt and not top_k and not detections
+
     def request_body(self, image_bytes: bytes | None, prompt: str | None, top_k: Sequence[dict] | None,
                      detections: Sequence[dict] | None = None, with_image: bool = True) -> dict:
         """The exact JSON body :meth:`complete` sends (image downscaled, data URL, text part with the
@@ -316,10 +323,9 @@ class K2Client:
         start = self._clock()
         self._admit()
         with_image = image_bytes is not None and self.sends_images()
-        if image_bytes is not None and not with_image and not prompt and not top_k and not detections:
-            self.breaker.release_probe()  # nothing to ask without the image: no call (a deferred row's, a live one's)
-            raise CloudRejected("the cloud takes no images here ([cloud] vision off, or the server refused images) and "
-                                "the request asks nothing, with no local findings to send instead")
+        if self.nothing_to_ask(image_bytes, prompt, top_k, detections):  # no call (a deferred row's, a live one's)
+            self.breaker.release_probe()
+            raise CloudRejected(NOTHING_TO_ASK)
         tracing.note(**{"k2edge.cloud.breaker": str(self.breaker.state)})
         try:
             body = self.request_body(image_bytes, prompt, top_k, detections, with_image)
@@ -341,9 +347,8 @@ class K2Client:
                             "([cloud] vision = \"auto\")", self._scrub(f.detail))
             self.vision_refused = True
             with_image = False
-            if not prompt and not top_k and not detections:  # without the image there is nothing left to ask
-                raise CloudRejected("the cloud takes no images and the request asks nothing, with no local findings "
-                                    "to send instead", status=f.status, attempts=attempts) from None
+            if self.nothing_to_ask(image_bytes, prompt, top_k, detections):  # without the image, nothing left to ask
+                raise CloudRejected(NOTHING_TO_ASK, status=f.status, attempts=attempts) from None
             return self.request_body(image_bytes, prompt, top_k, detections, with_image)
 
         text, model, attempts = self._send(body, start, deadline_s, adapt)

@@ -20,7 +20,7 @@ from .card import CardError, ModelCard, card_from_dict
 from .cloud import CloudSettings, EscalationSettings
 from .deploy import DeploySettings, TrustSettings
 from .streams import StorageSettings, StreamConfig
-from .tables import Strict as _Strict, topic_level as _topic_level
+from .tables import Strict as _Strict, topic_level as _topic_level, topic_prefix_problem
 from .thermal import ThermalSettings
 from .tracing import TracingSettings
 
@@ -77,8 +77,8 @@ class MqttConfig(_Strict):
     @field_validator("topic_prefix")
     @classmethod
     def _prefix(cls, v: str | None) -> str | None:
-        if v is not None and (not v or any(c in v for c in "+#\0") or len(v.encode()) > 1024):
-            raise ValueError(f"must be topic levels of at most 1,024 bytes without the wildcards '+' and '#', got {v[:80]!r}")
+        if v is not None and (problem := topic_prefix_problem(v)):
+            raise ValueError(f"{problem}, got {v[:80]!r}")
         return v
 
     @model_validator(mode="after")

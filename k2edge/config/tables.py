@@ -77,6 +77,19 @@ def topic_level(value: str, what: str, narrow: bool = False) -> str:
     return value
 
 
+PREFIX_RULE = "must be topic levels of at most 1,024 bytes without the wildcards '+' and '#'"
+
+
+def topic_prefix_problem(value: str) -> str | None:
+    """Why ``value`` cannot begin topic names (a device's ``topic_prefix``, a client's reply prefix): :data:`PREFIX_RULE`,
+    or None when it can."""
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:  # a lone surrogate (from argv): no topic can hold it
+        return PREFIX_RULE
+    return PREFIX_RULE if not value or any(c in value for c in "+#\0") or size > 1024 else None
+
+
 class SettingsError(K2EdgeError):
     """A settings table fails validation; the message names each field with its path."""
 

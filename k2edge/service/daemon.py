@@ -119,11 +119,9 @@ class Daemon:
         # the engines, then per model a batcher over its clients: requests first (deadlines), then frames
         try:
             runtimes = self._build_models(versions)
-        except ConfigError:  # a version refused at start: the fleet's audit topic hears it too, not only this device
-            versions.trail.leave()
-            self._stop_http()
-            raise
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, ConfigError):  # a version refused at start: the fleet's audit topic hears it too
+                versions.trail.leave()
             self._stop_http()
             raise
         wakeups = {name: threading.Condition() for name in runtimes}
